@@ -1,0 +1,25 @@
+"""phalanx: data-parallel PyTorch training that names every failure and keeps going."""
+
+from phalanx import metrics
+from phalanx.checkpoint import Checkpoints
+from phalanx.early_stopping import EarlyStopping
+from phalanx.errors import ConfigError, PhalanxError, TrainingFailed
+from phalanx.failures import WorkerFailure
+from phalanx.faults import Fault
+from phalanx.learner import FitResult, Learner
+from phalanx.step import StepOutput
+
+__all__ = [
+    "Checkpoints",
+    "ConfigError",
+    "EarlyStopping",
+    "Fault",
+    "FitResult",
+    "Learner",
+    "PhalanxError",
+    "StepOutput",
+    "TrainingFailed",
+    "WorkerFailure",
+    "metrics",
+]
+__version__ = "0.1.0"

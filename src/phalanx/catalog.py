@@ -1,0 +1,558 @@
+"""The error catalog behind ``phalanx explain CODE``.
+
+One :class:`Explanation` per code: every code an error class in :mod:`phalanx.errors` uses,
+plus the kinds of :class:`~phalanx.errors.TrainingFailed` (PX201 crash, PX202 hang, PX203 out
+of memory, PX204 poison batch, PX205 preflight). The shape follows burn's error pages: what it
+means, when it happens, common causes, what to do, an example fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import textwrap
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """One catalog entry. ``example`` is a short before/after code snippet."""
+
+    code: str
+    title: str
+    meaning: str
+    when: str
+    causes: list[str]
+    fixes: list[str]
+    example: str
+
+
+_ENTRIES = [
+    Explanation(
+        code="PX000",
+        title="phalanx error",
+        meaning="The base of every phalanx error. You see this code only from an error raised "
+        "directly as PhalanxError, which phalanx itself does not do.",
+        when="Only when code (yours or an extension) raises PhalanxError without a subclass.",
+        causes=["A custom extension raising the base class instead of a specific error."],
+        fixes=[
+            "Read the message: it says what went wrong.",
+            "If you raise it yourself, raise a specific subclass so users get a real code.",
+        ],
+        example="# before\nraise PhalanxError('bad input')\n"
+        "# after\nraise InvalidSettingError('patience must be >= 1, got 0')",
+    ),
+    Explanation(
+        code="PX100",
+        title="configuration error",
+        meaning="Something in the configuration is wrong. Nothing has started: no worker "
+        "process or thread was launched, no checkpoint was written.",
+        when="In the caller's process, while fit() checks its arguments, before training.",
+        causes=[
+            "An argument phalanx cannot use; the message names it and the fix.",
+            "Code that raises the base ConfigError rather than one of its subclasses.",
+        ],
+        fixes=[
+            "Read the message: it names the argument and the value expected.",
+            "Fix it and run again: nothing needs cleaning up, nothing had started.",
+        ],
+        example="# the message says what to change, e.g.\n"
+        "learner.fit(train, valid, epochs=0)   # before\n"
+        "learner.fit(train, valid, epochs=10)  # after",
+    ),
+    Explanation(
+        code="PX101",
+        title="empty dataset",
+        meaning="The training (or validation) dataset has no samples, so there is nothing to "
+        "train on or to measure.",
+        when="Before training, when fit() measures len() of the datasets.",
+        causes=[
+            "A filter, split or path glob that matched nothing (wrong data directory).",
+            "A train/valid split with a fraction that rounds to zero samples.",
+            "A Dataset whose __len__ returns 0 (e.g. files not downloaded yet).",
+        ],
+        fixes=[
+            "Print len(train_set) and len(valid_set) before fit() and check the data path.",
+            "Give the split enough samples, or pass valid=None to skip validation.",
+        ],
+        example="# before\ntrain = ImageFolder('data/trian')   # typo: 0 images\n"
+        "# after\ntrain = ImageFolder('data/train')\nassert len(train) > 0",
+    ),
+    Explanation(
+        code="PX102",
+        title="invalid batch size",
+        meaning="batch_size is not a positive integer. In phalanx batch_size is the GLOBAL "
+        "batch: the samples consumed by one optimizer step over all devices together.",
+        when="Before training, when fit() validates batch_size.",
+        causes=[
+            "batch_size=0, a negative number, a float or None.",
+            "A per-device batch computed by integer division that came out as 0.",
+        ],
+        fixes=[
+            "Pass a positive integer: the total samples per optimizer step, all devices "
+            "together (phalanx splits it across workers for you).",
+        ],
+        example="# before\nbatch_size = 64 // 128   # 0\n# after\nbatch_size = 64",
+    ),
+    Explanation(
+        code="PX103",
+        title="unknown strategy",
+        meaning="The strategy name is not one phalanx knows. The strategy decides where "
+        "replicas run: 'single' (in process), 'threads' (one thread per device) or 'ddp' "
+        "(one process per device, DistributedDataParallel).",
+        when="Before training, when fit() looks the strategy up.",
+        causes=[
+            "A typo ('dpp', 'DDP ', 'multi').",
+            "A strategy name from another library ('fsdp', 'deepspeed', 'dp').",
+        ],
+        fixes=[
+            "Use strategy='single', 'threads' or 'ddp'.",
+            "For several GPUs or fault tolerance use 'ddp'.",
+        ],
+        example="# before\nlearner.fit(train, valid, strategy='dpp')\n"
+        "# after\nlearner.fit(train, valid, strategy='ddp')",
+    ),
+    Explanation(
+        code="PX104",
+        title="device spec cannot be read",
+        meaning="A device in the device list is not something torch can parse, or is of a "
+        "type phalanx does not train on.",
+        when="Before training, while the device list is parsed.",
+        causes=[
+            "A malformed label: 'gpu0', 'cuda0', 'cuda-1', '0'.",
+            "An unsupported device type (phalanx trains on cpu and cuda).",
+        ],
+        fixes=[
+            "Write devices as 'cpu', 'cpu:0,cpu:1', 'cuda:0,cuda:1' or 'auto'.",
+            "Several CPU workers are 'cpu:0,cpu:1,...' (they share the host's cores).",
+        ],
+        example="# before\ndevices = 'gpu0,gpu1'\n# after\ndevices = 'cuda:0,cuda:1'",
+    ),
+    Explanation(
+        code="PX105",
+        title="epoch too short",
+        meaning="An epoch would not contain one complete optimizer step: the training set is "
+        "smaller than one global batch (times grad_accumulation when accumulating).",
+        when="Before training, when phalanx plans the epoch's global batches.",
+        causes=[
+            "A tiny (debug) dataset with a production batch size.",
+            "grad_accumulation multiplying the samples one step needs past the dataset size.",
+        ],
+        fixes=[
+            "Lower batch_size (and/or grad_accumulation) below the number of train samples.",
+            "Use more training data.",
+        ],
+        example="# before: 100 samples\nlearner.fit(train, valid, batch_size=256)\n"
+        "# after\nlearner.fit(train, valid, batch_size=32)",
+    ),
+    Explanation(
+        code="PX106",
+        title="loss is not a scalar",
+        meaning="The step function's loss has more than one element. phalanx needs the mean "
+        "loss over the local batch (one number) to call backward() and to weight workers.",
+        when="At the first step whose step function returns a non-scalar loss.",
+        causes=[
+            "A loss built with reduction='none' (one value per sample).",
+            "Returning the model's output, or a per-class loss vector, instead of the loss.",
+        ],
+        fixes=[
+            "Reduce it: return loss.mean(), or use the loss with reduction='mean'.",
+        ],
+        example="# before\nloss = F.cross_entropy(logits, y, reduction='none')\n"
+        "# after\nloss = F.cross_entropy(logits, y)  # mean",
+    ),
+    Explanation(
+        code="PX107",
+        title="loss is NaN or infinite",
+        meaning="A step produced a NaN or infinite loss. Stepping the optimizer would write "
+        "NaN into every weight on every worker, so phalanx refuses the step and reports it as "
+        "that step's failure (with the worker, step and sample indices).",
+        when="During training, right after the forward pass of the step that diverged.",
+        causes=[
+            "Learning rate too high: the loss grows, then overflows.",
+            "log(0) or division by zero in the loss (e.g. log of a softmax that hit 0).",
+            "Bad samples: NaN/inf features, or labels out of range.",
+            "fp16/bf16 overflow without loss scaling.",
+        ],
+        fixes=[
+            "Lower the learning rate, add warmup, or clip gradients.",
+            "Use numerically stable ops (F.cross_entropy on logits, log_softmax, eps).",
+            "Check the samples named in the report: torch.isfinite(x).all() on them.",
+        ],
+        example="# before\nloss = -(y * torch.log(torch.softmax(logits, 1))).sum(1).mean()\n"
+        "# after\nloss = F.cross_entropy(logits, y)",
+    ),
+    Explanation(
+        code="PX108",
+        title="invalid setting",
+        meaning="An option is outside the range phalanx accepts (a count below 1, a timeout "
+        "of 0, an unknown fault kind, a min_workers above the number of devices...).",
+        when="Before training, when settings, early stopping or fault specs are checked.",
+        causes=[
+            "epochs, grad_accumulation, patience or max_restarts below their minimum.",
+            "hang_timeout <= 0, or min_workers larger than the device list.",
+            "A fault spec that does not parse, e.g. 'kill:1' without '@STEP'.",
+        ],
+        fixes=[
+            "Read the message: it names the setting and the accepted range.",
+            "Fault specs read KIND:WORKER@STEP, e.g. kill:1@30, hang:0@5, oom:1@12.",
+        ],
+        example="# before\nlearner.fit(train, valid, hang_timeout=0)\n"
+        "# after\nlearner.fit(train, valid, hang_timeout=60)",
+    ),
+    Explanation(
+        code="PX109",
+        title="step function returned the wrong type",
+        meaning="The step function must return a scalar loss tensor or "
+        "px.StepOutput(loss=..., outputs=..., targets=...); it returned something else.",
+        when="At the first step, when phalanx reads the step function's return value.",
+        causes=[
+            "Returning loss.item() (a float: no graph to call backward on).",
+            "Returning a tuple (loss, logits) or a dict.",
+            "Forgetting the return statement (None).",
+        ],
+        fixes=[
+            "Return the loss tensor itself, not loss.item().",
+            "To feed metrics, return px.StepOutput(loss=loss, outputs=logits, targets=y).",
+        ],
+        example="# before\nreturn loss, logits\n"
+        "# after\nreturn px.StepOutput(loss=loss, outputs=logits, targets=y)",
+    ),
+    Explanation(
+        code="PX110",
+        title="no devices",
+        meaning="The device list is empty, so there is no worker to train on.",
+        when="Before training, while the device list is parsed.",
+        causes=[
+            "devices='' or devices=[] (e.g. from an unset environment variable).",
+            "A device list filtered down to nothing.",
+        ],
+        fixes=["Pass devices='cpu', 'cuda:0,cuda:1' or 'auto' (every visible GPU, else cpu)."],
+        example="# before\ndevices = os.environ.get('DEVICES', '')\n"
+        "# after\ndevices = os.environ.get('DEVICES', 'auto')",
+    ),
+    Explanation(
+        code="PX111",
+        title="duplicate device",
+        meaning="The same device appears twice in the device list. Two workers on one device "
+        "would fight for its memory and give a misleading speed-up.",
+        when="Before training, while the device list is parsed.",
+        causes=[
+            "'cuda:0,cuda:0' or 'cuda,cuda:0' ('cuda' means cuda:0).",
+            "'cpu,cpu' meaning two CPU workers.",
+        ],
+        fixes=[
+            "List each device once.",
+            "For several CPU workers write 'cpu:0,cpu:1' (distinct labels).",
+        ],
+        example="# before\ndevices = 'cpu,cpu'\n# after\ndevices = 'cpu:0,cpu:1'",
+    ),
+    Explanation(
+        code="PX112",
+        title="device unavailable",
+        meaning="A device in the list does not exist on this machine, or CUDA is not "
+        "available to this torch.",
+        when="Before training, while each device is checked.",
+        causes=[
+            "A CPU-only torch build (torch.cuda.is_available() is False).",
+            "cuda:N with N >= the number of visible GPUs; CUDA_VISIBLE_DEVICES hides some "
+            "and renumbers the rest from 0.",
+            "A driver that does not match the torch CUDA version.",
+        ],
+        fixes=[
+            "Run python -c 'import torch; print(torch.cuda.device_count())' and nvidia-smi.",
+            "Use devices='auto', or indices below the visible GPU count.",
+            "Install a CUDA build of torch matching the driver.",
+        ],
+        example="# before (CUDA_VISIBLE_DEVICES=2,3)\ndevices = 'cuda:2,cuda:3'\n"
+        "# after\ndevices = 'cuda:0,cuda:1'",
+    ),
+    Explanation(
+        code="PX113",
+        title="global batch smaller than the number of workers",
+        meaning="batch_size is the GLOBAL batch, split across workers. With fewer samples per "
+        "step than workers, some worker would get an empty slice every step.",
+        when="Before training, when fit() compares batch_size with the number of devices.",
+        causes=[
+            "Passing a per-device batch size while using many devices (batch_size=2 on 8 GPUs).",
+            "A tiny debug batch size left on a multi-device run.",
+        ],
+        fixes=[
+            "Raise batch_size to at least the number of devices (per-device batch x devices).",
+            "Or train on fewer devices.",
+        ],
+        example="# before: 8 devices\nlearner.fit(train, valid, batch_size=4, devices='auto')\n"
+        "# after: 32 per device\nlearner.fit(train, valid, batch_size=256, devices='auto')",
+    ),
+    Explanation(
+        code="PX114",
+        title="factory cannot be pickled",
+        meaning="With the ddp strategy each worker is a new process (spawn): the model and "
+        "optimizer factories, datasets and metrics are pickled and sent to it. One of them "
+        "cannot be pickled.",
+        when="Before any worker starts: phalanx pickles everything a worker needs first.",
+        causes=[
+            "A lambda or a function defined inside another function.",
+            "An object holding an open file, a lock, a socket or a generator.",
+            "A class defined inside a function or in an interactive session.",
+        ],
+        fixes=[
+            "Define factories as module-level functions (def make_model(): ...).",
+            "Bind arguments with functools.partial(make_model, width=128), not a lambda.",
+            "Open files inside the worker (in the factory or Dataset.__getitem__).",
+        ],
+        example="# before\nLearner(model=lambda: Net(128), ...)\n"
+        "# after\nLearner(model=functools.partial(Net, 128), ...)",
+    ),
+    Explanation(
+        code="PX115",
+        title="step function is a lambda or local function",
+        meaning="The step function must be importable by name in a spawned worker process. "
+        "Lambdas and functions defined inside other functions are not.",
+        when="Before training, when the ddp strategy checks the step function.",
+        causes=[
+            "step=lambda model, batch: ...",
+            "def step(...) written inside main() or another function.",
+        ],
+        fixes=[
+            "Move the step function to module level: def step(model, batch): ...",
+            "Bind extra arguments with functools.partial.",
+        ],
+        example="# before\ndef main():\n    def step(model, batch): ...\n"
+        "# after\ndef step(model, batch): ...\n\ndef main(): ...",
+    ),
+    Explanation(
+        code="PX116",
+        title="missing if __name__ == '__main__': guard",
+        meaning="The ddp strategy starts workers with spawn: each worker re-imports your main "
+        "script. Without the guard, every worker would run fit() again and start workers of "
+        "its own.",
+        when="Before any worker starts, when fit(strategy='ddp') is called at import time of "
+        "the main module.",
+        causes=["Calling fit() at the top level of the script you run."],
+        fixes=[
+            "Put the training code in a function and call it under if __name__ == '__main__':",
+        ],
+        example="# before\nlearner.fit(train, valid, strategy='ddp')\n"
+        "# after\ndef main():\n    learner.fit(train, valid, strategy='ddp')\n\n"
+        "if __name__ == '__main__':\n    main()",
+    ),
+    Explanation(
+        code="PX117",
+        title="device busy",
+        meaning="A GPU has less free memory than min_free_memory: another process is using "
+        "it, and a worker there would likely run out of memory.",
+        when="Before training, when free memory is checked on each CUDA device.",
+        causes=[
+            "Another training run, a notebook kernel or a zombie process holding the GPU.",
+            "A previous crashed run whose worker processes are still alive.",
+        ],
+        fixes=[
+            "Look at nvidia-smi; stop the process holding the device.",
+            "Pick other devices, or lower min_free_memory if the run needs less.",
+        ],
+        example="# before\ndevices = 'cuda:0,cuda:1'   # cuda:0 used by a notebook\n"
+        "# after\ndevices = 'cuda:1,cuda:2'",
+    ),
+    Explanation(
+        code="PX120",
+        title="checkpoint cannot be used",
+        meaning="Resume found no checkpoint it can use, or the checkpoint does not fit the "
+        "run: different model shapes, optimizer or settings. Checkpoints that are truncated "
+        "or fail their checksum are skipped (and named); this error means none was left.",
+        when="At the start of fit(resume=True), before training continues.",
+        causes=[
+            "resume=True with an empty or wrong run_dir.",
+            "Every checkpoint truncated (e.g. disk full while saving).",
+            "The model or optimizer changed since the checkpoint was written.",
+        ],
+        fixes=[
+            "Check run_dir and list its checkpoints; drop resume=True to start fresh.",
+            "Resume with the same model, optimizer and settings that wrote the checkpoint.",
+            "Free disk space; phalanx writes checkpoints atomically, so older ones survive.",
+        ],
+        example="# before\nlearner.fit(train, valid, run_dir='runs/exp2', resume=True)\n"
+        "# after\nlearner.fit(train, valid, run_dir='runs/exp1', resume=True)",
+    ),
+    Explanation(
+        code="PX200",
+        title="a worker raised an exception",
+        meaning="Training stopped because a worker raised. The report's first line names the "
+        "root cause: worker, device, host, step, phase and the original exception; every "
+        "other failure (e.g. 'Connection reset by peer' on survivors) is secondary.",
+        when="During training, in the phase the report names (data, forward, backward, "
+        "optimizer, metrics, validation, checkpoint).",
+        causes=[
+            "A bug in the step function, model or dataset (shape mismatch, KeyError...).",
+            "A sample that only this worker's slice contains.",
+            "A device error on that worker.",
+        ],
+        fixes=[
+            "Read the traceback in the report: it is the worker's own.",
+            "Reproduce with strategy='single' on that device and the sample indices shown.",
+        ],
+        example="# before\nlogits = model(x.view(-1, 784))   # x is 3x32x32\n"
+        "# after\nlogits = model(x.flatten(1))",
+    ),
+    Explanation(
+        code="PX201",
+        title="a worker process crashed",
+        meaning="A worker process died without raising a Python exception: killed by a "
+        "signal or exited on its own. The report gives the exit code or signal.",
+        when="During training; the supervisor notices the death within milliseconds.",
+        causes=[
+            "SIGKILL (-9): often the kernel OOM killer, host RAM exhausted (not GPU memory).",
+            "SIGSEGV (-11): a crash in native code (a C extension, a driver, a CUDA kernel).",
+            "os._exit() or sys.exit() called from user code or a library.",
+            "An operator or scheduler killing the process (job preemption).",
+        ],
+        fixes=[
+            "For SIGKILL, check dmesg / journalctl -k for 'Out of memory: Killed process'.",
+            "Lower host memory use: fewer DataLoader workers, no whole dataset per worker.",
+            "For SIGSEGV, reproduce with strategy='single' and run python -X faulthandler.",
+            "Let the run go on: max_restarts respawns a worker, min_workers lets it shrink.",
+        ],
+        example="# before: every worker loads the full array into RAM\n"
+        "data = np.load('big.npy')\n"
+        "# after: memory-mapped, shared by the page cache\n"
+        "data = np.load('big.npy', mmap_mode='r')",
+    ),
+    Explanation(
+        code="PX202",
+        title="a worker hung",
+        meaning="A worker's step counter did not move for hang_timeout seconds while its peers "
+        "waited. phalanx dumped its Python stacks into the report, then killed it.",
+        when="During training, hang_timeout seconds after the worker's last progress.",
+        causes=[
+            "A collective (all_reduce, barrier) that only some ranks call, e.g. inside an "
+            "if on rank or on data.",
+            "A deadlock in the data path: DataLoader workers, queues, locks.",
+            "An infinite loop or a blocking read (network, input()) in user code.",
+            "hang_timeout shorter than a legitimately slow step or a first-step compile.",
+        ],
+        fixes=[
+            "Read the stacks in the report: they show the line the worker was stuck on.",
+            "Make every rank call the same collectives in the same order.",
+            "Raise hang_timeout if steps are legitimately long.",
+        ],
+        example="# before\nif rank == 0:\n    dist.all_reduce(t)   # other ranks never join\n"
+        "# after\ndist.all_reduce(t)   # every rank",
+    ),
+    Explanation(
+        code="PX203",
+        title="a worker ran out of memory",
+        meaning="A worker raised torch.OutOfMemoryError: its device could not allocate the "
+        "tensors the step needed.",
+        when="During training, usually in forward or backward of the first steps, or when a "
+        "larger batch or sequence comes along.",
+        causes=[
+            "A per-device batch too large for the device.",
+            "Another process using the same GPU.",
+            "Keeping graphs alive: accumulating loss tensors instead of loss.item().",
+            "One very long sample (variable-length inputs).",
+        ],
+        fixes=[
+            "Lower batch_size, or keep it and use grad_accumulation=N (N smaller "
+            "micro-batches per optimizer step, same math).",
+            "Use more devices: the global batch is split across them.",
+            "Free the device (nvidia-smi) or set min_free_memory to check before launch.",
+        ],
+        example="# before\nlearner.fit(train, valid, batch_size=512)\n"
+        "# after: same global batch, 4 micro-batches\n"
+        "learner.fit(train, valid, batch_size=512, grad_accumulation=4)",
+    ),
+    Explanation(
+        code="PX204",
+        title="poison batch",
+        meaning="The same step failed twice: once, then again on retry. A failure that repeats "
+        "on the same global batch is not transient, so phalanx stops rather than kill "
+        "healthy workers one by one. The first failure is the root cause.",
+        when="During training, when the retry of a failed step fails again.",
+        causes=[
+            "A bug in the step function that this batch triggers.",
+            "A bad sample: NaN/inf values, a wrong shape, a label out of range.",
+            "A deterministic error in the data pipeline for these indices.",
+        ],
+        fixes=[
+            "Read the first failure in the report: its traceback is the bug.",
+            "Load the sample indices listed in the report and inspect them.",
+            "Fix or filter the samples, or fix the step function, then resume.",
+        ],
+        example="# inspect the samples the report names\n"
+        "for i in [18211, 18212]:\n    x, y = train[i]\n"
+        "    print(i, x.shape, torch.isfinite(x).all(), y)",
+    ),
+    Explanation(
+        code="PX205",
+        title="a worker failed during preflight",
+        meaning="A worker failed before its first step, while setting up: building the model "
+        "and optimizer, moving them to its device, joining the process group or loading its "
+        "first batch.",
+        when="At the start of training (or of a new generation), before step 1 runs.",
+        causes=[
+            "The model or optimizer factory raised in the worker.",
+            "The device failed to initialise (driver error, device busy).",
+            "An import that works in your shell but not in a spawned process.",
+        ],
+        fixes=[
+            "Read the traceback in the report: it is the worker's own.",
+            "Call the factories once yourself, e.g. make_model().to('cuda:1').",
+            "Run with strategy='single' on the same device to reproduce.",
+        ],
+        example="# before: factory reads a relative path\n"
+        "def make_model(): return torch.load('weights.pt')\n"
+        "# after\nWEIGHTS = Path(__file__).parent / 'weights.pt'\n"
+        "def make_model(): return torch.load(WEIGHTS)",
+    ),
+]
+
+CATALOG: dict[str, Explanation] = {e.code: e for e in _ENTRIES}
+
+
+def normalize_code(code: str) -> str:
+    """``"px113"``, ``" PX113 "`` and ``"113"`` -> ``"PX113"``."""
+    text = code.strip().upper()
+    return f"PX{text}" if text.isdigit() else text
+
+
+def lookup(code: str) -> Explanation:
+    """The entry for ``code``; KeyError listing close matches when it is unknown."""
+    key = normalize_code(code)
+    if key in CATALOG:
+        return CATALOG[key]
+    close = difflib.get_close_matches(key, list(CATALOG), n=4, cutoff=0.6)
+    message = f"unknown error code {code!r}."
+    if close:
+        message += f" Did you mean {', '.join(close)}?"
+    raise KeyError(message + " Run `phalanx explain` to list every code.")
+
+
+def _section(title: str, body: str) -> str:
+    return f"{title}\n{textwrap.indent(body, '  ')}"
+
+
+def explain(code: str) -> str:
+    """``code`` explained, in sections: What it means, When it happens, Common causes,
+    What to do, Example fix. Raises KeyError (listing close codes) for an unknown code."""
+    e = lookup(code)
+    causes = "\n".join(
+        textwrap.fill(c, 86, initial_indent="- ", subsequent_indent="  ") for c in e.causes
+    )
+    fixes = "\n".join(
+        textwrap.fill(f, 86, initial_indent=f"{i}. ", subsequent_indent="   ")
+        for i, f in enumerate(e.fixes, start=1)
+    )
+    return "\n\n".join(
+        [
+            f"{e.code}: {e.title}",
+            _section("What it means", textwrap.fill(e.meaning, 88)),
+            _section("When it happens", textwrap.fill(e.when, 88)),
+            _section("Common causes", causes),
+            _section("What to do", fixes),
+            _section("Example fix", e.example),
+        ]
+    )
+
+
+def list_codes() -> str:
+    """One line per code, in code order: ``PX113  global batch smaller than ...``."""
+    return "\n".join(f"{code}  {CATALOG[code].title}" for code in sorted(CATALOG))

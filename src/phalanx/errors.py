@@ -1,0 +1,153 @@
+"""Errors a user of phalanx can see.
+
+Every error carries a stable code (``PX`` + three digits). ``phalanx explain CODE`` prints
+what it means, when it happens, common causes and fixes (see :mod:`phalanx.catalog`).
+
+- :class:`ConfigError` and its subclasses: something is wrong before training starts.
+  Raised in the caller's process, before any worker process or thread is started.
+- :class:`TrainingFailed`: a worker failed during training and the run stopped.
+  Its first line names the root cause (worker, device, step, phase, original message).
+- :class:`CheckpointError`: nothing to resume from, or a checkpoint that does not fit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phalanx.failures import WorkerFailure
+
+
+class PhalanxError(Exception):
+    """Base of all phalanx errors. ``code`` is stable across releases."""
+
+    code = "PX000"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}\n(see: phalanx explain {self.code})"
+
+
+class ConfigError(PhalanxError, ValueError):
+    """Something in the configuration is wrong; nothing has started yet."""
+
+    code = "PX100"
+
+
+class EmptyDatasetError(ConfigError):
+    code = "PX101"
+
+
+class BatchSizeError(ConfigError):
+    code = "PX102"
+
+
+class UnknownStrategyError(ConfigError):
+    code = "PX103"
+
+
+class DeviceSpecError(ConfigError):
+    code = "PX104"
+
+
+class EpochTooShortError(ConfigError):
+    code = "PX105"
+
+
+class LossNotScalarError(ConfigError):
+    code = "PX106"
+
+
+class NonFiniteLossError(ConfigError):
+    """A loss was NaN or infinite. Raised inside a step; reported as that step's failure."""
+
+    code = "PX107"
+
+
+class InvalidSettingError(ConfigError):
+    code = "PX108"
+
+
+class StepOutputError(ConfigError):
+    code = "PX109"
+
+
+class NoDevicesError(ConfigError):
+    code = "PX110"
+
+
+class DuplicateDeviceError(ConfigError):
+    code = "PX111"
+
+
+class DeviceUnavailableError(ConfigError):
+    code = "PX112"
+
+
+class BatchSmallerThanWorkersError(ConfigError):
+    code = "PX113"
+
+
+class NotPicklableError(ConfigError):
+    code = "PX114"
+
+
+class LambdaStepError(ConfigError):
+    code = "PX115"
+
+
+class MissingMainGuardError(ConfigError):
+    code = "PX116"
+
+
+class DeviceBusyError(ConfigError):
+    code = "PX117"
+
+
+class CheckpointError(PhalanxError):
+    code = "PX120"
+
+
+class TrainingFailed(PhalanxError):
+    """The run stopped because a worker failed.
+
+    ``root_cause`` is the first failure (never a survivor's secondary error such as
+    ``Connection reset by peer``); ``failures`` holds every failure seen, in order.
+    The code depends on the root cause's kind: PX200 exception, PX201 crash,
+    PX202 hang, PX203 out of memory, PX204 poison batch, PX205 preflight.
+    """
+
+    code = "PX200"
+
+    def __init__(
+        self,
+        message: str,
+        root_cause: WorkerFailure,
+        failures: list[WorkerFailure],
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.root_cause = root_cause
+        self.failures = failures
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.message}\n(see: phalanx explain {self.code})"
+
+    def __reduce__(self) -> tuple[type, tuple[str, WorkerFailure, list[WorkerFailure], str]]:
+        return (TrainingFailed, (self.message, self.root_cause, self.failures, self.code))
+
+
+def all_error_classes() -> list[type[PhalanxError]]:
+    """Every error class defined here, base first (used by the catalog's consistency test)."""
+    found: list[type[PhalanxError]] = []
+    pending: list[type[PhalanxError]] = [PhalanxError]
+    while pending:
+        cls = pending.pop(0)
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return found

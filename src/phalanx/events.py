@@ -1,0 +1,166 @@
+"""Typed events: the one stream the training loop writes and sinks read.
+
+The loop never prints; it calls ``emit(event)``. In the ddp strategy, rank 0's events are
+relayed to the supervisor, so sinks always run in the caller's process. Every event is a
+small picklable dataclass; :func:`to_record` turns one into a JSON-friendly dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from phalanx.failures import WorkerFailure
+
+
+@dataclass
+class Event:
+    time: float = field(default_factory=time.time, kw_only=True)
+
+
+@dataclass
+class RunStarted(Event):
+    run_dir: str
+    strategy: str
+    devices: list[str]
+    epochs: int
+    steps_per_epoch: int
+    batch_size: int
+    train_samples: int
+    valid_samples: int
+    start_epoch: int = 0
+    start_step: int = 0  # step within start_epoch (non-zero after resume)
+
+
+@dataclass
+class EpochStarted(Event):
+    epoch: int
+    steps: int
+    start_step: int = 0
+
+
+@dataclass
+class StepEnded(Event):
+    """One committed optimizer step. ``metrics`` are running train means for the epoch."""
+
+    epoch: int
+    step: int  # step within the epoch, 0-based
+    global_step: int  # committed steps since the run began, 1-based after this step
+    steps_in_epoch: int
+    loss: float
+    lr: float
+    samples: int  # samples in this global batch
+    samples_per_s: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ValidationStarted(Event):
+    epoch: int
+    batches: int
+
+
+@dataclass
+class EpochEnded(Event):
+    """Epoch results: keys like ``train/loss``, ``train/accuracy``, ``valid/loss``."""
+
+    epoch: int
+    metrics: dict[str, float]
+    seconds: float
+
+
+@dataclass
+class CheckpointSaved(Event):
+    path: str
+    step: int
+    epoch: int
+
+
+@dataclass
+class CheckpointDeleted(Event):
+    path: str
+
+
+@dataclass
+class CheckpointSkipped(Event):
+    """A checkpoint that could not be used for resume (truncated, bad checksum...)."""
+
+    path: str
+    reason: str
+
+
+@dataclass
+class Resumed(Event):
+    path: str
+    epoch: int
+    step: int
+    global_step: int
+
+
+@dataclass
+class Notice(Event):
+    """A message for the user that is not a failure (e.g. early stopping triggered)."""
+
+    text: str
+    level: str = "info"
+
+
+@dataclass
+class WorkerFailed(Event):
+    failure: WorkerFailure
+    action: str  # retried, aborted, shrunk, respawned
+
+
+@dataclass
+class RunEnded(Event):
+    history: list[dict[str, Any]]
+    steps: int
+    epochs: int
+    interrupted: str | None
+    seconds: float
+    failed: bool = False
+
+
+class Sink(Protocol):
+    """Receives every event, in order, in the caller's process."""
+
+    def handle(self, event: Event) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Emit = Callable[[Event], None]
+
+
+def to_record(event: Event) -> dict[str, Any]:
+    """``{"event": "StepEnded", ...fields}``, JSON-friendly."""
+    record: dict[str, Any] = {"event": type(event).__name__}
+    record.update(dataclasses.asdict(event))
+    return record
+
+
+class Fanout:
+    """Sends each event to every sink. A sink that raises is dropped (and named once),
+    so a broken display never stops training."""
+
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = list(sinks)
+        self.broken: list[tuple[Sink, BaseException]] = []
+
+    def __call__(self, event: Event) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.handle(event)
+            except Exception as exc:  # a sink must not kill training
+                self.sinks.remove(sink)
+                self.broken.append((sink, exc))
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                self.broken.append((sink, exc))

@@ -1,0 +1,130 @@
+"""Failure as a value: one :class:`WorkerFailure` per thing that went wrong in a worker.
+
+Workers build these from exceptions (:func:`from_exception`); the supervisor builds them
+from process deaths and hangs. :func:`headline` gives the one line, in burn's words, that
+opens a :class:`~phalanx.errors.TrainingFailed` report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+import traceback as tb
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["exception", "crash", "hang", "oom"]
+Phase = Literal[
+    "preflight",
+    "data",
+    "forward",
+    "backward",
+    "sync",
+    "optimizer",
+    "metrics",
+    "validation",
+    "checkpoint",
+]
+PHASES: tuple[str, ...] = (
+    "preflight",
+    "data",
+    "forward",
+    "backward",
+    "sync",
+    "optimizer",
+    "metrics",
+    "validation",
+    "checkpoint",
+)
+
+
+@dataclass
+class WorkerFailure:
+    """What failed, where, when, and why. Picklable and JSON-friendly (:meth:`to_dict`)."""
+
+    worker: int
+    rank: int
+    device: str
+    kind: Kind
+    message: str
+    phase: str = "forward"
+    step: int | None = None
+    epoch: int | None = None
+    exception_type: str | None = None
+    traceback: str | None = None
+    host: str = field(default_factory=socket.gethostname)
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    stacks: str | None = None
+    sample_indices: list[int] | None = None
+    time: float = field(default_factory=time.time)
+    action: str | None = None  # what the run did about it: retried, aborted, ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+def from_exception(
+    exc: BaseException,
+    *,
+    worker: int,
+    rank: int,
+    device: str,
+    phase: str,
+    step: int | None,
+    epoch: int | None,
+    sample_indices: list[int] | None = None,
+    pid: int | None = None,
+) -> WorkerFailure:
+    """Record ``exc`` raised in ``phase`` of ``step`` on this worker, with its traceback."""
+    return WorkerFailure(
+        worker=worker,
+        rank=rank,
+        device=device,
+        kind="oom" if is_oom(exc) else "exception",
+        message=str(exc),
+        phase=phase,
+        step=step,
+        epoch=epoch,
+        exception_type=type(exc).__name__,
+        traceback="".join(tb.format_exception(type(exc), exc, exc.__traceback__)),
+        pid=pid,
+        sample_indices=sample_indices,
+    )
+
+
+def headline(f: WorkerFailure) -> str:
+    """One line: ``training worker on device cpu:1 (rank 1, host h, pid p) failed at step 57
+    (backward): RuntimeError: <original message>``."""
+    who = f"rank {f.rank}, host {f.host}"
+    if f.pid is not None:
+        who += f", pid {f.pid}"
+    at = f"at step {f.step}" if f.step is not None else "before its first step"
+    return f"training worker on device {f.device} ({who}) failed {at} ({f.phase}): {cause(f)}"
+
+
+def cause(f: WorkerFailure) -> str:
+    """The original cause in a few words: the exception, the signal or the hang."""
+    if f.kind == "hang":
+        return f"hung: {f.message}"
+    if f.exception_type:
+        first = f.message.strip().splitlines()[0] if f.message.strip() else ""
+        return f"{f.exception_type}: {first}"
+    return f.message
+
+
+class FailedHere(Exception):
+    """Raised by an engine when this member failed where no vote can absorb it (optimizer,
+    validation, checkpoint): the run cannot go on with this member as it is."""
+
+    def __init__(self, failure: WorkerFailure) -> None:
+        super().__init__(headline(failure))
+        self.failure = failure

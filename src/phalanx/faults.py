@@ -1,0 +1,90 @@
+"""Fault injection: real failures at a chosen worker, step and phase (a user feature).
+
+``Fault(kind="kill", worker=1, step=30)`` kills worker 1's process with SIGKILL when it
+reaches step 30 (counted in committed optimizer steps since the run began, so step 30 is
+the 31st step). Kinds: ``exception`` (raise :class:`InjectedFault`), ``kill`` (SIGKILL of
+the worker process), ``hang`` (sleep that never returns), ``oom`` (raise
+``torch.OutOfMemoryError``). ``times`` is how many attempts of that step fail (1 is a
+transient fault that the retry absorbs; 2 or more make a poison batch).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from phalanx.errors import InvalidSettingError
+from phalanx.failures import PHASES
+
+FaultKind = Literal["exception", "kill", "hang", "oom"]
+KINDS = ("exception", "kill", "hang", "oom")
+
+
+class InjectedFault(RuntimeError):
+    """The exception an ``exception`` fault raises."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    worker: int = 0
+    step: int = 0
+    phase: str = "forward"
+    times: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidSettingError(f"Fault kind {self.kind!r} is unknown; use one of {KINDS}")
+        if self.phase not in PHASES or self.phase in ("validation", "checkpoint"):
+            raise InvalidSettingError(
+                f"Fault phase {self.phase!r} cannot be injected; use one of "
+                "preflight, data, forward, backward, sync, optimizer, metrics"
+            )
+        if self.worker < 0 or self.step < 0 or self.times < 1:
+            raise InvalidSettingError("Fault needs worker >= 0, step >= 0 and times >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """``KIND:WORKER@STEP[/PHASE][xTIMES]``, e.g. ``kill:1@30``, ``exception:0@5/backward``."""
+        m = re.fullmatch(r"(\w+):(\d+)@(\d+)(?:/(\w+))?(?:x(\d+))?", text.strip())
+        if not m:
+            raise InvalidSettingError(
+                f"cannot read fault {text!r}; write KIND:WORKER@STEP, e.g. kill:1@30 "
+                "(optional /PHASE and xTIMES, e.g. exception:0@5/backwardx2)"
+            )
+        kind, worker, step, phase, times = m.groups()
+        return cls(kind, int(worker), int(step), phase or "forward", int(times or 1))
+
+
+class FaultInjector:
+    """Fires the faults meant for one worker. Holds how often each has fired (per process)."""
+
+    def __init__(self, faults: list[Fault], worker: int) -> None:
+        self.faults = [f for f in faults if f.worker == worker]
+        self.fired: dict[Fault, int] = {}
+
+    def check(self, step: int, phase: str) -> None:
+        for fault in self.faults:
+            if fault.step == step and fault.phase == phase:
+                if self.fired.get(fault, 0) >= fault.times:
+                    continue
+                self.fired[fault] = self.fired.get(fault, 0) + 1
+                fire(fault)
+
+
+def fire(fault: Fault) -> None:
+    where = f"worker {fault.worker}, step {fault.step}, phase {fault.phase}"
+    if fault.kind == "exception":
+        raise InjectedFault(f"injected exception ({where})")
+    if fault.kind == "oom":
+        raise torch.OutOfMemoryError(f"injected out of memory ({where})")
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while fault.kind == "hang":
+        time.sleep(3600)

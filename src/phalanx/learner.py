@@ -1,0 +1,181 @@
+"""The Learner: *what* to train. ``fit()`` validates everything, then hands the run to a
+strategy (*where*), which drives the same training loop on one or several devices."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from phalanx.checkpoint import Checkpoints
+from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
+from phalanx.early_stopping import EarlyStopping
+from phalanx.events import Fanout, RunEnded, Sink
+from phalanx.failures import FailedHere, WorkerFailure
+from phalanx.faults import Fault
+from phalanx.interrupt import Interrupter, handle_signals
+from phalanx.loop import StepAborted
+from phalanx.metrics import LoopMetric, Metric
+from phalanx.plan import Plan
+from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
+from phalanx.validate import dataset_size, validate_fit
+
+
+@dataclass
+class FitResult:
+    """What ``fit()`` returns. ``model`` is on CPU; ``history`` has one dict per epoch."""
+
+    model: nn.Module
+    history: list[dict[str, Any]]
+    steps: int
+    epochs: int
+    interrupted: str | None = None
+    failures: list[WorkerFailure] = field(default_factory=list)
+    run_dir: str | None = None
+    seconds: float = 0.0
+
+
+class Learner:
+    """A model factory, an optimizer factory and a step function, trained by :meth:`fit`.
+
+    ``step(model, batch)`` returns the mean loss over the local batch, or a
+    :class:`~phalanx.StepOutput` with outputs and targets for classification metrics.
+    ``grad_accumulation=k`` computes each global batch in ``k`` micro-batches per device:
+    the same math with less memory (the optimizer steps once per global batch).
+    """
+
+    def __init__(
+        self,
+        model: ModelSource,
+        optimizer: OptimizerFactory,
+        step: Callable[[nn.Module, Any], Any],
+        metrics: Sequence[Metric | LoopMetric] = (),
+        lr_scheduler: SchedulerFactory | None = None,
+        grad_accumulation: int = 1,
+        grad_clip_norm: float | None = None,
+    ) -> None:
+        self.spec = TrainSpec(model, optimizer, step, list(metrics), lr_scheduler,
+                              grad_accumulation, grad_clip_norm)
+        self.interrupter = Interrupter()
+
+    def stop(self, reason: str = "stop requested") -> None:
+        """Ask a running ``fit`` to finish its current step, checkpoint and return.
+        Safe to call from any thread (e.g. a sink reacting to an event)."""
+        self.interrupter.stop(reason)
+
+    def fit(
+        self,
+        train: Dataset[Any],
+        valid: Dataset[Any] | None = None,
+        *,
+        epochs: int = 1,
+        batch_size: int = 32,
+        devices: DeviceSpec = "cpu",
+        strategy: str = "single",
+        seed: int = 0,
+        run_dir: str | None = None,
+        checkpoint: Checkpoints | None = None,
+        early_stopping: EarlyStopping | None = None,
+        resume: bool = False,
+        drop_last: bool = False,
+        shuffle: bool = True,
+        faults: Sequence[Fault] = (),
+        preflight: bool = True,
+        hang_timeout: timedelta = timedelta(seconds=60),
+        num_workers: int = 0,
+        min_free_memory: int | None = None,
+        sinks: Sequence[Sink] | None = None,
+    ) -> FitResult:
+        """Train for ``epochs`` over ``train``, validating on ``valid`` after each epoch.
+
+        ``batch_size`` is the GLOBAL batch, split among devices. Raises a ConfigError before
+        anything starts when the configuration is wrong, and TrainingFailed when a worker
+        failed and the run could not go on. Interrupts (SIGINT, SIGTERM, :meth:`stop`) are
+        not failures: the run checkpoints and returns with ``interrupted`` set.
+        """
+        labels = parse_devices(devices)
+        config = FitConfig(epochs, batch_size, labels, strategy, seed, run_dir, checkpoint,
+                           early_stopping, resume, drop_last, shuffle, list(faults), preflight,
+                           hang_timeout, num_workers, min_free_memory)
+        train_size = dataset_size(train, "training")
+        valid_size = dataset_size(valid, "validation") if valid is not None else 0
+        validate_fit(self.spec, config, train_size)
+        check_free_memory(labels, min_free_memory)
+        plan = Plan(train_size, batch_size, seed, shuffle, drop_last)
+        if sinks is None:
+            from phalanx.sinks import default_sinks
+
+            sinks = default_sinks(run_dir)
+        emit = Fanout(list(sinks))
+        self.interrupter.reset()
+        try:
+            with handle_signals(self.interrupter), _keep_rng(labels):
+                result = self._dispatch(config, plan, train, valid, valid_size, emit)
+            emit(RunEnded(result.history, result.steps, result.epochs, result.interrupted,
+                          result.seconds))
+            return result
+        except BaseException:
+            emit(RunEnded([], 0, 0, None, 0.0, failed=True))
+            raise
+        finally:
+            emit.close()
+
+    def _dispatch(
+        self, config: FitConfig, plan: Plan, train: Dataset[Any], valid: Dataset[Any] | None,
+        valid_size: int, emit: Fanout,
+    ) -> FitResult:
+        if config.strategy == "ddp":
+            from phalanx.strategies.ddp import run_ddp
+
+            return run_ddp(self.spec, config, plan, train, valid, valid_size, emit,
+                           self.interrupter)
+        return self._in_process(config, plan, train, valid, valid_size, emit)
+
+    def _in_process(
+        self, config: FitConfig, plan: Plan, train: Dataset[Any], valid: Dataset[Any] | None,
+        valid_size: int, emit: Fanout,
+    ) -> FitResult:
+        from phalanx import report
+        from phalanx.runner import build_loop, make_checkpointer, run_member
+
+        engine: Any
+        if config.strategy == "threads":
+            from phalanx.strategies.threads import ThreadsEngine
+
+            engine = ThreadsEngine(self.spec, config, plan, train, valid, valid_size)
+        else:
+            from phalanx.strategies.single import SingleEngine
+
+            engine = SingleEngine(self.spec, config, plan, train, valid, valid_size)
+        checkpointer = make_checkpointer(config, emit)
+        loop = build_loop(engine, self.spec, config, plan, emit, self._stop_reason, 0,
+                          valid is not None, checkpointer)
+        try:
+            run = run_member(loop, plan, config, emit, plan.samples, valid_size)
+        except (StepAborted, FailedHere) as exc:
+            failures = loop.failures + ([exc.failure] if isinstance(exc, FailedHere) else [])
+            error = report.build(failures, poison=isinstance(exc, StepAborted) and exc.poison)
+            report.write_json(config.run_dir, failures, error.root_cause, config.devices)
+            raise error from None
+        finally:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+        st = run.loop.state
+        return FitResult(engine.final_model(), st.history, st.global_step, st.epoch,
+                         run.loop.interrupted, run.failures, config.run_dir, run.seconds)
+
+    def _stop_reason(self) -> str | None:
+        return self.interrupter.reason if self.interrupter.should_stop() else None
+
+
+def _keep_rng(labels: list[str]) -> contextlib.AbstractContextManager[Any]:
+    """Training reseeds torch's RNG; give the caller theirs back afterwards."""
+    cuda = [torch.device(d).index or 0 for d in labels if d.startswith("cuda")]
+    return torch.random.fork_rng(devices=cuda)

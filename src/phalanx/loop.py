@@ -1,0 +1,286 @@
+"""The training loop, the same for every strategy.
+
+The loop decides *when* (epochs, steps, retries, validation, checkpoints, stopping); an
+:class:`Engine` decides *where* (one replica, threads, or one DDP rank). Step ``s``:
+
+1. ``engine.attempt`` runs the local part(s) of global batch ``s`` and returns the
+   :class:`Vote`, reduced over all members: failed count, stop requests, metric sums.
+2. All ok: ``engine.commit()`` (clip, optimizer, scheduler). Any failed: nobody steps; the
+   policy (:func:`phalanx.policy.decide`) retries the step once, then aborts (poison batch).
+3. Interrupt requests travel in the vote, so every member stops after the same step.
+
+Only the main member emits events and writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from phalanx.checkpoint import Checkpointer, should_save
+from phalanx.early_stopping import EarlyStopping
+from phalanx.events import (
+    Emit,
+    EpochEnded,
+    EpochStarted,
+    Notice,
+    StepEnded,
+    ValidationStarted,
+)
+from phalanx.failures import WorkerFailure
+from phalanx.metrics import LoopMetric, LoopStats, Metric, compute_all
+from phalanx.plan import Plan
+from phalanx.policy import decide
+
+
+@dataclass
+class Vote:
+    """A step attempt's outcome, the same on every member."""
+
+    failed: int
+    stop: bool
+    sums: torch.Tensor
+    failures: list[WorkerFailure] = field(default_factory=list)  # the ones seen locally
+
+
+class Engine(Protocol):
+    """Where replicas run. Every method is called at the same point on every member."""
+
+    is_main: bool
+
+    def begin_epoch(self, epoch: int, start_step: int) -> None: ...
+
+    def attempt(self, epoch: int, step: int, global_step: int, stop: bool) -> Vote: ...
+
+    def commit(self) -> None: ...
+
+    def discard(self) -> None: ...
+
+    def evaluate(self) -> torch.Tensor: ...
+
+    def lr(self) -> float: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """Where the run is: everything besides model/optimizer/scheduler that resume needs."""
+
+    epoch: int = 0
+    step: int = 0  # next step within ``epoch``
+    global_step: int = 0  # committed optimizer steps
+    history: list[dict[str, Any]] = field(default_factory=list)
+    epoch_sums: torch.Tensor | None = None  # train metric sums of the epoch so far
+    epoch_samples: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "global_step": self.global_step,
+            "history": [dict(h) for h in self.history],
+            "epoch_sums": self.epoch_sums,
+            "epoch_samples": self.epoch_samples,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> TrainState:
+        return cls(**state)
+
+
+class Interrupted(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class StepAborted(Exception):
+    """The policy stopped the run at this step; ``failures`` are the ones seen locally."""
+
+    def __init__(self, step: int, failures: list[WorkerFailure], poison: bool) -> None:
+        super().__init__(f"step {step} aborted")
+        self.step = step
+        self.failures = failures
+        self.poison = poison
+
+
+@dataclass
+class LoopSettings:
+    plan: Plan
+    epochs: int
+    metrics: list[Metric]
+    loop_metrics: list[LoopMetric]
+    seed: int
+    rank: int = 0
+    has_valid: bool = False
+
+
+@dataclass
+class LoopResult:
+    state: TrainState
+    interrupted: str | None
+
+
+class TrainLoop:
+    """Runs epochs of committed steps over an :class:`Engine`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: LoopSettings,
+        emit: Emit,
+        checkpointer: Checkpointer | None,
+        early_stopping: EarlyStopping | None,
+        stop_requested: Any,
+    ) -> None:
+        self.engine = engine
+        self.s = settings
+        self.emit = emit if engine.is_main else _drop
+        self.checkpointer = checkpointer if engine.is_main else None
+        self.early_stopping = early_stopping
+        self.stop_requested = stop_requested  # () -> str | None: this member's stop reason
+        self.state = TrainState()
+        self.failures: list[WorkerFailure] = []
+        self.epoch_started = time.time()
+
+    # -- resume -------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a checkpoint holds."""
+        return {
+            "engine": self.engine.state_dict(),
+            "loop": self.state.state_dict(),
+            "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
+            "plan": self.s.plan.record(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.engine.load_state_dict(snap["engine"])
+        self.state = TrainState.from_state_dict(snap["loop"])
+        if self.early_stopping and snap.get("early_stopping"):
+            self.early_stopping.load_state_dict(snap["early_stopping"])
+        torch.set_rng_state(snap["rng"]["torch"])
+        np.random.set_state(snap["rng"]["numpy"])
+        random.setstate(snap["rng"]["python"])
+
+    # -- the loop -----------------------------------------------------------------------
+    def run(self) -> LoopResult:
+        try:
+            while self.state.epoch < self.s.epochs:
+                self._epoch()
+                reason = self._end_epoch()
+                if reason:
+                    self.emit(Notice(reason))
+                    return LoopResult(self.state, None)
+        except Interrupted as stop:
+            self._checkpoint(epoch_end=False, force=True)
+            return LoopResult(self.state, f"Training interrupted: {stop.reason}")
+        return LoopResult(self.state, None)
+
+    def _epoch(self) -> None:
+        st = self.state
+        steps = self.s.plan.steps
+        self.emit(EpochStarted(st.epoch, steps, st.step))
+        self.epoch_started = time.time()
+        self.engine.begin_epoch(st.epoch, st.step)
+        if st.epoch_sums is None:
+            st.epoch_sums = torch.zeros(_size(self.s.metrics), dtype=torch.float64)
+        while st.step < steps:
+            self._step()
+
+    def _step(self) -> None:
+        st = self.state
+        started = time.perf_counter()
+        attempt = 0
+        while True:
+            torch.manual_seed(step_seed(self.s.seed, st.global_step, attempt, self.s.rank))
+            reason = self.stop_requested()
+            vote = self.engine.attempt(st.epoch, st.step, st.global_step, reason is not None)
+            self.failures.extend(vote.failures)
+            action = decide(attempt, vote.failed)
+            if action == "commit":
+                break
+            self.engine.discard()
+            if action == "abort":
+                raise StepAborted(st.global_step, vote.failures, poison=attempt > 0)
+            attempt += 1
+        self.engine.commit()
+        assert st.epoch_sums is not None
+        st.epoch_sums += vote.sums
+        samples = int(vote.sums[1].item())
+        st.epoch_samples += samples
+        st.step += 1
+        st.global_step += 1
+        self._emit_step(vote, samples, time.perf_counter() - started)
+        if self.checkpointer and should_save(st.global_step, False, self.checkpointer.config):
+            self._checkpoint(epoch_end=False)
+        if vote.stop:
+            raise Interrupted(self.stop_requested() or "stop requested by another worker")
+
+    def _emit_step(self, vote: Vote, samples: int, seconds: float) -> None:
+        st = self.state
+        stats = LoopStats(lr=self.engine.lr(), samples_per_s=samples / max(seconds, 1e-9))
+        assert st.epoch_sums is not None
+        running = compute_all(self.s.metrics, st.epoch_sums)
+        running.update({m.name: m.read(stats) for m in self.s.loop_metrics})
+        loss = vote.sums[0].item() / max(samples, 1)
+        self.emit(StepEnded(st.epoch, st.step - 1, st.global_step, self.s.plan.steps, loss,
+                            stats.lr, samples, stats.samples_per_s, running))
+
+    def _end_epoch(self) -> str | None:
+        st = self.state
+        assert st.epoch_sums is not None
+        results = {f"train/{k}": v for k, v in compute_all(self.s.metrics, st.epoch_sums).items()}
+        results["train/lr"] = self.engine.lr()
+        if self.s.has_valid:
+            self.emit(ValidationStarted(st.epoch, 0))
+            valid = compute_all(self.s.metrics, self.engine.evaluate())
+            results.update({f"valid/{k}": v for k, v in valid.items()})
+        st.history.append({"epoch": st.epoch, **results})
+        self.emit(EpochEnded(st.epoch, results, time.time() - self.epoch_started))
+        reason = self.early_stopping.update(st.epoch, results) if self.early_stopping else None
+        st.epoch, st.step, st.epoch_sums, st.epoch_samples = st.epoch + 1, 0, None, 0
+        self._checkpoint(epoch_end=True, metrics=results)
+        return reason
+
+    def _checkpoint(
+        self, epoch_end: bool, force: bool = False, metrics: dict[str, float] | None = None
+    ) -> None:
+        if self.checkpointer is None:
+            return
+        config = self.checkpointer.config
+        if not (force or should_save(self.state.global_step, epoch_end, config)):
+            return
+        metric = None
+        if config.keep_best and metrics is not None:
+            metric = metrics.get(config.keep_best)
+        self.checkpointer.save(self.snapshot(), step=self.state.global_step,
+                               epoch=self.state.epoch, metric=metric)
+
+
+def step_seed(seed: int, global_step: int, attempt: int, rank: int) -> int:
+    """Torch's RNG is reseeded at every step attempt: dropout and any randomness in the step
+    depend only on (seed, step, rank), so a retried step and a resumed run replay exactly."""
+    return int(np.random.SeedSequence([seed, global_step, rank]).generate_state(1)[0]) + 0 * attempt
+
+
+def _size(metrics: list[Metric]) -> int:
+    from phalanx.metrics import total_size
+
+    return total_size(metrics)
+
+
+def _drop(event: object) -> None:
+    return None

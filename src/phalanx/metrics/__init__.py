@@ -1,0 +1,81 @@
+"""Metrics, and helpers that carry every metric's state in one flat float64 vector.
+
+The training loop calls :func:`pack_states` once per batch, adds the vectors (over batches
+and, in one all-reduce, over workers), then :func:`compute_all` turns the total into values.
+The layout of the flat vector is each metric's state in list order; its length is
+:func:`total_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phalanx.errors import InvalidSettingError
+from phalanx.metrics.base import LoopMetric, LoopStats, Metric
+from phalanx.metrics.classification import F1, Accuracy, Precision, Recall, TopKAccuracy
+from phalanx.metrics.loop import LearningRate, SamplesPerSecond
+from phalanx.metrics.loss import Loss
+from phalanx.step import StepOutput
+
+__all__ = [
+    "F1",
+    "Accuracy",
+    "LearningRate",
+    "LoopMetric",
+    "LoopStats",
+    "Loss",
+    "Metric",
+    "Precision",
+    "Recall",
+    "SamplesPerSecond",
+    "TopKAccuracy",
+    "compute_all",
+    "pack_states",
+    "total_size",
+]
+
+
+def total_size(metrics: list[Metric]) -> int:
+    """Length of the flat state vector for ``metrics``."""
+    return sum(m.size() for m in metrics)
+
+
+def pack_states(metrics: list[Metric], output: StepOutput, samples: int) -> torch.Tensor:
+    """Concatenate each metric's state for one batch: 1-D float64 CPU, ``total_size`` long.
+
+    Raises InvalidSettingError if a metric returns a state whose length is not its ``size()``.
+    """
+    parts: list[torch.Tensor] = []
+    for m in metrics:
+        s = m.state(output, samples)
+        if s.ndim != 1 or s.numel() != m.size():
+            raise InvalidSettingError(
+                f"metric {m.name!r} returned a state of shape {tuple(s.shape)}; its state() "
+                f"must return a 1-D tensor of length size()={m.size()}"
+            )
+        parts.append(s.detach().cpu().to(torch.float64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def compute_all(metrics: list[Metric], state: torch.Tensor) -> dict[str, float]:
+    """Map each metric's ``name`` to its value, reading its slice of the summed ``state``.
+
+    Raises InvalidSettingError if two metrics share a name or ``state`` has the wrong length.
+    """
+    names = [m.name for m in metrics]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InvalidSettingError(
+            f"several metrics are named {duplicates}; give each metric a distinct name"
+        )
+    if state.ndim != 1 or state.numel() != total_size(metrics):
+        raise InvalidSettingError(
+            f"the metric state has shape {tuple(state.shape)} but the metrics need "
+            f"{total_size(metrics)} values; pass the sum of pack_states() vectors"
+        )
+    values: dict[str, float] = {}
+    start = 0
+    for m in metrics:
+        values[m.name] = m.compute(state[start : start + m.size()])
+        start += m.size()
+    return values

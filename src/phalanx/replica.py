@@ -1,0 +1,222 @@
+"""One replica: the model on one device, and the local part of a step.
+
+:class:`StepModule` wraps the user's model so that one ``forward`` is the user's whole step
+function: under DDP, a worker whose step raised can still take part in the gradient
+collective with a *zero pass* (a forward that returns ``0 * sum(params)``), so the other
+ranks never wait for a gradient that will not come.
+
+:meth:`Replica.run` computes the local slice of a global batch, in micro-batches when
+``micro_batches > 1`` (gradient accumulation inside the step: same math, less memory),
+scaling each micro-batch's loss by ``samples * world / global_samples`` so that the
+all-reduced (averaged) gradient is exactly the mean over the global batch.
+Failures are returned as values, never raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.errors import NonFiniteLossError
+from phalanx.failures import WorkerFailure, from_exception
+from phalanx.faults import FaultInjector
+from phalanx.metrics import Metric, pack_states, total_size
+from phalanx.plan import bounds
+from phalanx.step import StepOutput, as_step_output
+
+StepFn = Callable[[nn.Module, Any], Any]
+
+
+class ZeroPass:
+    """Marker batch: the forward returns a zero loss connected to every parameter."""
+
+
+ZERO_PASS = ZeroPass()
+
+
+class StepModule(nn.Module):
+    """``forward(batch)`` runs ``step(model, batch)`` and returns (loss, outputs, targets)."""
+
+    def __init__(self, model: nn.Module, step: StepFn) -> None:
+        super().__init__()
+        self.model = model
+        self.step = step
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any]:
+        if isinstance(batch, ZeroPass):
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            zero = torch.stack([p.sum() for p in params]).sum() * 0.0
+            return zero, None, None
+        out = as_step_output(self.step(self.model, batch))
+        return out.loss, out.outputs, out.targets
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors nested in tuples, lists and dicts to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def slice_batch(batch: Any, start: int, end: int) -> Any:
+    """Rows ``start:end`` of a collated batch (tensors and lists sliced on their first axis)."""
+    if isinstance(batch, torch.Tensor) or (isinstance(batch, list) and batch and
+                                           not isinstance(batch[0], torch.Tensor | list | dict)):
+        return batch[start:end]
+    if isinstance(batch, dict):
+        return {k: slice_batch(v, start, end) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(slice_batch(v, start, end) for v in batch)
+    return batch
+
+
+@dataclass
+class Identity:
+    """Who this replica is, for failure reports."""
+
+    worker: int
+    rank: int
+    device: str
+
+
+@dataclass
+class LocalResult:
+    sums: torch.Tensor  # packed metric states (loss first), float64 CPU
+    failure: WorkerFailure | None = None
+
+
+class Replica:
+    """The model of one worker, its step function, its metrics and its fault injector.
+
+    ``forward`` is what runs a step: the :class:`StepModule` itself, or the DDP module
+    wrapping it. ``no_sync`` is DDP's ``no_sync`` (a null context without DDP).
+    """
+
+    def __init__(
+        self,
+        module: StepModule,
+        device: torch.device,
+        identity: Identity,
+        metrics: list[Metric],
+        faults: FaultInjector,
+        forward: nn.Module | None = None,
+        world: int = 1,
+    ) -> None:
+        self.module = module
+        self.device = device
+        self.identity = identity
+        self.metrics = metrics
+        self.faults = faults
+        self.forward = forward if forward is not None else module
+        self.world = world
+        self.size = total_size(metrics)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        ns = getattr(self.forward, "no_sync", None)
+        return ns() if ns is not None else contextlib.nullcontext()
+
+    def run(
+        self,
+        batch: Callable[[], Any] | None,
+        samples: list[int],
+        global_samples: int,
+        step: int,
+        epoch: int,
+        micro_batches: int = 1,
+    ) -> LocalResult:
+        """Forward and backward over the local ``samples`` (``batch()`` loads them, collated).
+
+        Every call performs exactly one synchronised backward (the last micro-batch, or a
+        zero pass when the slice is empty or something raised before it), so DDP's
+        collectives match across ranks whatever happens here.
+        """
+        sums = torch.zeros(self.size, dtype=torch.float64)
+        tracker = _PhaseTracker()
+        synced = False
+        try:
+            with tracker.enter("data"):
+                self.faults.check(step, "data")
+                data = to_device(batch(), self.device) if batch is not None and samples else None
+            if data is not None:
+                synced = self._micro_steps(data, samples, global_samples, step, sums, tracker,
+                                           micro_batches)
+        except Exception as exc:
+            failure = from_exception(
+                exc, worker=self.identity.worker, rank=self.identity.rank,
+                device=self.identity.device, phase=tracker.phase, step=step, epoch=epoch,
+                sample_indices=list(samples), pid=os.getpid(),
+            )
+            if not synced:
+                self.zero_pass()
+            return LocalResult(torch.zeros(self.size, dtype=torch.float64), failure)
+        if not synced:
+            self.zero_pass()
+        return LocalResult(sums)
+
+    def _micro_steps(
+        self, data: Any, samples: list[int], global_samples: int, step: int,
+        sums: torch.Tensor, tracker: _PhaseTracker, micro_batches: int,
+    ) -> bool:
+        pieces = bounds(len(samples), micro_batches)
+        for j, (a, b) in enumerate(pieces):
+            last = j == len(pieces) - 1
+            with contextlib.ExitStack() as stack:
+                if not last:
+                    stack.enter_context(self.no_sync())
+                with tracker.enter("forward"):
+                    self.faults.check(step, "forward")
+                    loss, outputs, targets = self.forward(slice_batch(data, a, b))
+                    value = float(loss.detach())
+                    if not math.isfinite(value):
+                        raise NonFiniteLossError(
+                            f"the loss is {value} at step {step} on samples "
+                            f"{_short(samples[a:b])}; lower the learning rate, clip "
+                            "gradients (grad_clip_norm=) or check these samples"
+                        )
+                with tracker.enter("backward"):
+                    self.faults.check(step, "backward")
+                    (loss * ((b - a) * self.world / global_samples)).backward()
+            with tracker.enter("metrics"):
+                self.faults.check(step, "metrics")
+                sums += pack_states(self.metrics, StepOutput(loss.detach(), outputs, targets),
+                                    b - a)
+        return True
+
+    def zero_pass(self) -> None:
+        """A backward of zero gradients through ``forward`` (keeps DDP's collectives matched)."""
+        loss, _, _ = self.forward(ZERO_PASS)
+        loss.backward()
+
+    @torch.no_grad()
+    def evaluate(self, batch: Any, samples: int) -> torch.Tensor:
+        """Metric sums of one validation batch (no gradients, no collectives)."""
+        loss, outputs, targets = self.module(to_device(batch, self.device))
+        return pack_states(self.metrics, StepOutput(loss, outputs, targets), samples)
+
+
+def _short(items: list[int], limit: int = 16) -> str:
+    text = ", ".join(str(i) for i in items[:limit])
+    return f"[{text}{', ...' if len(items) > limit else ''}]"
+
+
+class _PhaseTracker:
+    """Remembers the phase a step is in, so a failure names it."""
+
+    def __init__(self) -> None:
+        self.phase = "data"
+
+    @contextlib.contextmanager
+    def enter(self, phase: str) -> Iterator[None]:
+        self.phase = phase
+        yield

@@ -1,0 +1,124 @@
+"""Turning failures into one report: :class:`~phalanx.errors.TrainingFailed` and
+``run_dir/failures.json``.
+
+The root cause is the first *primary* failure: secondary errors of survivors (a peer's
+socket closed: ``Connection reset by peer``, a collective aborted) are kept in ``failures``
+but never named as the cause while a primary failure exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+from typing import Any
+
+import torch
+
+from phalanx.errors import TrainingFailed
+from phalanx.failures import WorkerFailure, headline
+
+SECONDARY_MARKERS = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "gloo",
+    "nccl communicator was aborted",
+    "socket timeout",
+    "peer",
+    "shut down",
+)
+
+KIND_CODES = {"exception": "PX200", "crash": "PX201", "hang": "PX202", "oom": "PX203"}
+
+
+def is_secondary(f: WorkerFailure) -> bool:
+    """A survivor's error caused by another worker's failure (not a cause of its own)."""
+    if f.kind != "exception" or f.phase not in ("sync", "backward", "forward", "preflight"):
+        return False
+    text = f.message.lower()
+    return any(marker in text for marker in SECONDARY_MARKERS)
+
+
+def root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
+    primary = [f for f in failures if not is_secondary(f)]
+    return min(primary or failures, key=lambda f: f.time)
+
+
+def code_for(root: WorkerFailure, poison: bool) -> str:
+    if root.phase == "preflight":
+        return "PX205"
+    if poison and root.kind == "exception":
+        return "PX204"
+    return KIND_CODES.get(root.kind, "PX200")
+
+
+def build(failures: list[WorkerFailure], poison: bool = False) -> TrainingFailed:
+    """One :class:`TrainingFailed` whose first line names the root cause."""
+    from phalanx.catalog import lookup
+
+    root = root_cause(failures)
+    code = code_for(root, poison)
+    lines = [headline(root)]
+    if poison:
+        lines.append(f"The same step failed on both attempts: a poison batch "
+                     f"(samples {_short(root.sample_indices)}).")
+    if root.exit_code is not None or root.signal is not None:
+        lines.append(f"exit code {root.exit_code}, signal {root.signal}")
+    if root.traceback:
+        lines += ["", "Traceback of the failed worker:", root.traceback.rstrip()]
+    if root.stacks:
+        lines += ["", "Stacks of the hung worker:", root.stacks.rstrip()]
+    others = [f for f in failures if f is not root]
+    if others:
+        lines += ["", f"{len(others)} other failure(s) in this run:"]
+        lines += [f"  - {headline(f)}" for f in others]
+    entry = lookup(code)
+    lines += ["", f"What to try ({code}: {entry.title}):"]
+    lines += [f"  - {fix}" for fix in entry.fixes[:3]]
+    return TrainingFailed("\n".join(lines), root, failures, code)
+
+
+def write_json(run_dir: str | None, failures: list[WorkerFailure], root: WorkerFailure | None,
+               devices: list[str]) -> str | None:
+    """``run_dir/failures.json``: every failure, the root cause and the environment."""
+    if not run_dir:
+        return None
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "failures.json")
+    doc = {
+        "root_cause": root.to_dict() if root else None,
+        "failures": [f.to_dict() for f in failures],
+        "environment": environment(devices, failures),
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, indent=2, default=str)
+    os.replace(tmp, path)
+    return path
+
+
+def environment(devices: list[str], failures: list[WorkerFailure]) -> dict[str, Any]:
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception:
+            nccl = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "platform": platform.platform(),
+        "hosts": sorted({socket.gethostname(), *(f.host for f in failures)}),
+        "devices": devices,
+    }
+
+
+def _short(items: list[int] | None, limit: int = 16) -> str:
+    if not items:
+        return "none"
+    text = ", ".join(str(i) for i in items[:limit])
+    return f"[{text}{', ...' if len(items) > limit else ''}]"

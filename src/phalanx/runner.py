@@ -1,0 +1,98 @@
+"""Setting up and running the loop for one member: checkpoints, resume, start/end events.
+
+In-process strategies (single, threads) call :func:`run_member` in the caller's process;
+the ddp strategy calls it in every worker process (only rank 0 writes and emits).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from phalanx.checkpoint import Checkpointer, Checkpoints
+from phalanx.errors import CheckpointError
+from phalanx.events import Emit, Resumed, RunStarted
+from phalanx.failures import WorkerFailure
+from phalanx.loop import Engine, LoopResult, LoopSettings, TrainLoop
+from phalanx.plan import Plan
+from phalanx.spec import FitConfig, TrainSpec
+
+
+@dataclass
+class MemberRun:
+    loop: LoopResult
+    failures: list[WorkerFailure] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def make_checkpointer(config: FitConfig, emit: Emit) -> Checkpointer | None:
+    if not config.run_dir:
+        return None
+    settings = config.checkpoint if config.checkpoint is not None else Checkpoints()
+    return Checkpointer(checkpoint_dir(config.run_dir), settings, emit)
+
+
+def build_loop(
+    engine: Engine, spec: TrainSpec, config: FitConfig, plan: Plan, emit: Emit,
+    stop_requested: Callable[[], str | None], rank: int, has_valid: bool,
+    checkpointer: Checkpointer | None,
+) -> TrainLoop:
+    settings = LoopSettings(plan=plan, epochs=config.epochs, metrics=spec.summed_metrics(),
+                            loop_metrics=spec.loop_metrics(), seed=config.seed, rank=rank,
+                            has_valid=has_valid)
+    stopping = copy.deepcopy(config.early_stopping)
+    return TrainLoop(engine, settings, emit, checkpointer, stopping, stop_requested)
+
+
+def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
+    """Restore the newest valid checkpoint in ``run_dir`` (checksums verified; a corrupt
+    one is skipped with a CheckpointSkipped event). Nothing to resume from: start fresh."""
+    from phalanx.events import Notice
+
+    assert config.run_dir
+    reader = Checkpointer(checkpoint_dir(config.run_dir), Checkpoints(), emit)
+    try:
+        found = reader.load_latest()
+    finally:
+        reader.close()
+    if found is None:
+        emit(Notice(f"resume: no valid checkpoint in {checkpoint_dir(config.run_dir)}; "
+                    "starting from scratch", level="warning"))
+        return
+    snap, info = found
+    saved = snap.get("plan")
+    if saved != plan.record():
+        raise CheckpointError(
+            f"{info.path} was written with plan {saved}, but this run has {plan.record()}; "
+            "resume with the same dataset, batch_size, seed, shuffle and drop_last, or use "
+            "a new run_dir"
+        )
+    loop.restore(snap)
+    st = loop.state
+    emit(Resumed(info.path, st.epoch, st.step, st.global_step))
+
+
+def run_member(
+    loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit, train_size: int,
+    valid_size: int,
+) -> MemberRun:
+    """Resume if asked, run the loop, and always flush checkpoints."""
+    started = time.time()
+    if config.resume:
+        resume(loop, plan, config, emit)
+    emit(RunStarted(config.run_dir or "", config.strategy, config.devices, config.epochs,
+                    plan.steps, plan.batch_size, train_size, valid_size, loop.state.epoch,
+                    loop.state.step))
+    try:
+        result = loop.run()
+    finally:
+        if loop.checkpointer is not None:
+            loop.checkpointer.close()
+    return MemberRun(result, loop.failures, time.time() - started)

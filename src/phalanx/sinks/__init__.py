@@ -1,0 +1,41 @@
+"""Sinks: where the training loop's events go (screen, JSONL log, CSV, end summary).
+
+Every sink has ``handle(event)`` and ``close()`` (see :class:`phalanx.events.Sink`) and runs
+in the caller's process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from phalanx.events import Sink
+from phalanx.sinks.csv import MetricsCsvSink
+from phalanx.sinks.jsonl import JsonlSink
+from phalanx.sinks.progress import ProgressSink
+from phalanx.sinks.summary import SummaryRow, SummarySink, render_summary, summarize
+
+__all__ = [
+    "JsonlSink",
+    "MetricsCsvSink",
+    "ProgressSink",
+    "SummaryRow",
+    "SummarySink",
+    "default_sinks",
+    "render_summary",
+    "summarize",
+]
+
+
+def default_sinks(run_dir: str | Path | None, console: Console | None = None) -> list[Sink]:
+    """Progress and summary on ``console`` (one shared stdout Console when ``None``); with a
+    ``run_dir`` (created if missing) also ``run_dir/events.jsonl`` and ``run_dir/metrics.csv``.
+    Progress comes before summary, so the live display stops before the summary prints."""
+    console = console if console is not None else Console()
+    sinks: list[Sink] = [ProgressSink(console), SummarySink(console)]
+    if run_dir is not None:
+        folder = Path(run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        sinks += [JsonlSink(folder / "events.jsonl"), MetricsCsvSink(folder / "metrics.csv")]
+    return sinks

@@ -1,0 +1,83 @@
+"""What to train (:class:`TrainSpec`) and how to run it (:class:`FitConfig`).
+
+Both are plain picklable dataclasses: the ddp strategy sends them to every worker process.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.checkpoint import Checkpoints
+from phalanx.early_stopping import EarlyStopping
+from phalanx.faults import Fault
+from phalanx.metrics import LoopMetric, Metric
+
+ModelSource = Callable[[], nn.Module] | nn.Module
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass
+class TrainSpec:
+    """The Learner's recipe: model, optimizer, step function, metrics, schedule."""
+
+    model: ModelSource
+    optimizer: OptimizerFactory
+    step: Callable[[nn.Module, Any], Any]
+    metrics: list[Metric | LoopMetric] = field(default_factory=list)
+    lr_scheduler: SchedulerFactory | None = None
+    grad_accumulation: int = 1
+    grad_clip_norm: float | None = None
+
+    def build_model(self) -> nn.Module:
+        """A fresh replica: the factory's result, or a deep copy of the given module."""
+        if isinstance(self.model, nn.Module):
+            return copy.deepcopy(self.model)
+        model = self.model()
+        if not isinstance(model, nn.Module):
+            from phalanx.errors import InvalidSettingError
+
+            raise InvalidSettingError(
+                f"the model factory returned {type(model).__name__}, not an nn.Module; "
+                "pass model=<zero-argument function returning the nn.Module>"
+            )
+        return model
+
+    def summed_metrics(self) -> list[Metric]:
+        """Loss first, then every summed metric the user asked for (each name once)."""
+        from phalanx.metrics import Loss
+
+        user = [m for m in self.metrics if isinstance(m, Metric) and m.name != "loss"]
+        return [Loss(), *user]
+
+    def loop_metrics(self) -> list[LoopMetric]:
+        return [m for m in self.metrics if isinstance(m, LoopMetric)]
+
+
+@dataclass
+class FitConfig:
+    """Where and how long: validated by :func:`phalanx.validate.validate_fit` before launch."""
+
+    epochs: int
+    batch_size: int
+    devices: list[str]
+    strategy: str
+    seed: int = 0
+    run_dir: str | None = None
+    checkpoint: Checkpoints | None = None
+    early_stopping: EarlyStopping | None = None
+    resume: bool = False
+    drop_last: bool = False
+    shuffle: bool = True
+    faults: list[Fault] = field(default_factory=list)
+    preflight: bool = True
+    hang_timeout: timedelta = timedelta(seconds=60)
+    num_workers: int = 0
+    min_free_memory: int | None = None

@@ -1,0 +1,57 @@
+"""Pieces every engine shares: evaluation of the validation split, guarded commits."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from phalanx.data import validation_batches
+from phalanx.failures import FailedHere, from_exception
+from phalanx.faults import FaultInjector
+from phalanx.replica import Identity, Replica
+from phalanx.trainable import Trainable
+
+
+def evaluate_local(
+    replica: Replica, valid: Dataset[Any] | None, valid_size: int, batch_size: int,
+    member: int, members: int, epoch: int,
+) -> torch.Tensor:
+    """This member's metric sums over its part of the validation set."""
+    sums = torch.zeros(replica.size, dtype=torch.float64)
+    if valid is None:
+        return sums
+    parts = [b for b in validation_batches(valid_size, batch_size, member, members) if b]
+    replica.module.eval()
+    try:
+        loader = DataLoader(valid, batch_sampler=parts, collate_fn=default_collate)
+        for idx, batch in zip(parts, loader, strict=True):
+            sums += replica.evaluate(batch, len(idx))
+    except Exception as exc:
+        raise FailedHere(_failure(exc, replica.identity, "validation", None, epoch)) from exc
+    finally:
+        replica.module.train()
+    return sums
+
+
+def guarded_commit(
+    trainable: Trainable, faults: FaultInjector, identity: Identity, step: int, epoch: int,
+) -> None:
+    """The optimizer phase. A failure here leaves this replica's weights unknown: fatal."""
+    try:
+        faults.check(step, "optimizer")
+        trainable.commit()
+    except Exception as exc:
+        raise FailedHere(_failure(exc, identity, "optimizer", step, epoch)) from exc
+
+
+def _failure(exc: BaseException, who: Identity, phase: str, step: int | None,
+             epoch: int | None) -> Any:
+    return from_exception(exc, worker=who.worker, rank=who.rank, device=who.device, phase=phase,
+                          step=step, epoch=epoch, pid=os.getpid())
+
+
+Thunk = Callable[[], Any]

@@ -1,0 +1,77 @@
+"""``strategy="single"``: one replica in the caller's process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from phalanx.data import LocalBatches
+from phalanx.devices import torch_device
+from phalanx.faults import FaultInjector
+from phalanx.loop import Vote
+from phalanx.plan import Plan
+from phalanx.replica import Identity, Replica
+from phalanx.spec import FitConfig, TrainSpec
+from phalanx.strategies.base import evaluate_local, guarded_commit
+from phalanx.trainable import Trainable
+
+
+class SingleEngine:
+    """The whole global batch on one device; the vote is this replica's own result."""
+
+    is_main = True
+
+    def __init__(
+        self, spec: TrainSpec, config: FitConfig, plan: Plan,
+        train: Dataset[Any], valid: Dataset[Any] | None, valid_size: int,
+    ) -> None:
+        label = config.devices[0]
+        device = torch_device(label)
+        self.config, self.plan, self.train, self.valid, self.valid_size = (
+            config, plan, train, valid, valid_size)
+        self.trainable = Trainable(spec, device, config.seed)
+        self.identity = Identity(worker=0, rank=0, device=label)
+        self.faults = FaultInjector(config.faults, 0)
+        self.replica = Replica(self.trainable.module, device, self.identity,
+                               spec.summed_metrics(), self.faults)
+        self.micro = spec.grad_accumulation
+        self.batches: LocalBatches | None = None
+        self.epoch = 0
+        self.step = 0
+
+    def begin_epoch(self, epoch: int, start_step: int) -> None:
+        self.epoch = epoch
+        self.batches = LocalBatches(self.train, self.plan, epoch, start_step, 0, 1,
+                                    self.config.num_workers)
+
+    def attempt(self, epoch: int, step: int, global_step: int, stop: bool) -> Vote:
+        assert self.batches is not None
+        self.step = global_step
+        res = self.replica.run(self.batches.loader(step), self.batches.indices(step),
+                               self.batches.global_size(step), global_step, epoch, self.micro)
+        failures = [res.failure] if res.failure else []
+        return Vote(failed=len(failures), stop=stop, sums=res.sums, failures=failures)
+
+    def commit(self) -> None:
+        guarded_commit(self.trainable, self.faults, self.identity, self.step, self.epoch)
+
+    def discard(self) -> None:
+        self.trainable.discard()
+
+    def evaluate(self) -> torch.Tensor:
+        return evaluate_local(self.replica, self.valid, self.valid_size, self.config.batch_size,
+                              0, 1, self.epoch)
+
+    def lr(self) -> float:
+        return self.trainable.lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainable.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainable.load_state_dict(state)
+
+    def final_model(self) -> torch.nn.Module:
+        return self.trainable.model.to("cpu")

@@ -1,0 +1,159 @@
+"""Checks run in the caller's process before anything starts. Each raises a
+:class:`~phalanx.errors.ConfigError` subclass whose message names the fix."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+from phalanx.errors import (
+    BatchSizeError,
+    BatchSmallerThanWorkersError,
+    CheckpointError,
+    EmptyDatasetError,
+    EpochTooShortError,
+    InvalidSettingError,
+    LambdaStepError,
+    MissingMainGuardError,
+    NotPicklableError,
+    UnknownStrategyError,
+)
+from phalanx.spec import FitConfig, TrainSpec
+from phalanx.strategies import STRATEGIES
+
+
+def dataset_size(dataset: Any, name: str) -> int:
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise InvalidSettingError(
+            f"the {name} dataset has no len(); pass a map-style torch Dataset "
+            "(with __len__ and __getitem__)"
+        ) from None
+    return int(n)
+
+
+def validate_fit(spec: TrainSpec, config: FitConfig, train_size: int) -> None:
+    _validate_numbers(spec, config)
+    _validate_data(config, train_size)
+    _validate_strategy(config)
+    _validate_faults(config)
+    if config.strategy == "ddp":
+        _validate_picklable(spec)
+        _validate_main_guard()
+
+
+def _validate_numbers(spec: TrainSpec, config: FitConfig) -> None:
+    if config.batch_size < 1:
+        raise BatchSizeError(f"batch_size={config.batch_size}; it must be >= 1 (it is the "
+                             "GLOBAL batch, split among devices)")
+    if config.epochs < 1:
+        raise InvalidSettingError(f"epochs={config.epochs}; pass epochs >= 1")
+    if spec.grad_accumulation < 1:
+        raise InvalidSettingError(f"grad_accumulation={spec.grad_accumulation}; it must be >= 1")
+    if spec.grad_clip_norm is not None and spec.grad_clip_norm <= 0:
+        raise InvalidSettingError("grad_clip_norm must be > 0, or None to disable clipping")
+    if config.hang_timeout.total_seconds() <= 0:
+        raise InvalidSettingError("hang_timeout must be a positive timedelta")
+    if config.resume and not config.run_dir:
+        raise CheckpointError("resume=True needs run_dir= (where the checkpoints are)")
+
+
+def _validate_data(config: FitConfig, n: int) -> None:
+    if n == 0:
+        raise EmptyDatasetError("the training dataset is empty; check the path or the filter "
+                                "that built it")
+    if n < config.batch_size:
+        raise EpochTooShortError(
+            f"the training dataset has {n} samples, fewer than one global batch "
+            f"(batch_size={config.batch_size}); lower batch_size to at most {n}"
+        )
+    workers = len(config.devices)
+    if config.strategy != "single" and config.batch_size < workers:
+        raise BatchSmallerThanWorkersError(
+            f"batch_size={config.batch_size} is smaller than the {workers} devices; batch_size "
+            f"is the GLOBAL batch: raise it to at least {workers} or use fewer devices"
+        )
+
+
+def _validate_strategy(config: FitConfig) -> None:
+    if config.strategy not in STRATEGIES:
+        raise UnknownStrategyError(
+            f"strategy={config.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}"
+        )
+    if config.strategy == "single" and len(config.devices) > 1:
+        raise InvalidSettingError(
+            f'strategy="single" runs on one device but {len(config.devices)} were given '
+            f'({", ".join(config.devices)}); use strategy="ddp" (or "threads") for several'
+        )
+
+
+def _validate_faults(config: FitConfig) -> None:
+    for fault in config.faults:
+        if fault.worker >= len(config.devices):
+            raise InvalidSettingError(
+                f"{fault} targets worker {fault.worker} but there are only "
+                f"{len(config.devices)} devices (workers 0..{len(config.devices) - 1})"
+            )
+        if fault.kind in ("kill", "hang") and config.strategy != "ddp":
+            raise InvalidSettingError(
+                f'a {fault.kind!r} fault needs strategy="ddp" (one process per device): under '
+                f'"{config.strategy}" it would {fault.kind} your own process'
+            )
+        if fault.phase == "preflight" and not (config.strategy == "ddp" and config.preflight):
+            raise InvalidSettingError('a preflight fault needs strategy="ddp" and preflight=True')
+
+
+def _validate_picklable(spec: TrainSpec) -> None:
+    step = spec.step
+    if getattr(step, "__name__", "") == "<lambda>":
+        raise LambdaStepError(
+            'the step function is a lambda, which strategy="ddp" cannot send to worker '
+            "processes; define it with def at module level"
+        )
+    for name in ("model", "optimizer", "step", "lr_scheduler", "metrics"):
+        value = getattr(spec, name)
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise NotPicklableError(
+                f"the {name} argument ({_describe(value)}) cannot be pickled for "
+                f'strategy="ddp" ({type(exc).__name__}: {exc}); use a module-level function '
+                "or functools.partial of one instead of a lambda or a nested function"
+            ) from None
+
+
+def _validate_main_guard() -> None:
+    """With spawn, the main module is re-imported in each worker: unguarded top-level code
+    would start training again there. Detectable when fit() is called while the main module
+    is still being executed at top level (not from a function called under the guard)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None:
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
+            source = _read(path)
+            if source is not None and "__name__" not in source:
+                raise MissingMainGuardError(
+                    f'{path} calls fit(strategy="ddp") at top level without an '
+                    '`if __name__ == "__main__":` guard; worker processes re-import this file. '
+                    'Put the call under `if __name__ == "__main__":`'
+                )
+            return
+        frame = frame.f_back  # type: ignore[assignment]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _describe(value: Any) -> str:
+    name = getattr(value, "__qualname__", None) or type(value).__name__
+    return str(name)

@@ -1,0 +1,160 @@
+"""The error catalog (``phalanx explain``) and the command line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from phalanx import catalog, cli, errors
+from phalanx.catalog import CATALOG, explain, list_codes
+
+SECTIONS = ["What it means", "When it happens", "Common causes", "What to do", "Example fix"]
+TRAINING_FAILED_KINDS = ["PX201", "PX202", "PX203", "PX204", "PX205"]
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def test_catalog_covers_every_error_class_and_training_failed_kind() -> None:
+    codes = {cls.code for cls in errors.all_error_classes()}
+    assert {"PX100", "PX113", "PX120", "PX200"} <= codes
+    missing = (codes | set(TRAINING_FAILED_KINDS)) - set(CATALOG)
+    assert not missing, f"no catalog entry for {sorted(missing)}"
+
+
+def test_every_entry_is_complete_and_keyed_by_its_code() -> None:
+    for code, e in CATALOG.items():
+        assert re.fullmatch(r"PX\d{3}", code) and e.code == code
+        assert e.title and len(e.meaning) > 40 and len(e.when) > 20, code
+        assert e.causes and all(c.strip() for c in e.causes), code
+        assert e.fixes and all(f.strip() for f in e.fixes), code
+        assert e.example.strip(), code
+
+
+def test_entries_name_the_specific_fix() -> None:
+    assert "GLOBAL" in CATALOG["PX113"].meaning
+    assert any("number of devices" in f for f in CATALOG["PX113"].fixes)
+    assert "__main__" in CATALOG["PX116"].example
+    assert "functools.partial" in CATALOG["PX114"].example
+    assert "hang_timeout" in CATALOG["PX202"].meaning
+    assert any("collective" in c for c in CATALOG["PX202"].causes)
+    assert any("grad_accumulation" in f for f in CATALOG["PX203"].fixes)
+    assert any("dmesg" in f for f in CATALOG["PX201"].fixes)
+    assert any("OOM killer" in c for c in CATALOG["PX201"].causes)
+    assert "first failure is the root cause" in CATALOG["PX204"].meaning
+    assert any("sample indices" in f for f in CATALOG["PX204"].fixes)
+    assert "NaN" in CATALOG["PX107"].title
+
+
+def test_explain_has_all_sections_in_order_and_accepts_lowercase() -> None:
+    text = explain("px113")
+    assert text.startswith("PX113: global batch smaller than the number of workers")
+    positions = [text.index(s) for s in SECTIONS]
+    assert positions == sorted(positions)
+    assert "1. Raise batch_size" in text
+    assert "batch_size=256" in text
+    assert explain(" PX113 ") == text == explain("113")
+
+
+def test_explain_unknown_code_lists_close_matches() -> None:
+    with pytest.raises(KeyError) as info:
+        explain("PX1133")
+    message = info.value.args[0]
+    assert "unknown error code 'PX1133'" in message
+    assert "PX113" in message
+    assert "phalanx explain" in message
+
+
+def test_list_codes_one_line_per_code() -> None:
+    lines = list_codes().splitlines()
+    assert len(lines) == len(CATALOG)
+    assert "PX203  a worker ran out of memory" in lines
+    assert [line.split()[0] for line in lines] == sorted(CATALOG)
+
+
+def test_cli_explain_code(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["explain", "PX113"]) == 0
+    out = capsys.readouterr().out
+    assert "global batch smaller than the number of workers" in out
+    for section in SECTIONS:
+        assert section in out
+
+
+def test_cli_explain_without_code_lists_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["explain"]) == 0
+    out = capsys.readouterr().out
+    assert "PX116  missing if __name__ == '__main__': guard" in out
+    assert "PX202  a worker hung" in out
+
+
+def test_cli_explain_unknown_code_fails_helpfully(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["explain", "PX999"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "unknown error code 'PX999'" in captured.err
+    assert "phalanx explain" in captured.err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["explain", "--help"], ["demo", "--help"]])
+def test_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: phalanx")
+    if argv[0] == "demo":
+        for flag in ("--epochs", "--batch-size", "--devices", "--strategy", "--run-dir"):
+            assert flag in out
+        assert "--resume" in out and "--fault" in out and "--seed" in out
+
+
+def test_cli_without_command_prints_help_and_returns_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    assert "explain" in out and "demo" in out
+
+
+def test_cli_usage_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--epochs", "many"]) == 2
+    assert "invalid int value" in capsys.readouterr().err
+
+
+def test_demo_parser_defaults_and_repeatable_fault() -> None:
+    args = cli.build_parser().parse_args(["demo", "--fault", "kill:1@30", "--fault", "hang:0@5"])
+    assert args.fault == ["kill:1@30", "hang:0@5"]
+    assert (args.epochs, args.batch_size, args.devices, args.strategy) == (8, 64, "cpu", "single")
+    assert (args.run_dir, args.resume, args.seed) == ("runs/demo", False, 0)
+    assert args.handler is cli._demo
+
+
+def test_demo_dispatches_to_run_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    seen: list[object] = []
+
+    def run_demo(args: object) -> int:
+        seen.append(args)
+        return 7
+
+    fake = types.ModuleType("phalanx.demo")
+    fake.run_demo = run_demo  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "phalanx.demo", fake)
+    assert cli.main(["demo", "--epochs", "2", "--resume"]) == 7
+    (args,) = seen
+    assert args.epochs == 2 and args.resume is True and args.fault == []  # type: ignore[attr-defined]
+
+
+def test_python_dash_m_phalanx_explain() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "phalanx", "explain", "px204"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("PX204: poison batch")
+    assert catalog.CATALOG["PX204"].title in result.stdout

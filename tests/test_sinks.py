@@ -1,0 +1,328 @@
+"""Sinks: summary table, JSONL log, metrics CSV, progress display, default set."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from phalanx.events import (
+    CheckpointSaved,
+    CheckpointSkipped,
+    EpochEnded,
+    EpochStarted,
+    Event,
+    Notice,
+    Resumed,
+    RunEnded,
+    RunStarted,
+    StepEnded,
+    ValidationStarted,
+    WorkerFailed,
+)
+from phalanx.failures import WorkerFailure
+from phalanx.sinks import (
+    JsonlSink,
+    MetricsCsvSink,
+    ProgressSink,
+    SummaryRow,
+    SummarySink,
+    default_sinks,
+    render_summary,
+    summarize,
+)
+
+ANSI = re.compile(r"\x1b\[")
+
+HISTORY = [
+    {"train/loss": 1.0, "valid/loss": 1.2, "valid/accuracy": 0.50},
+    {"train/loss": 0.6, "valid/loss": 0.9, "valid/accuracy": 0.71},
+    {"train/loss": 0.4, "valid/loss": 1.0, "valid/accuracy": 0.70},
+]
+
+
+def _step(epoch: int, step: int, global_step: int, loss: float = 0.5) -> StepEnded:
+    return StepEnded(
+        epoch=epoch,
+        step=step,
+        global_step=global_step,
+        steps_in_epoch=4,
+        loss=loss,
+        lr=1e-3,
+        samples=64,
+        samples_per_s=1234.0,
+    )
+
+
+def _failure() -> WorkerFailure:
+    return WorkerFailure(
+        worker=1,
+        rank=1,
+        device="cpu:1",
+        kind="exception",
+        message="boom [not markup]",
+        phase="backward",
+        step=5,
+        epoch=1,
+        exception_type="RuntimeError",
+    )
+
+
+def full_run() -> list[Event]:
+    """A run of 2 epochs x 4 steps with a failure, a notice and a skipped checkpoint."""
+    events: list[Event] = [
+        CheckpointSkipped(path="runs/x/ckpt-3.pt", reason="bad checksum"),
+        RunStarted(
+            run_dir="runs/x",
+            strategy="ddp",
+            devices=["cpu:0", "cpu:1"],
+            epochs=2,
+            steps_per_epoch=4,
+            batch_size=64,
+            train_samples=256,
+            valid_samples=64,
+        ),
+    ]
+    g = 0
+    for epoch in range(2):
+        events.append(EpochStarted(epoch=epoch, steps=4))
+        for step in range(4):
+            g += 1
+            events.append(_step(epoch, step, g, loss=1.0 / g))
+            if (epoch, step) == (1, 0):
+                events.append(WorkerFailed(failure=_failure(), action="retried"))
+        events.append(ValidationStarted(epoch=epoch, batches=2))
+        events.append(EpochEnded(epoch=epoch, metrics=HISTORY[epoch], seconds=1.5))
+        events.append(CheckpointSaved(path=f"runs/x/ckpt-{epoch}.pt", step=g, epoch=epoch))
+    events.append(Notice(text="early stopping: valid/loss did not improve", level="warning"))
+    events.append(RunEnded(history=HISTORY[:2], steps=g, epochs=2, interrupted=None, seconds=3.0))
+    return events
+
+
+# -- summary ---------------------------------------------------------------------------------
+
+
+def test_summarize_min_max_and_epochs() -> None:
+    rows = {(r.split, r.metric): r for r in summarize(HISTORY)}
+    assert rows[("train", "loss")] == SummaryRow("train", "loss", 0.4, 3, 1.0, 1)
+    assert rows[("valid", "loss")] == SummaryRow("valid", "loss", 0.9, 2, 1.2, 1)
+    assert rows[("valid", "accuracy")] == SummaryRow("valid", "accuracy", 0.5, 1, 0.71, 2)
+    assert [(r.split, r.metric) for r in summarize(HISTORY)] == [
+        ("train", "loss"),
+        ("valid", "accuracy"),
+        ("valid", "loss"),
+    ]
+
+
+def test_summarize_ignores_nan_and_handles_missing_keys_and_ties() -> None:
+    history = [{"train/loss": math.nan}, {"train/loss": 2.0, "lr": 0.1}, {"train/loss": 2.0}]
+    rows = {(r.split, r.metric): r for r in summarize(history)}
+    assert rows[("train", "loss")] == SummaryRow("train", "loss", 2.0, 2, 2.0, 2)
+    assert rows[("", "lr")] == SummaryRow("", "lr", 0.1, 2, 0.1, 2)
+    only_nan = summarize([{"valid/loss": math.nan}])[0]
+    assert math.isnan(only_nan.min) and only_nan.min_epoch == 1
+    assert summarize([]) == []
+
+
+def test_render_summary_prints_learner_summary_table() -> None:
+    console = Console(file=io.StringIO(), width=100)
+    render_summary(HISTORY, console)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "Learner Summary" in out
+    for header in ("Split", "Metric", "Min.", "Epoch", "Max."):
+        assert header in out
+    assert re.search(r"train\s+│\s+loss\s+│\s+0\.400\s+│\s+3\s+│\s+1\.000\s+│\s+1", out)
+
+
+def test_summary_sink_prints_only_at_run_end_with_interrupt_reason() -> None:
+    console = Console(file=io.StringIO(), width=100)
+    sink = SummarySink(console)
+    sink.handle(_step(0, 0, 1))
+    assert console.file.getvalue() == ""  # type: ignore[attr-defined]
+    sink.handle(RunEnded(history=HISTORY, steps=12, epochs=3, interrupted="SIGTERM", seconds=75.0))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "Learner Summary" in out
+    assert "3 epoch(s), 12 step(s) in 1m 15s" in out
+    assert "Training interrupted: SIGTERM" in out
+
+
+# -- JSONL -----------------------------------------------------------------------------------
+
+
+def test_jsonl_one_valid_json_line_per_event_including_nan(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "events.jsonl"
+    sink = JsonlSink(path)
+    events = full_run()
+    events.insert(3, _step(0, 0, 1, loss=math.nan))
+    events.insert(4, EpochEnded(epoch=0, metrics={"train/loss": math.inf}, seconds=1.0))
+    for e in events:
+        sink.handle(e)
+    # flushed as written: readable before close
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(events)
+    sink.close()
+    records = [json.loads(line, parse_constant=pytest.fail) for line in lines]
+    assert [r["event"] for r in records] == [type(e).__name__ for e in events]
+    assert records[3]["loss"] == "NaN"
+    assert records[4]["metrics"] == {"train/loss": "Infinity"}
+    failed = next(r for r in records if r["event"] == "WorkerFailed")
+    assert failed["failure"]["device"] == "cpu:1" and failed["action"] == "retried"
+
+
+def test_jsonl_appends_after_close(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path)
+    sink.handle(Notice(text="one"))
+    sink.close()
+    sink.handle(Notice(text="two"))
+    sink.close()
+    assert [json.loads(x)["text"] for x in path.read_text().splitlines()] == ["one", "two"]
+
+
+# -- CSV -------------------------------------------------------------------------------------
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def test_csv_columns_grow_and_file_is_rewritten(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    sink = MetricsCsvSink(path)
+    sink.handle(_step(0, 0, 1))  # ignored
+    sink.handle(EpochEnded(epoch=0, metrics={"train/loss": 1.0}, seconds=1.0))
+    assert _read_csv(path) == (["epoch", "train/loss"], [{"epoch": "1", "train/loss": "1.0"}])
+    sink.handle(EpochEnded(epoch=1, metrics={"train/loss": 0.5, "valid/loss": 0.7}, seconds=1))
+    sink.handle(EpochEnded(epoch=2, metrics={"train/loss": 0.25, "valid/loss": 0.6}, seconds=1))
+    columns, rows = _read_csv(path)
+    assert columns == ["epoch", "train/loss", "valid/loss"]
+    assert rows == [
+        {"epoch": "1", "train/loss": "1.0", "valid/loss": ""},
+        {"epoch": "2", "train/loss": "0.5", "valid/loss": "0.7"},
+        {"epoch": "3", "train/loss": "0.25", "valid/loss": "0.6"},
+    ]
+    sink.close()
+
+
+def test_csv_resume_keeps_finished_epochs_and_fresh_run_starts_clean(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    first = MetricsCsvSink(path)
+    for epoch in range(3):
+        first.handle(EpochEnded(epoch=epoch, metrics={"train/loss": float(epoch)}, seconds=1))
+    start = RunStarted(
+        run_dir=str(tmp_path),
+        strategy="single",
+        devices=["cpu"],
+        epochs=5,
+        steps_per_epoch=4,
+        batch_size=8,
+        train_samples=32,
+        valid_samples=8,
+        start_epoch=2,
+    )
+    resumed = MetricsCsvSink(path)
+    resumed.handle(start)
+    resumed.handle(EpochEnded(epoch=2, metrics={"train/loss": 9.0}, seconds=1))
+    assert [(r["epoch"], r["train/loss"]) for r in _read_csv(path)[1]] == [
+        ("1", "0.0"),
+        ("2", "1.0"),
+        ("3", "9.0"),
+    ]
+    start.start_epoch = 0
+    fresh = MetricsCsvSink(path)
+    fresh.handle(start)
+    assert _read_csv(path)[1] == []
+
+
+# -- progress --------------------------------------------------------------------------------
+
+
+def test_progress_plain_mode_writes_plain_lines_without_ansi() -> None:
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)
+    sink = ProgressSink(console, every=2)
+    for e in full_run():
+        sink.handle(e)
+    sink.close()
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert not ANSI.search(out)
+    lines = out.splitlines()
+    step_lines = [x for x in lines if " step " in x and "global" in x]
+    assert len(step_lines) == 4  # 8 global steps, every 2
+    assert "epoch 1/2 step 2/4 (global 2): loss 0.5000  lr 1.00e-03  1,234 samples/s" in lines
+    assert any(x.startswith("epoch 2/2 done in 1.5s: train/loss 0.6000") for x in lines)
+    assert "checkpoint skipped: runs/x/ckpt-3.pt: bad checksum" in lines
+    assert (
+        "worker 1 (rank 1) on device cpu:1 failed at step 5 of epoch 2/2 (backward): "
+        "RuntimeError: boom [not markup] -> retried"
+    ) in lines
+    assert "warning: early stopping: valid/loss did not improve" in lines
+    assert any("Training 2 epoch(s) on cpu:0, cpu:1 (strategy ddp)" in x for x in lines)
+
+
+def test_progress_plain_mode_survives_events_out_of_order() -> None:
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)
+    sink = ProgressSink(console, every=1)
+    sink.handle(_step(3, 1, 7))
+    sink.handle(EpochEnded(epoch=3, metrics={}, seconds=0.2))
+    sink.handle(Resumed(path="ckpt.pt", epoch=3, step=1, global_step=7))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "epoch 4 step 2/4 (global 7)" in out
+    assert "epoch 4 done in 0.2s: no metrics" in out
+    assert "resumed from ckpt.pt at epoch 4, step 1 (global step 7)" in out
+
+
+def test_progress_terminal_mode_runs_a_full_sequence_and_stops() -> None:
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    sink = ProgressSink(console)
+    assert sink.live
+    sink.handle(_step(0, 2, 3))  # before RunStarted: starts bars with unknown epochs
+    for e in full_run():
+        sink.handle(e)
+    assert sink._progress is None  # RunEnded stopped the live display
+    sink.handle(_step(1, 3, 8))  # after the end: restarts, close stops again
+    sink.close()
+    sink.close()
+    assert sink._progress is None
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert ANSI.search(out)
+    assert "epoch 2/2 done in 1.5s" in out
+    assert "failed at step 5" in out and "boom [not markup]" in out
+    assert "early stopping" in out
+
+
+def test_progress_rejects_every_below_one() -> None:
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        ProgressSink(Console(file=io.StringIO()), every=0)
+
+
+# -- default set -----------------------------------------------------------------------------
+
+
+def test_default_sinks_with_and_without_run_dir(tmp_path: Path) -> None:
+    console = Console(file=io.StringIO(), force_terminal=False)
+    assert [type(s) for s in default_sinks(None, console)] == [ProgressSink, SummarySink]
+    run_dir = tmp_path / "runs" / "a"
+    sinks = default_sinks(str(run_dir), console)
+    assert run_dir.is_dir()
+    assert [type(s) for s in sinks] == [ProgressSink, SummarySink, JsonlSink, MetricsCsvSink]
+    for e in full_run():
+        for s in sinks:
+            s.handle(e)
+    for s in sinks:
+        s.close()
+    assert len((run_dir / "events.jsonl").read_text().splitlines()) == len(full_run())
+    assert _read_csv(run_dir / "metrics.csv")[0] == [
+        "epoch",
+        "train/loss",
+        "valid/loss",
+        "valid/accuracy",
+    ]
+    assert "Learner Summary" in console.file.getvalue()  # type: ignore[attr-defined]
