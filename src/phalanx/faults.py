@@ -52,7 +52,7 @@ class Fault:
     @classmethod
     def parse(cls, text: str) -> Fault:
         """``KIND:WORKER@STEP[/PHASE][xTIMES]``, e.g. ``kill:1@30``, ``exception:0@5/backward``."""
-        m = re.fullmatch(r"(\w+):(\d+)@(\d+)(?:/(\w+))?(?:x(\d+))?", text.strip())
+        m = re.fullmatch(r"([a-z]+):(\d+)@(\d+)(?:/([a-z]+?))?(?:x(\d+))?", text.strip())
         if not m:
             raise InvalidSettingError(
                 f"cannot read fault {text!r}; write KIND:WORKER@STEP, e.g. kill:1@30 "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,6 +32,7 @@ from phalanx.events import (
     Notice,
     StepEnded,
     ValidationStarted,
+    WorkerFailed,
 )
 from phalanx.failures import WorkerFailure
 from phalanx.metrics import LoopMetric, LoopStats, Metric, compute_all
@@ -140,6 +142,7 @@ class TrainLoop:
         checkpointer: Checkpointer | None,
         early_stopping: EarlyStopping | None,
         stop_requested: Any,
+        on_failure: Callable[[WorkerFailure], None] | None = None,
     ) -> None:
         self.engine = engine
         self.s = settings
@@ -147,6 +150,8 @@ class TrainLoop:
         self.checkpointer = checkpointer if engine.is_main else None
         self.early_stopping = early_stopping
         self.stop_requested = stop_requested  # () -> str | None: this member's stop reason
+        # Failures seen on this member, with the action taken. Default: a WorkerFailed event.
+        self.on_failure = on_failure or (lambda f: self.emit(WorkerFailed(f, f.action or "")))
         self.state = TrainState()
         self.failures: list[WorkerFailure] = []
         self.epoch_started = time.time()
@@ -208,8 +213,11 @@ class TrainLoop:
             torch.manual_seed(step_seed(self.s.seed, st.global_step, attempt, self.s.rank))
             reason = self.stop_requested()
             vote = self.engine.attempt(st.epoch, st.step, st.global_step, reason is not None)
-            self.failures.extend(vote.failures)
             action = decide(attempt, vote.failed)
+            for failure in vote.failures:
+                failure.action = {"retry": "retried", "abort": "aborted"}.get(action, action)
+                self.failures.append(failure)
+                self.on_failure(failure)
             if action == "commit":
                 break
             self.engine.discard()

@@ -112,6 +112,7 @@ class Replica:
         faults: FaultInjector,
         forward: nn.Module | None = None,
         world: int = 1,
+        on_phase: Callable[[int, str], None] | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -121,6 +122,8 @@ class Replica:
         self.forward = forward if forward is not None else module
         self.world = world
         self.size = total_size(metrics)
+        self.on_phase = on_phase
+        self.step = 0  # the step last run (named by validation heartbeats)
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         ns = getattr(self.forward, "no_sync", None)
@@ -142,7 +145,8 @@ class Replica:
         collectives match across ranks whatever happens here.
         """
         sums = torch.zeros(self.size, dtype=torch.float64)
-        tracker = _PhaseTracker()
+        self.step = step
+        tracker = _PhaseTracker(step, self.on_phase)
         synced = False
         try:
             with tracker.enter("data"):
@@ -201,6 +205,8 @@ class Replica:
     @torch.no_grad()
     def evaluate(self, batch: Any, samples: int) -> torch.Tensor:
         """Metric sums of one validation batch (no gradients, no collectives)."""
+        if self.on_phase is not None:
+            self.on_phase(self.step, "validation")  # a heartbeat: long validations are not hangs
         loss, outputs, targets = self.module(to_device(batch, self.device))
         return pack_states(self.metrics, StepOutput(loss, outputs, targets), samples)
 
@@ -211,12 +217,17 @@ def _short(items: list[int], limit: int = 16) -> str:
 
 
 class _PhaseTracker:
-    """Remembers the phase a step is in, so a failure names it."""
+    """Remembers the phase a step is in, so a failure names it; tells ``on_phase`` (the
+    ddp worker's heartbeat) each time the phase changes."""
 
-    def __init__(self) -> None:
-        self.phase = "data"
+    def __init__(self, step: int, on_phase: Callable[[int, str], None] | None) -> None:
+        self.phase = ""
+        self.step = step
+        self.on_phase = on_phase
 
     @contextlib.contextmanager
     def enter(self, phase: str) -> Iterator[None]:
+        if self.on_phase is not None and phase != self.phase:
+            self.on_phase(self.step, phase)
         self.phase = phase
         yield

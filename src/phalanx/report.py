@@ -73,7 +73,7 @@ def build(failures: list[WorkerFailure], poison: bool = False) -> TrainingFailed
     others = [f for f in failures if f is not root]
     if others:
         lines += ["", f"{len(others)} other failure(s) in this run:"]
-        lines += [f"  - {headline(f)}" for f in others]
+        lines += [f"  - {headline(f)}" + (f" [{f.action}]" if f.action else "") for f in others]
     entry = lookup(code)
     lines += ["", f"What to try ({code}: {entry.title}):"]
     lines += [f"  - {fix}" for fix in entry.fixes[:3]]

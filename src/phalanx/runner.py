@@ -43,12 +43,13 @@ def build_loop(
     engine: Engine, spec: TrainSpec, config: FitConfig, plan: Plan, emit: Emit,
     stop_requested: Callable[[], str | None], rank: int, has_valid: bool,
     checkpointer: Checkpointer | None,
+    on_failure: Callable[[WorkerFailure], None] | None = None,
 ) -> TrainLoop:
     settings = LoopSettings(plan=plan, epochs=config.epochs, metrics=spec.summed_metrics(),
                             loop_metrics=spec.loop_metrics(), seed=config.seed, rank=rank,
                             has_valid=has_valid)
     stopping = copy.deepcopy(config.early_stopping)
-    return TrainLoop(engine, settings, emit, checkpointer, stopping, stop_requested)
+    return TrainLoop(engine, settings, emit, checkpointer, stopping, stop_requested, on_failure)
 
 
 def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:

@@ -1,0 +1,59 @@
+"""What workers tell the supervisor (over one multiprocessing queue) and the store keys
+the supervisor uses to talk back. Every message is a small picklable dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.events import Event
+from phalanx.failures import WorkerFailure
+
+STOP_KEY = "control/stop"  # value: the reason; workers stop after the current step
+ABORT_KEY = "control/abort"  # value: why; workers exit at once
+
+
+@dataclass
+class Relay:
+    """An event from rank 0, for the supervisor's sinks."""
+
+    event: Event
+
+
+@dataclass
+class Progress:
+    """A worker entered ``phase`` of ``step`` (its heartbeat, and what a hang report names)."""
+
+    rank: int
+    step: int
+    phase: str
+    time: float
+
+
+@dataclass
+class Failed:
+    """A failure seen by a worker. ``fatal``: the worker is exiting (no vote can absorb it)."""
+
+    failure: WorkerFailure
+    fatal: bool
+
+
+@dataclass
+class Aborted:
+    """The step policy stopped the run at ``step`` (every rank sends one)."""
+
+    rank: int
+    step: int
+    poison: bool
+
+
+@dataclass
+class Done:
+    """A worker finished. Rank 0 adds where the final weights are and the loop's results."""
+
+    rank: int
+    weights_path: str | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    steps: int = 0
+    epochs: int = 0
+    interrupted: str | None = None
