@@ -107,7 +107,12 @@ def headline(f: WorkerFailure) -> str:
     who = f"rank {f.rank}, host {f.host}"
     if f.pid is not None:
         who += f", pid {f.pid}"
-    at = f"at step {f.step}" if f.step is not None else "before its first step"
+    if f.phase == "validation":
+        at = f"in validation of epoch {f.epoch}"
+    elif f.step is not None:
+        at = f"at step {f.step}"
+    else:
+        at = "before its first step"
     return f"training worker on device {f.device} ({who}) failed {at} ({f.phase}): {cause(f)}"
 
 

@@ -96,7 +96,8 @@ def _validate_faults(config: FitConfig) -> None:
                 f"{fault} targets worker {fault.worker} but there are only "
                 f"{len(config.devices)} devices (workers 0..{len(config.devices) - 1})"
             )
-        if fault.kind in ("kill", "hang") and config.strategy != "ddp":
+        own_process = fault.kind == "kill" or (fault.kind == "hang" and config.strategy == "single")
+        if own_process and config.strategy != "ddp":
             raise InvalidSettingError(
                 f'a {fault.kind!r} fault needs strategy="ddp" (one process per device): under '
                 f'"{config.strategy}" it would {fault.kind} your own process'

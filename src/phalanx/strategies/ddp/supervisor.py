@@ -318,7 +318,10 @@ def run_ddp(
         model = sup.final_model(done.weights_path)
     finally:
         sup.close()
-    return FitResult(model, done.history, done.steps, done.epochs, done.interrupted,
+    interrupted = done.interrupted
+    if interrupted and interrupter.reason:  # the reason as the supervisor was told it
+        interrupted = f"Training interrupted: {interrupter.reason}"
+    return FitResult(model, done.history, done.steps, done.epochs, interrupted,
                      outcome.failures, config.run_dir, time.time() - started)
 
 

@@ -1,0 +1,328 @@
+"""strategy="threads": one replica and one thread per device, the same math as "single"."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import phalanx as px
+from phalanx.metrics import Metric
+from phalanx.step import StepOutput
+
+TWO = "cpu:0,cpu:1"
+THREE = "cpu:0,cpu:1,cpu:2"
+
+
+def make_data(n: int, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    y = (x[:, :3].sum(dim=1, keepdim=True) - x[:, 3:4] * x[:, 4:5]).tanh()
+    return TensorDataset(x, y)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def mse_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def learner(step: Any = mse_step, metrics: tuple[Any, ...] = ()) -> px.Learner:
+    return px.Learner(mlp, sgd, step, metrics=metrics)
+
+
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Largest difference in a tensor relative to that tensor's largest entry, over all
+    tensors (float32 rounding alone gives about 1e-7 here)."""
+    assert [t.shape for t in a] == [t.shape for t in b]
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b, strict=True))
+
+
+# 490 samples in global batches of 45: 10 full batches and a short one of 40, 11 steps an
+# epoch; 5 epochs are 55 optimizer steps.
+DATA = make_data(490)
+VALID = make_data(101, seed=1)
+FIT: dict[str, Any] = dict(batch_size=45, epochs=5, seed=3, sinks=[])
+
+
+@pytest.fixture(scope="module")
+def single_run() -> px.FitResult:
+    return learner().fit(DATA, VALID, devices="cpu", strategy="single", **FIT)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("devices", [TWO, THREE])
+def test_threads_matches_single(devices: str, single_run: px.FitResult) -> None:
+    result = learner().fit(DATA, VALID, devices=devices, strategy="threads", **FIT)
+    assert result.steps == single_run.steps == 55
+    a, b = params(result.model), params(single_run.model)
+    assert rel_diff(a, b) <= 1e-5
+    torch.manual_seed(3)
+    assert rel_diff(params(mlp()), b) > 1e-2  # training moved the weights
+    for mine, ref in zip(result.history, single_run.history, strict=True):
+        assert mine["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-5)
+        assert mine["valid/loss"] == pytest.approx(ref["valid/loss"], rel=1e-5)
+    assert result.history[-1]["train/loss"] < 0.5 * result.history[0]["train/loss"]
+    assert result.failures == []
+    assert next(result.model.parameters()).device.type == "cpu"
+
+
+@pytest.mark.timeout(60)
+def test_uneven_split_with_short_last_batch() -> None:
+    """Global batch 50 over 3 devices (17/17/16); 230 samples leave a last batch of 30."""
+    data = make_data(230, seed=5)
+    fit: dict[str, Any] = dict(batch_size=50, epochs=10, seed=7, sinks=[])
+    ref = learner().fit(data, devices="cpu", strategy="single", **fit)
+    got = learner().fit(data, devices=THREE, strategy="threads", **fit)
+    assert got.steps == ref.steps == 50
+    assert rel_diff(params(got.model), params(ref.model)) <= 1e-5
+
+
+def mlp64() -> nn.Module:
+    return mlp().double()
+
+
+@pytest.mark.timeout(60)
+def test_same_math_up_to_rounding_in_float64() -> None:
+    """In float64 the only difference left is the order of the gradient sum."""
+    x, y = make_data(230, seed=5).tensors
+    data = TensorDataset(x.double(), y.double())
+    fit: dict[str, Any] = dict(batch_size=50, epochs=10, seed=7, sinks=[])
+    ref = px.Learner(mlp64, sgd, mse_step).fit(data, devices="cpu", strategy="single", **fit)
+    got = px.Learner(mlp64, sgd, mse_step).fit(data, devices=THREE, strategy="threads", **fit)
+    assert params(got.model)[0].dtype == torch.float64
+    assert rel_diff(params(got.model), params(ref.model)) <= 1e-12
+
+
+@pytest.mark.timeout(60)
+def test_last_batch_smaller_than_devices() -> None:
+    """101 samples in batches of 50: the last batch has one sample, so two of the three
+    members get nothing at that step (they take a zero pass) and the sum is still exact."""
+    data = make_data(101, seed=6)
+    fit: dict[str, Any] = dict(batch_size=50, epochs=3, seed=1, sinks=[])
+    ref = learner().fit(data, devices="cpu", strategy="single", **fit)
+    got = learner().fit(data, devices=THREE, strategy="threads", **fit)
+    assert got.steps == ref.steps == 9
+    assert rel_diff(params(got.model), params(ref.model)) <= 1e-5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("worker", [1, 0])
+def test_transient_exception_is_retried_and_changes_nothing(worker: int) -> None:
+    """The failed attempt's gradients (of the healthy replica too) are all thrown away."""
+    fit: dict[str, Any] = dict(
+        batch_size=45, epochs=1, seed=3, sinks=[], devices=TWO, strategy="threads"
+    )
+    clean = learner().fit(DATA, **fit)
+    fault = px.Fault(kind="exception", worker=worker, step=3, times=1)
+    retried = learner().fit(DATA, faults=[fault], **fit)
+    assert retried.steps == clean.steps == 11
+    assert all(
+        torch.equal(x, y) for x, y in zip(params(retried.model), params(clean.model), strict=True)
+    )
+    assert len(retried.failures) == 1
+    failure = retried.failures[0]
+    where = (failure.worker, failure.device, failure.step, failure.phase)
+    assert where == (worker, f"cpu:{worker}", 3, "forward")
+    assert "injected exception" in failure.message
+
+
+@pytest.mark.timeout(60)
+def test_poison_batch_names_device_step_phase_and_message() -> None:
+    fault = px.Fault(kind="exception", worker=1, step=3, phase="backward", times=2)
+    with pytest.raises(px.TrainingFailed) as info:
+        learner().fit(
+            DATA, devices=THREE, strategy="threads", batch_size=45, sinks=[], faults=[fault]
+        )
+    err = info.value
+    first = str(err).splitlines()[0]
+    assert "device cpu:1" in first
+    assert "step 3" in first
+    assert "(backward)" in first
+    assert "injected exception" in first
+    assert err.root_cause.worker == 1
+    assert err.root_cause.kind == "exception"
+    assert err.code == "PX204"
+    assert [f.worker for f in err.failures] == [1, 1]
+
+
+class Exploding(Metric):
+    name = "exploding"
+
+    def size(self) -> int:
+        return 1
+
+    def state(self, output: StepOutput, samples: int) -> torch.Tensor:
+        raise ValueError("this metric cannot count")
+
+    def compute(self, state: torch.Tensor) -> float:
+        return 0.0
+
+
+@pytest.mark.timeout(60)
+def test_exception_in_a_metric_is_reported_in_phase_metrics() -> None:
+    with pytest.raises(px.TrainingFailed) as info:
+        learner(metrics=(Exploding(),)).fit(
+            DATA, devices=TWO, strategy="threads", batch_size=45, sinks=[]
+        )
+    err = info.value
+    first = str(err).splitlines()[0]
+    assert "(metrics)" in first and "this metric cannot count" in first
+    assert err.root_cause.phase == "metrics"
+    assert err.root_cause.step == 0
+    assert {f.device for f in err.failures} == {"cpu:0", "cpu:1"}
+
+
+@pytest.mark.timeout(60)
+def test_oom_twice_is_px203() -> None:
+    fault = px.Fault(kind="oom", worker=1, step=2, times=2)
+    with pytest.raises(px.TrainingFailed) as info:
+        learner().fit(
+            DATA, devices=TWO, strategy="threads", batch_size=45, sinks=[], faults=[fault]
+        )
+    err = info.value
+    assert err.root_cause.kind == "oom"
+    assert err.code == "PX203"
+    assert "PX203" in str(err)
+    assert "device cpu:1" in str(err).splitlines()[0]
+
+
+@pytest.mark.timeout(60)
+def test_optimizer_fault_on_a_non_main_device_is_fatal() -> None:
+    fault = px.Fault(kind="exception", worker=2, step=1, phase="optimizer")
+    with pytest.raises(px.TrainingFailed) as info:
+        learner().fit(
+            DATA, devices=THREE, strategy="threads", batch_size=45, sinks=[], faults=[fault]
+        )
+    root = info.value.root_cause
+    assert (root.device, root.step, root.phase) == ("cpu:2", 1, "optimizer")
+
+
+@pytest.mark.timeout(60)
+def test_transient_sync_fault_is_retried() -> None:
+    fault = px.Fault(kind="exception", worker=1, step=4, phase="sync")
+    result = learner().fit(
+        DATA, devices=TWO, strategy="threads", batch_size=45, sinks=[], faults=[fault]
+    )
+    assert result.steps == 11
+    assert [(f.device, f.step, f.phase) for f in result.failures] == [("cpu:1", 4, "sync")]
+
+
+def blocking_step(release: threading.Event, model: nn.Module, batch: Any) -> torch.Tensor:
+    if threading.current_thread().name.endswith("cpu:1"):
+        wait_for_release_forever(release)
+    return mse_step(model, batch)
+
+
+def wait_for_release_forever(release: threading.Event) -> None:
+    release.wait()
+
+
+@pytest.mark.timeout(30)
+def test_hang_is_reported_within_bound_with_stacks() -> None:
+    release = threading.Event()
+    try:
+        started = time.monotonic()
+        with pytest.raises(px.TrainingFailed) as info:
+            learner(step=partial(blocking_step, release)).fit(
+                DATA,
+                devices=TWO,
+                strategy="threads",
+                batch_size=45,
+                sinks=[],
+                hang_timeout=timedelta(seconds=2),
+            )
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+    err = info.value
+    assert 2.0 <= elapsed < 10.0
+    root = err.root_cause
+    assert (root.kind, root.device, root.worker, root.step, root.phase) == (
+        "hang",
+        "cpu:1",
+        1,
+        0,
+        "forward",
+    )
+    assert err.code == "PX202"
+    assert root.stacks is not None
+    assert "wait_for_release_forever" in root.stacks and "blocking_step" in root.stacks
+    assert "wait_for_release_forever" in str(err)
+    assert "device cpu:1" in str(err).splitlines()[0] and "hung" in str(err).splitlines()[0]
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import threading, time
+    from datetime import timedelta
+    import phalanx as px
+    from test_threads import DATA, learner, mse_step
+
+    def step(model, batch):
+        if threading.current_thread().name.endswith("cpu:1"):
+            threading.Event().wait()  # never released
+        return mse_step(model, batch)
+
+    try:
+        learner(step=step).fit(DATA, devices="cpu:0,cpu:1", strategy="threads",
+                               batch_size=45, sinks=[], hang_timeout=timedelta(seconds=1))
+    except px.TrainingFailed as err:
+        print("FAILED", err.root_cause.kind, flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_abandoned_hung_thread_does_not_block_process_exit() -> None:
+    tests = __file__.rsplit("/", 1)[0]
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=tests, capture_output=True, text=True, timeout=45
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "FAILED hang" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_resume_matches_an_uninterrupted_run(tmp_path: Any) -> None:
+    fit: dict[str, Any] = dict(batch_size=45, seed=3, sinks=[], devices=THREE, strategy="threads")
+    straight = learner().fit(DATA, epochs=3, **fit)
+    learner().fit(DATA, epochs=2, run_dir=str(tmp_path), **fit)
+    resumed = learner().fit(DATA, epochs=3, run_dir=str(tmp_path), resume=True, **fit)
+    assert resumed.steps == straight.steps == 33
+    assert rel_diff(params(resumed.model), params(straight.model)) <= 1e-6
+
+
+@pytest.mark.timeout(30)
+def test_threads_are_released_after_fit() -> None:
+    before = {t.name for t in threading.enumerate()}
+    learner().fit(DATA, devices=TWO, strategy="threads", batch_size=245, sinks=[])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        left = {t.name for t in threading.enumerate() if t.name.startswith("phalanx-threads")}
+        if not left - before:
+            break
+        time.sleep(0.05)
+    assert not left - before
