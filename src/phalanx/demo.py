@@ -59,8 +59,8 @@ def make_model() -> nn.Module:
 
 
 def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """Adam, learning rate 2e-3."""
-    return torch.optim.Adam(params, lr=2e-3)
+    """Adam, learning rate 3e-3."""
+    return torch.optim.Adam(params, lr=3e-3)
 
 
 def train_step(model: nn.Module, batch: list[torch.Tensor]) -> px.StepOutput:

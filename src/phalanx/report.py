@@ -47,6 +47,13 @@ def root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
 
 
 def code_for(root: WorkerFailure, poison: bool) -> str:
+    """A phalanx error raised inside a step (a NaN loss, a non-scalar loss) keeps its own
+    code; otherwise the code says the failure's kind."""
+    from phalanx.errors import all_error_classes
+
+    own = {cls.__name__: cls.code for cls in all_error_classes()}
+    if root.exception_type in own and root.exception_type != "TrainingFailed":
+        return own[root.exception_type]
     if root.phase == "preflight":
         return "PX205"
     if poison and root.kind == "exception":

@@ -86,12 +86,12 @@ def run_member(
 ) -> MemberRun:
     """Resume if asked, run the loop, and always flush checkpoints."""
     started = time.time()
-    if config.resume:
-        resume(loop, plan, config, emit)
-    emit(RunStarted(config.run_dir or "", config.strategy, config.devices, config.epochs,
-                    plan.steps, plan.batch_size, train_size, valid_size, loop.state.epoch,
-                    loop.state.step))
     try:
+        if config.resume:
+            resume(loop, plan, config, emit)
+        emit(RunStarted(config.run_dir or "", config.strategy, config.devices, config.epochs,
+                        plan.steps, plan.batch_size, train_size, valid_size, loop.state.epoch,
+                        loop.state.step))
         result = loop.run()
     finally:
         if loop.checkpointer is not None:

@@ -34,11 +34,14 @@ def dataset_size(dataset: Any, name: str) -> int:
     return int(n)
 
 
-def validate_fit(spec: TrainSpec, config: FitConfig, train_size: int) -> None:
+def validate_fit(
+    spec: TrainSpec, config: FitConfig, train_size: int, has_valid: bool = False
+) -> None:
     _validate_numbers(spec, config)
     _validate_data(config, train_size)
     _validate_strategy(config)
     _validate_faults(config)
+    _validate_early_stopping(spec, config, has_valid)
     if config.strategy == "ddp":
         _validate_picklable(spec)
         _validate_main_guard()
@@ -104,6 +107,24 @@ def _validate_faults(config: FitConfig) -> None:
             )
         if fault.phase == "preflight" and not (config.strategy == "ddp" and config.preflight):
             raise InvalidSettingError('a preflight fault needs strategy="ddp" and preflight=True')
+
+
+def _validate_early_stopping(spec: TrainSpec, config: FitConfig, has_valid: bool) -> None:
+    """The metric must be a key of the epoch results: ``train/<metric>``, ``train/lr`` and,
+    with a validation set, ``valid/<metric>`` (the same keys the loop's history gets)."""
+    stopping = config.early_stopping
+    if stopping is None:
+        return
+    names = [m.name for m in spec.summed_metrics()]
+    known = [f"train/{n}" for n in names] + ["train/lr"]
+    if has_valid:
+        known += [f"valid/{n}" for n in names]
+    if stopping.metric not in known:
+        raise InvalidSettingError(
+            f"EarlyStopping metric {stopping.metric!r} is not in the epoch results "
+            f"({', '.join(sorted(known))}); pass one of those (add valid= to fit() for "
+            "valid/ metrics)"
+        )
 
 
 def _validate_picklable(spec: TrainSpec) -> None:

@@ -1,0 +1,248 @@
+"""SIGTERM to a real training process: it finishes the step, checkpoints, exits 0, and a
+second run with resume=True continues from that step and completes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from phalanx.interrupt import Interrupter, handle_signals
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+SAMPLES, BATCH, EPOCHS = 96, 4, 4
+STEPS_PER_EPOCH = SAMPLES // BATCH
+TOTAL_STEPS = STEPS_PER_EPOCH * EPOCHS
+
+SCRIPT = f'''
+"""Train a tiny model; argv: run_dir resume(0/1) sleep_s out.json state.pt"""
+import json
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import phalanx as px
+
+SLEEP = 0.0
+torch.set_num_threads(1)  # tiny model; several processes share few cores
+
+
+def make_model():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 2))
+
+
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def train_step(model, batch):
+    time.sleep(SLEEP)
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def dataset():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn({SAMPLES}, 4, generator=g),
+                         torch.randint(0, 2, ({SAMPLES},), generator=g))
+
+
+def main(argv):
+    global SLEEP
+    run_dir, resume, SLEEP, out, state = argv[0], argv[1] == "1", float(argv[2]), argv[3], argv[4]
+    learner = px.Learner(make_model, make_optimizer, train_step)
+    result = learner.fit(dataset(), epochs={EPOCHS}, batch_size={BATCH}, run_dir=run_dir,
+                         resume=resume, seed=3)
+    torch.save(result.model.state_dict(), state)
+    with open(out, "w") as fh:
+        json.dump({{"interrupted": result.interrupted, "steps": result.steps,
+                    "epochs": result.epochs, "history": result.history}}, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+'''
+
+
+def position(global_step: int) -> tuple[int, int]:
+    """(epoch, step within it) after ``global_step`` steps, as an interrupted run saves it:
+    a stop at an epoch's last step is saved before that epoch ends, as step == steps."""
+    epoch, step = divmod(global_step, STEPS_PER_EPOCH)
+    return (epoch, step) if step else (epoch - 1, STEPS_PER_EPOCH)
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line being written right now
+            break
+    return records
+
+
+def start(script: Path, tmp: Path, tag: str, resume: bool, sleep: float) -> subprocess.Popen[bytes]:
+    args = [
+        sys.executable,
+        str(script),
+        str(tmp / "run"),
+        "1" if resume else "0",
+        str(sleep),
+        str(tmp / f"{tag}.json"),
+        str(tmp / f"{tag}.pt"),
+    ]
+    return subprocess.Popen(
+        args,
+        stdout=(tmp / f"{tag}.stdout").open("wb"),
+        stderr=(tmp / f"{tag}.stderr").open("wb"),
+        cwd=tmp,
+    )
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def logs(tmp: Path, tag: str) -> str:
+    out = (tmp / f"{tag}.stdout").read_text(errors="replace")[-3000:]
+    err = (tmp / f"{tag}.stderr").read_text(errors="replace")[-3000:]
+    return f"--- stdout ---\n{out}\n--- stderr ---\n{err}"
+
+
+def straight_run(script: Path, tmp: Path) -> None:
+    """The script's main(), uninterrupted and without sleeping, in this process."""
+    spec = importlib.util.spec_from_file_location("phalanx_sigterm_script", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    threads = torch.get_num_threads()
+    try:
+        spec.loader.exec_module(module)  # sets torch's threads to 1, like the subprocesses
+        (tmp / "straight").mkdir()
+        module.main(
+            [str(tmp / "straight"), "0", "0", str(tmp / "straight.json"), str(tmp / "straight.pt")]
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_zero_and_resume_completes(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT, encoding="utf-8")
+    events_path = tmp_path / "run" / "events.jsonl"
+
+    # 1. A slow run (0.1 s per step): SIGTERM after its first step.
+    proc = start(script, tmp_path, "first", resume=False, sleep=0.1)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(r["event"] == "StepEnded" for r in read_events(events_path)):
+            assert proc.poll() is None, f"exited early ({proc.returncode})\n" + logs(
+                tmp_path, "first"
+            )
+            assert time.monotonic() < deadline, "no StepEnded within 60 s\n" + logs(
+                tmp_path, "first"
+            )
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        code = finish(proc, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert code == 0, logs(tmp_path, "first")
+
+    first = json.loads((tmp_path / "first.json").read_text())
+    assert first["interrupted"] == "Training interrupted: received SIGTERM"
+    saved = first["steps"]
+    assert 1 <= saved < TOTAL_STEPS
+    checkpoint = tmp_path / "run" / "checkpoints" / f"ckpt-{saved:09d}.pt"
+    assert checkpoint.is_file()
+    ended = [r for r in read_events(events_path) if r["event"] == "RunEnded"]
+    assert ended[-1]["interrupted"] == "Training interrupted: received SIGTERM"
+    assert not ended[-1]["failed"]
+    first_events = len(read_events(events_path))
+
+    # 2. The same script with resume=True (and no sleep) continues from that step.
+    #    While it runs, a straight run of the same script runs in this process (for step 3).
+    proc = start(script, tmp_path, "second", resume=True, sleep=0.0)
+    try:
+        straight_run(script, tmp_path)
+        code = finish(proc, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert code == 0, logs(tmp_path, "second")
+
+    second = json.loads((tmp_path / "second.json").read_text())
+    assert second["interrupted"] is None
+    assert second["steps"] == TOTAL_STEPS
+    assert second["epochs"] == EPOCHS
+    assert [h["epoch"] for h in second["history"]] == list(range(EPOCHS))
+
+    records = read_events(events_path)[first_events:]  # the log is appended to
+    (resumed,) = [r for r in records if r["event"] == "Resumed"]
+    assert resumed["global_step"] == saved
+    assert resumed["path"] == str(checkpoint)
+    assert (resumed["epoch"], resumed["step"]) == position(saved)
+    (started,) = [r for r in records if r["event"] == "RunStarted"]
+    assert (started["start_epoch"], started["start_step"]) == position(saved)
+    steps = [r["global_step"] for r in records if r["event"] == "StepEnded"]
+    assert steps == list(range(saved + 1, TOTAL_STEPS + 1))
+
+    # 3. ...and ends where a straight run ends.
+    straight = json.loads((tmp_path / "straight.json").read_text())
+    assert second["history"] == straight["history"]
+    resumed_state = torch.load(tmp_path / "second.pt")
+    straight_state = torch.load(tmp_path / "straight.pt")
+    assert resumed_state.keys() == straight_state.keys()
+    for key in straight_state:
+        assert torch.equal(resumed_state[key], straight_state[key]), key
+
+
+def test_handle_signals_sets_the_reason_and_restores_handlers() -> None:
+    """In-process: SIGTERM inside the context asks to stop; the old handler comes back."""
+    interrupter = Interrupter()
+    previous = signal.getsignal(signal.SIGTERM)
+    with handle_signals(interrupter):
+        signal.raise_signal(signal.SIGTERM)
+        assert interrupter.should_stop()
+        assert interrupter.reason == "received SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is previous
+    interrupter.reset()
+    assert not interrupter.should_stop() and interrupter.reason is None
+
+
+def test_second_sigint_raises_keyboard_interrupt() -> None:
+    interrupter = Interrupter()
+    with handle_signals(interrupter):
+        signal.raise_signal(signal.SIGINT)
+        assert interrupter.reason == "received SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_first_stop_reason_wins() -> None:
+    interrupter = Interrupter()
+    interrupter.stop("first")
+    interrupter.stop("second")
+    assert interrupter.reason == "first"

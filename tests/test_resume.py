@@ -1,0 +1,282 @@
+"""Exact resume: a run interrupted mid-epoch and resumed ends bitwise equal to a straight run.
+
+CPU, strategy "single". The model has dropout (RNG), the optimizer momentum, the LR a
+StepLR schedule and the metrics include accuracy, so every piece of state a checkpoint must
+carry (weights, optimizer, scheduler, RNG, sampler position, metric sums, history) matters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import phalanx as px
+from phalanx.errors import CheckpointError
+from phalanx.events import CheckpointSkipped, Event, Notice, Resumed, RunStarted, StepEnded
+
+SAMPLES, BATCH, EPOCHS = 32, 8, 3
+STEPS_PER_EPOCH = SAMPLES // BATCH  # 4
+TOTAL_STEPS = STEPS_PER_EPOCH * EPOCHS  # 12
+STOP_AT = STEPS_PER_EPOCH * 3 // 2  # 1.5 epochs: global step 6
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def train_step(model: nn.Module, batch: Any) -> px.StepOutput:
+    x, y = batch
+    logits = model(x)
+    return px.StepOutput(nn.functional.cross_entropy(logits, y), logits, y)
+
+
+def datasets() -> tuple[TensorDataset, TensorDataset]:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(SAMPLES + 12, 4, generator=g)
+    y = torch.randint(0, 3, (SAMPLES + 12,), generator=g)
+    return TensorDataset(x[:SAMPLES], y[:SAMPLES]), TensorDataset(x[SAMPLES:], y[SAMPLES:])
+
+
+def learner() -> px.Learner:
+    return px.Learner(
+        make_model,
+        make_optimizer,
+        train_step,
+        metrics=[px.metrics.Accuracy()],
+        lr_scheduler=make_scheduler,
+    )
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def handle(self, event: Event) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        pass
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+class StopAt(Recorder):
+    """Calls ``learner.stop("test")`` when it sees the StepEnded of global step ``at``."""
+
+    def __init__(self, learner: px.Learner, at: int) -> None:
+        super().__init__()
+        self.learner = learner
+        self.at = at
+
+    def handle(self, event: Event) -> None:
+        super().handle(event)
+        if isinstance(event, StepEnded) and event.global_step == self.at:
+            self.learner.stop("test")
+
+
+def fit(lrn: px.Learner, run_dir: Path | None, sinks: list[Any], **kw: Any) -> px.FitResult:
+    train, valid = datasets()
+    options: dict[str, Any] = {
+        "epochs": EPOCHS,
+        "batch_size": BATCH,
+        "seed": 7,
+        "checkpoint": px.Checkpoints(every_steps=1, keep_last=2),
+        "sinks": sinks,
+    }
+    options.update(kw)
+    return lrn.fit(train, valid, run_dir=None if run_dir is None else str(run_dir), **options)
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"ckpt-{step:09d}.pt"
+
+
+def assert_bitwise_equal(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), f"parameter {key} differs"
+
+
+def interrupted_run(run_dir: Path) -> px.FitResult:
+    lrn = learner()
+    stopper = StopAt(lrn, STOP_AT)
+    result = fit(lrn, run_dir, [stopper])
+    assert result.interrupted == "Training interrupted: test"
+    return result
+
+
+@pytest.fixture(scope="module")
+def straight() -> px.FitResult:
+    result = fit(learner(), None, [])
+    assert result.interrupted is None
+    assert result.steps == TOTAL_STEPS
+    assert len(result.history) == EPOCHS
+    return result
+
+
+def test_straight_run_is_reproducible(straight: px.FitResult) -> None:
+    """The baseline itself is deterministic (otherwise bitwise resume means nothing), and
+    dropout is really active (a run with another seed differs)."""
+    again = fit(learner(), None, [])
+    assert_bitwise_equal(straight.model, again.model)
+    assert again.history == straight.history
+    other = fit(learner(), None, [], seed=8)
+    assert not torch.equal(other.model[0].weight, straight.model[0].weight)
+
+
+def test_interrupted_and_resumed_run_equals_straight_run(
+    straight: px.FitResult, tmp_path: Path
+) -> None:
+    first = interrupted_run(tmp_path)
+    # The stop lands at a step boundary mid-epoch 1 (the stop request travels in the next
+    # step's vote, so at most one more step runs), and a checkpoint of that step exists.
+    assert STOP_AT <= first.steps <= STOP_AT + 1
+    assert first.steps < TOTAL_STEPS
+    assert first.steps % STEPS_PER_EPOCH != 0
+    assert first.epochs == 1
+    assert len(first.history) == 1
+    assert first.history[0] == straight.history[0]
+    assert ckpt(tmp_path, first.steps).is_file()
+
+    rec = Recorder()
+    second = fit(learner(), tmp_path, [rec], resume=True)
+
+    (resumed,) = rec.of(Resumed)
+    assert resumed.path == str(ckpt(tmp_path, first.steps))
+    assert resumed.global_step == first.steps
+    assert (resumed.epoch, resumed.step) == divmod(first.steps, STEPS_PER_EPOCH)
+    (started,) = rec.of(RunStarted)
+    assert (started.start_epoch, started.start_step) == (resumed.epoch, resumed.step)
+    steps = [e.global_step for e in rec.of(StepEnded)]
+    assert steps == list(range(first.steps + 1, TOTAL_STEPS + 1))  # nothing replayed, none lost
+
+    assert second.interrupted is None
+    assert second.steps == TOTAL_STEPS
+    assert second.epochs == EPOCHS
+    assert second.history == straight.history
+    assert_bitwise_equal(second.model, straight.model)
+
+
+def test_step_losses_after_resume_match_the_straight_run(tmp_path: Path) -> None:
+    """Per-step losses and LRs (dropout masks included) replay exactly after a resume."""
+    ref = Recorder()
+    fit(learner(), None, [ref])
+    first = interrupted_run(tmp_path)
+    rec = Recorder()
+    fit(learner(), tmp_path, [rec], resume=True)
+    expected = {e.global_step: (e.loss, e.lr, e.metrics) for e in ref.of(StepEnded)}
+    got = {e.global_step: (e.loss, e.lr, e.metrics) for e in rec.of(StepEnded)}
+    assert got == {s: v for s, v in expected.items() if s > first.steps}
+
+
+def test_interrupt_at_the_last_step_of_an_epoch_resumes_exactly(
+    straight: px.FitResult, tmp_path: Path
+) -> None:
+    lrn = learner()
+    fit(lrn, tmp_path, [StopAt(lrn, STEPS_PER_EPOCH - 1)])
+    second = fit(learner(), tmp_path, [], resume=True)
+    assert second.history == straight.history
+    assert_bitwise_equal(second.model, straight.model)
+
+
+def test_truncated_newest_checkpoint_is_skipped(straight: px.FitResult, tmp_path: Path) -> None:
+    first = interrupted_run(tmp_path)
+    newest, previous = ckpt(tmp_path, first.steps), ckpt(tmp_path, first.steps - 1)
+    assert newest.is_file() and previous.is_file()
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+
+    rec = Recorder()
+    second = fit(learner(), tmp_path, [rec], resume=True)
+
+    skipped = rec.of(CheckpointSkipped)
+    assert [s.path for s in skipped] == [str(newest)]
+    assert "truncated" in skipped[0].reason
+    (resumed,) = rec.of(Resumed)
+    assert resumed.path == str(previous)
+    assert resumed.global_step == first.steps - 1
+    steps = [e.global_step for e in rec.of(StepEnded)]
+    assert steps == list(range(first.steps, TOTAL_STEPS + 1))  # the lost step is redone
+    assert second.history == straight.history
+    assert_bitwise_equal(second.model, straight.model)
+
+
+def snapshot_files(folder: Path) -> dict[str, tuple[str, int]]:
+    return {
+        p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(folder.iterdir())
+    }
+
+
+def test_resume_with_another_batch_size_raises_and_touches_nothing(tmp_path: Path) -> None:
+    first = interrupted_run(tmp_path)
+    before = snapshot_files(tmp_path / "checkpoints")
+    assert f"ckpt-{first.steps:09d}.pt" in before
+
+    rec = Recorder()
+    with pytest.raises(CheckpointError) as info:
+        fit(learner(), tmp_path, [rec], resume=True, batch_size=4)
+
+    err = info.value
+    assert err.code == "PX120"
+    text = str(err)
+    assert "batch_size" in text
+    assert "'batch_size': 8" in text and "'batch_size': 4" in text
+    assert "new run_dir" in text  # names the fix
+    assert not rec.of(StepEnded)
+    assert snapshot_files(tmp_path / "checkpoints") == before
+
+
+def test_failed_resume_leaves_no_checkpointer_thread(tmp_path: Path) -> None:
+    """A resume that raises must still close the run's Checkpointer (no leaked thread)."""
+    interrupted_run(tmp_path)
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(CheckpointError):
+        fit(learner(), tmp_path, [], resume=True, batch_size=4)
+    leaked = [
+        t.name
+        for t in threading.enumerate()
+        if t.ident not in before and t.name == "phalanx-checkpointer"
+    ]
+    assert leaked == []
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_resume_with_empty_run_dir_starts_fresh_with_a_notice(
+    straight: px.FitResult, tmp_path: Path, exists: bool
+) -> None:
+    run_dir = tmp_path / "run"
+    if exists:
+        run_dir.mkdir()
+    rec = Recorder()
+    result = fit(learner(), run_dir, [rec], resume=True)
+
+    notices = rec.of(Notice)
+    assert len(notices) == 1
+    assert "no valid checkpoint" in notices[0].text
+    assert "starting from scratch" in notices[0].text
+    assert str(run_dir / "checkpoints") in notices[0].text
+    assert notices[0].level == "warning"
+    assert not rec.of(Resumed)
+    assert result.steps == TOTAL_STEPS
+    assert result.history == straight.history
+    assert_bitwise_equal(result.model, straight.model)
+    assert os.path.isfile(ckpt(run_dir, TOTAL_STEPS))
