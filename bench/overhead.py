@@ -15,6 +15,7 @@ the fault itself) to the moment ``fit`` raised ``TrainingFailed``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -41,8 +42,15 @@ BATCH = 256
 
 
 def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
-                         nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10))
+    return nn.Sequential(
+        nn.Linear(FEATURES, WIDTH),
+        nn.ReLU(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.ReLU(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.ReLU(),
+        nn.Linear(WIDTH, 10),
+    )
 
 
 def make_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -73,7 +81,7 @@ def _plain_worker(rank: int, world: int, port: int, steps: int, threads: int, ou
     order = plan.order(0)
     slices = [split(plan.global_batch(0, s, order), world)[rank] for s in range(steps)]
     stamps = []
-    for (x, y) in DataLoader(data, batch_sampler=slices):
+    for x, y in DataLoader(data, batch_sampler=slices):
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -89,8 +97,10 @@ def plain_ddp(steps: int, world: int) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // world)
-    procs = [ctx.Process(target=_plain_worker, args=(r, world, store.port, steps, threads, out))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_plain_worker, args=(r, world, store.port, steps, threads, out))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     stamps = out.get(timeout=600)
@@ -120,15 +130,22 @@ def phalanx_ddp(steps: int, world: int) -> float:
     learner = px.Learner(make_model, make_optimizer, train_step)
     # Exactly `steps` steps: one epoch over a dataset cut to steps * BATCH samples.
     subset = torch.utils.data.Subset(data, range(steps * BATCH))
-    learner.fit(subset, epochs=1, batch_size=BATCH, strategy="ddp",
-                devices=",".join(f"cpu:{i}" for i in range(world)), sinks=[sink],
-                preflight=False, shuffle=True)
+    learner.fit(
+        subset,
+        epochs=1,
+        batch_size=BATCH,
+        strategy="ddp",
+        devices=",".join(f"cpu:{i}" for i in range(world)),
+        sinks=[sink],
+        preflight=False,
+        shuffle=True,
+    )
     return _median_interval(sink.times)
 
 
 def _median_interval(stamps: list[float]) -> float:
     warm = stamps[3:]  # the first steps include bucket rebuilds and warm-up
-    return statistics.median(b - a for a, b in zip(warm, warm[1:], strict=False))
+    return statistics.median(b - a for a, b in itertools.pairwise(warm))
 
 
 def fault_to_report(kind: str, world: int) -> float:
@@ -138,9 +155,17 @@ def fault_to_report(kind: str, world: int) -> float:
     fault = px.Fault(kind, worker=world - 1, step=8, times=2)
     with tempfile.TemporaryDirectory() as run_dir:
         try:
-            learner.fit(data, epochs=1, batch_size=64, strategy="ddp", run_dir=run_dir,
-                        devices=",".join(f"cpu:{i}" for i in range(world)), sinks=[sink],
-                        faults=[fault], hang_timeout=timedelta(seconds=3))
+            learner.fit(
+                data,
+                epochs=1,
+                batch_size=64,
+                strategy="ddp",
+                run_dir=run_dir,
+                devices=",".join(f"cpu:{i}" for i in range(world)),
+                sinks=[sink],
+                faults=[fault],
+                hang_timeout=timedelta(seconds=3),
+            )
         except px.TrainingFailed:
             return time.time() - sink.last_step_time
     raise RuntimeError(f"the {kind} fault did not stop the run")
@@ -170,13 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         plain.append(plain_ddp(args.steps, args.workers))
         ours.append(phalanx_ddp(args.steps, args.workers))
-        print(f"round {r + 1}: DDP {plain[-1] * 1e3:.1f} ms/step, "
-              f"phalanx {ours[-1] * 1e3:.1f} ms/step", file=sys.stderr)
+        print(
+            f"round {r + 1}: DDP {plain[-1] * 1e3:.1f} ms/step, "
+            f"phalanx {ours[-1] * 1e3:.1f} ms/step",
+            file=sys.stderr,
+        )
     p, o = statistics.median(plain), statistics.median(ours)
-    print(f"\n| workers | model params | global batch | torch DDP ms/step | phalanx ms/step "
-          f"| ratio |\n|---|---|---|---|---|---|\n| {args.workers} | "
-          f"{sum(t.numel() for t in make_model().parameters()) / 1e6:.1f} M | {BATCH} | "
-          f"{p * 1e3:.1f} | {o * 1e3:.1f} | {o / p:.3f}x |")
+    print(
+        f"\n| workers | model params | global batch | torch DDP ms/step | phalanx ms/step "
+        f"| ratio |\n|---|---|---|---|---|---|\n| {args.workers} | "
+        f"{sum(t.numel() for t in make_model().parameters()) / 1e6:.1f} M | {BATCH} | "
+        f"{p * 1e3:.1f} | {o * 1e3:.1f} | {o / p:.3f}x |"
+    )
     if not args.skip_faults:
         print("\n| fault (last rank, step 8) | last committed step -> TrainingFailed |\n|---|---|")
         for kind in ("exception", "kill", "oom", "hang"):

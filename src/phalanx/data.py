@@ -34,11 +34,13 @@ class LocalBatches:
             split(plan.global_batch(epoch, s, order), members)[member]
             for s in range(start_step, plan.steps)
         ]
-        self.global_sizes = [len(plan.global_batch(epoch, s, order))
-                             for s in range(start_step, plan.steps)]
+        self.global_sizes = [
+            len(plan.global_batch(epoch, s, order)) for s in range(start_step, plan.steps)
+        ]
         sampler = [s for s in self.slices if s]
-        self._loader = iter(DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                       num_workers=num_workers))
+        self._loader = iter(
+            DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers)
+        )
         self._current: tuple[int, Any] | None = None
 
     def indices(self, step: int) -> list[int]:

@@ -31,9 +31,7 @@ def parse_devices(spec: DeviceSpec) -> list[str]:
     if labels == ["auto"]:
         labels = auto_devices()
     if not labels:
-        raise NoDevicesError(
-            'no devices were given; pass devices="cpu", "cuda:0,cuda:1" or "auto"'
-        )
+        raise NoDevicesError('no devices were given; pass devices="cpu", "cuda:0,cuda:1" or "auto"')
     seen: set[str] = set()
     for label in labels:
         if label in seen:
@@ -77,7 +75,7 @@ def check_available(label: str) -> None:
     if not torch.cuda.is_available():
         raise DeviceUnavailableError(
             f"device {label} was asked for but CUDA is not available here "
-            f"(torch {torch.__version__}); use devices=\"cpu\" or install a CUDA build of torch"
+            f'(torch {torch.__version__}); use devices="cpu" or install a CUDA build of torch'
         )
     count = torch.cuda.device_count()
     if dev.index is not None and dev.index >= count:

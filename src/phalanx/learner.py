@@ -60,8 +60,9 @@ class Learner:
         grad_accumulation: int = 1,
         grad_clip_norm: float | None = None,
     ) -> None:
-        self.spec = TrainSpec(model, optimizer, step, list(metrics), lr_scheduler,
-                              grad_accumulation, grad_clip_norm)
+        self.spec = TrainSpec(
+            model, optimizer, step, list(metrics), lr_scheduler, grad_accumulation, grad_clip_norm
+        )
         self.interrupter = Interrupter()
 
     def stop(self, reason: str = "stop requested") -> None:
@@ -100,9 +101,24 @@ class Learner:
         not failures: the run checkpoints and returns with ``interrupted`` set.
         """
         labels = parse_devices(devices)
-        config = FitConfig(epochs, batch_size, labels, strategy, seed, run_dir, checkpoint,
-                           early_stopping, resume, drop_last, shuffle, list(faults), preflight,
-                           hang_timeout, num_workers, min_free_memory)
+        config = FitConfig(
+            epochs,
+            batch_size,
+            labels,
+            strategy,
+            seed,
+            run_dir,
+            checkpoint,
+            early_stopping,
+            resume,
+            drop_last,
+            shuffle,
+            list(faults),
+            preflight,
+            hang_timeout,
+            num_workers,
+            min_free_memory,
+        )
         train_size = dataset_size(train, "training")
         valid_size = dataset_size(valid, "validation") if valid is not None else 0
         validate_fit(self.spec, config, train_size, has_valid=valid is not None)
@@ -117,8 +133,11 @@ class Learner:
         try:
             with handle_signals(self.interrupter), _keep_rng(labels):
                 result = self._dispatch(config, plan, train, valid, valid_size, emit)
-            emit(RunEnded(result.history, result.steps, result.epochs, result.interrupted,
-                          result.seconds))
+            emit(
+                RunEnded(
+                    result.history, result.steps, result.epochs, result.interrupted, result.seconds
+                )
+            )
             return result
         except BaseException:
             emit(RunEnded([], 0, 0, None, 0.0, failed=True))
@@ -127,19 +146,30 @@ class Learner:
             emit.close()
 
     def _dispatch(
-        self, config: FitConfig, plan: Plan, train: Dataset[Any], valid: Dataset[Any] | None,
-        valid_size: int, emit: Fanout,
+        self,
+        config: FitConfig,
+        plan: Plan,
+        train: Dataset[Any],
+        valid: Dataset[Any] | None,
+        valid_size: int,
+        emit: Fanout,
     ) -> FitResult:
         if config.strategy == "ddp":
             from phalanx.strategies.ddp import run_ddp
 
-            return run_ddp(self.spec, config, plan, train, valid, valid_size, emit,
-                           self.interrupter)
+            return run_ddp(
+                self.spec, config, plan, train, valid, valid_size, emit, self.interrupter
+            )
         return self._in_process(config, plan, train, valid, valid_size, emit)
 
     def _in_process(
-        self, config: FitConfig, plan: Plan, train: Dataset[Any], valid: Dataset[Any] | None,
-        valid_size: int, emit: Fanout,
+        self,
+        config: FitConfig,
+        plan: Plan,
+        train: Dataset[Any],
+        valid: Dataset[Any] | None,
+        valid_size: int,
+        emit: Fanout,
     ) -> FitResult:
         from phalanx import report
         from phalanx.runner import build_loop, make_checkpointer, run_member
@@ -154,8 +184,17 @@ class Learner:
 
             engine = SingleEngine(self.spec, config, plan, train, valid, valid_size)
         checkpointer = make_checkpointer(config, emit)
-        loop = build_loop(engine, self.spec, config, plan, emit, self._stop_reason, 0,
-                          valid is not None, checkpointer)
+        loop = build_loop(
+            engine,
+            self.spec,
+            config,
+            plan,
+            emit,
+            self._stop_reason,
+            0,
+            valid is not None,
+            checkpointer,
+        )
         try:
             run = run_member(loop, plan, config, emit, plan.samples, valid_size)
         except (StepAborted, FailedHere) as exc:
@@ -168,8 +207,16 @@ class Learner:
             if close is not None:
                 close()
         st = run.loop.state
-        return FitResult(engine.final_model(), st.history, st.global_step, st.epoch,
-                         run.loop.interrupted, run.failures, config.run_dir, run.seconds)
+        return FitResult(
+            engine.final_model(),
+            st.history,
+            st.global_step,
+            st.epoch,
+            run.loop.interrupted,
+            run.failures,
+            config.run_dir,
+            run.seconds,
+        )
 
     def _stop_reason(self) -> str | None:
         return self.interrupter.reason if self.interrupter.should_stop() else None

@@ -244,8 +244,19 @@ class TrainLoop:
         running = compute_all(self.s.metrics, st.epoch_sums)
         running.update({m.name: m.read(stats) for m in self.s.loop_metrics})
         loss = vote.sums[0].item() / max(samples, 1)
-        self.emit(StepEnded(st.epoch, st.step - 1, st.global_step, self.s.plan.steps, loss,
-                            stats.lr, samples, stats.samples_per_s, running))
+        self.emit(
+            StepEnded(
+                st.epoch,
+                st.step - 1,
+                st.global_step,
+                self.s.plan.steps,
+                loss,
+                stats.lr,
+                samples,
+                stats.samples_per_s,
+                running,
+            )
+        )
 
     def _end_epoch(self) -> str | None:
         st = self.state
@@ -274,8 +285,9 @@ class TrainLoop:
         metric = None
         if config.keep_best and metrics is not None:
             metric = metrics.get(config.keep_best)
-        self.checkpointer.save(self.snapshot(), step=self.state.global_step,
-                               epoch=self.state.epoch, metric=metric)
+        self.checkpointer.save(
+            self.snapshot(), step=self.state.global_step, epoch=self.state.epoch, metric=metric
+        )
 
 
 def step_seed(seed: int, global_step: int, attempt: int, rank: int) -> int:

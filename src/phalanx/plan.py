@@ -75,8 +75,13 @@ class Plan:
 
     def record(self) -> dict[str, object]:
         """What a checkpoint must match to be resumed by this plan."""
-        return {"samples": self.samples, "batch_size": self.batch_size, "seed": self.seed,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return {
+            "samples": self.samples,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
 
     def local_batch(self, epoch: int, step: int, member: int, members: int) -> list[int]:
         return split(self.global_batch(epoch, step), members)[member]

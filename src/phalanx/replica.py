@@ -71,8 +71,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def slice_batch(batch: Any, start: int, end: int) -> Any:
     """Rows ``start:end`` of a collated batch (tensors and lists sliced on their first axis)."""
-    if isinstance(batch, torch.Tensor) or (isinstance(batch, list) and batch and
-                                           not isinstance(batch[0], torch.Tensor | list | dict)):
+    if isinstance(batch, torch.Tensor) or (
+        isinstance(batch, list) and batch and not isinstance(batch[0], torch.Tensor | list | dict)
+    ):
         return batch[start:end]
     if isinstance(batch, dict):
         return {k: slice_batch(v, start, end) for k, v in batch.items()}
@@ -153,13 +154,20 @@ class Replica:
                 self.faults.check(step, "data")
                 data = to_device(batch(), self.device) if batch is not None and samples else None
             if data is not None:
-                synced = self._micro_steps(data, samples, global_samples, step, sums, tracker,
-                                           micro_batches)
+                synced = self._micro_steps(
+                    data, samples, global_samples, step, sums, tracker, micro_batches
+                )
         except Exception as exc:
             failure = from_exception(
-                exc, worker=self.identity.worker, rank=self.identity.rank,
-                device=self.identity.device, phase=tracker.phase, step=step, epoch=epoch,
-                sample_indices=list(samples), pid=os.getpid(),
+                exc,
+                worker=self.identity.worker,
+                rank=self.identity.rank,
+                device=self.identity.device,
+                phase=tracker.phase,
+                step=step,
+                epoch=epoch,
+                sample_indices=list(samples),
+                pid=os.getpid(),
             )
             if not synced:
                 self.zero_pass()
@@ -169,8 +177,14 @@ class Replica:
         return LocalResult(sums)
 
     def _micro_steps(
-        self, data: Any, samples: list[int], global_samples: int, step: int,
-        sums: torch.Tensor, tracker: _PhaseTracker, micro_batches: int,
+        self,
+        data: Any,
+        samples: list[int],
+        global_samples: int,
+        step: int,
+        sums: torch.Tensor,
+        tracker: _PhaseTracker,
+        micro_batches: int,
     ) -> bool:
         pieces = bounds(len(samples), micro_batches)
         for j, (a, b) in enumerate(pieces):
@@ -193,8 +207,9 @@ class Replica:
                     (loss * ((b - a) * self.world / global_samples)).backward()
             with tracker.enter("metrics"):
                 self.faults.check(step, "metrics")
-                sums += pack_states(self.metrics, StepOutput(loss.detach(), outputs, targets),
-                                    b - a)
+                sums += pack_states(
+                    self.metrics, StepOutput(loss.detach(), outputs, targets), b - a
+                )
         return True
 
     def zero_pass(self) -> None:

@@ -69,8 +69,10 @@ def build(failures: list[WorkerFailure], poison: bool = False) -> TrainingFailed
     code = code_for(root, poison)
     lines = [headline(root)]
     if poison:
-        lines.append(f"The same step failed on both attempts: a poison batch "
-                     f"(samples {_short(root.sample_indices)}).")
+        lines.append(
+            f"The same step failed on both attempts: a poison batch "
+            f"(samples {_short(root.sample_indices)})."
+        )
     if root.exit_code is not None or root.signal is not None:
         lines.append(f"exit code {root.exit_code}, signal {root.signal}")
     if root.traceback:
@@ -87,8 +89,12 @@ def build(failures: list[WorkerFailure], poison: bool = False) -> TrainingFailed
     return TrainingFailed("\n".join(lines), root, failures, code)
 
 
-def write_json(run_dir: str | None, failures: list[WorkerFailure], root: WorkerFailure | None,
-               devices: list[str]) -> str | None:
+def write_json(
+    run_dir: str | None,
+    failures: list[WorkerFailure],
+    root: WorkerFailure | None,
+    devices: list[str],
+) -> str | None:
     """``run_dir/failures.json``: every failure, the root cause and the environment."""
     if not run_dir:
         return None

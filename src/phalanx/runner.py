@@ -40,14 +40,26 @@ def make_checkpointer(config: FitConfig, emit: Emit) -> Checkpointer | None:
 
 
 def build_loop(
-    engine: Engine, spec: TrainSpec, config: FitConfig, plan: Plan, emit: Emit,
-    stop_requested: Callable[[], str | None], rank: int, has_valid: bool,
+    engine: Engine,
+    spec: TrainSpec,
+    config: FitConfig,
+    plan: Plan,
+    emit: Emit,
+    stop_requested: Callable[[], str | None],
+    rank: int,
+    has_valid: bool,
     checkpointer: Checkpointer | None,
     on_failure: Callable[[WorkerFailure], None] | None = None,
 ) -> TrainLoop:
-    settings = LoopSettings(plan=plan, epochs=config.epochs, metrics=spec.summed_metrics(),
-                            loop_metrics=spec.loop_metrics(), seed=config.seed, rank=rank,
-                            has_valid=has_valid)
+    settings = LoopSettings(
+        plan=plan,
+        epochs=config.epochs,
+        metrics=spec.summed_metrics(),
+        loop_metrics=spec.loop_metrics(),
+        seed=config.seed,
+        rank=rank,
+        has_valid=has_valid,
+    )
     stopping = copy.deepcopy(config.early_stopping)
     return TrainLoop(engine, settings, emit, checkpointer, stopping, stop_requested, on_failure)
 
@@ -64,8 +76,13 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
     finally:
         reader.close()
     if found is None:
-        emit(Notice(f"resume: no valid checkpoint in {checkpoint_dir(config.run_dir)}; "
-                    "starting from scratch", level="warning"))
+        emit(
+            Notice(
+                f"resume: no valid checkpoint in {checkpoint_dir(config.run_dir)}; "
+                "starting from scratch",
+                level="warning",
+            )
+        )
         return
     snap, info = found
     saved = snap.get("plan")
@@ -81,7 +98,11 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
 
 
 def run_member(
-    loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit, train_size: int,
+    loop: TrainLoop,
+    plan: Plan,
+    config: FitConfig,
+    emit: Emit,
+    train_size: int,
     valid_size: int,
 ) -> MemberRun:
     """Resume if asked, run the loop, and always flush checkpoints."""
@@ -89,9 +110,20 @@ def run_member(
     try:
         if config.resume:
             resume(loop, plan, config, emit)
-        emit(RunStarted(config.run_dir or "", config.strategy, config.devices, config.epochs,
-                        plan.steps, plan.batch_size, train_size, valid_size, loop.state.epoch,
-                        loop.state.step))
+        emit(
+            RunStarted(
+                config.run_dir or "",
+                config.strategy,
+                config.devices,
+                config.epochs,
+                plan.steps,
+                plan.batch_size,
+                train_size,
+                valid_size,
+                loop.state.epoch,
+                loop.state.step,
+            )
+        )
         result = loop.run()
     finally:
         if loop.checkpointer is not None:

@@ -49,8 +49,10 @@ def validate_fit(
 
 def _validate_numbers(spec: TrainSpec, config: FitConfig) -> None:
     if config.batch_size < 1:
-        raise BatchSizeError(f"batch_size={config.batch_size}; it must be >= 1 (it is the "
-                             "GLOBAL batch, split among devices)")
+        raise BatchSizeError(
+            f"batch_size={config.batch_size}; it must be >= 1 (it is the "
+            "GLOBAL batch, split among devices)"
+        )
     if config.epochs < 1:
         raise InvalidSettingError(f"epochs={config.epochs}; pass epochs >= 1")
     if spec.grad_accumulation < 1:
@@ -65,8 +67,9 @@ def _validate_numbers(spec: TrainSpec, config: FitConfig) -> None:
 
 def _validate_data(config: FitConfig, n: int) -> None:
     if n == 0:
-        raise EmptyDatasetError("the training dataset is empty; check the path or the filter "
-                                "that built it")
+        raise EmptyDatasetError(
+            "the training dataset is empty; check the path or the filter that built it"
+        )
     if n < config.batch_size:
         raise EpochTooShortError(
             f"the training dataset has {n} samples, fewer than one global batch "

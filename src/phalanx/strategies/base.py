@@ -17,8 +17,13 @@ from phalanx.trainable import Trainable
 
 
 def evaluate_local(
-    replica: Replica, valid: Dataset[Any] | None, valid_size: int, batch_size: int,
-    member: int, members: int, epoch: int,
+    replica: Replica,
+    valid: Dataset[Any] | None,
+    valid_size: int,
+    batch_size: int,
+    member: int,
+    members: int,
+    epoch: int,
 ) -> torch.Tensor:
     """This member's metric sums over its part of the validation set."""
     sums = torch.zeros(replica.size, dtype=torch.float64)
@@ -38,7 +43,11 @@ def evaluate_local(
 
 
 def guarded_commit(
-    trainable: Trainable, faults: FaultInjector, identity: Identity, step: int, epoch: int,
+    trainable: Trainable,
+    faults: FaultInjector,
+    identity: Identity,
+    step: int,
+    epoch: int,
 ) -> None:
     """The optimizer phase. A failure here leaves this replica's weights unknown: fatal."""
     try:
@@ -48,10 +57,19 @@ def guarded_commit(
         raise FailedHere(_failure(exc, identity, "optimizer", step, epoch)) from exc
 
 
-def _failure(exc: BaseException, who: Identity, phase: str, step: int | None,
-             epoch: int | None) -> Any:
-    return from_exception(exc, worker=who.worker, rank=who.rank, device=who.device, phase=phase,
-                          step=step, epoch=epoch, pid=os.getpid())
+def _failure(
+    exc: BaseException, who: Identity, phase: str, step: int | None, epoch: int | None
+) -> Any:
+    return from_exception(
+        exc,
+        worker=who.worker,
+        rank=who.rank,
+        device=who.device,
+        phase=phase,
+        step=step,
+        epoch=epoch,
+        pid=os.getpid(),
+    )
 
 
 Thunk = Callable[[], Any]

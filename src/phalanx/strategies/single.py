@@ -24,18 +24,29 @@ class SingleEngine:
     is_main = True
 
     def __init__(
-        self, spec: TrainSpec, config: FitConfig, plan: Plan,
-        train: Dataset[Any], valid: Dataset[Any] | None, valid_size: int,
+        self,
+        spec: TrainSpec,
+        config: FitConfig,
+        plan: Plan,
+        train: Dataset[Any],
+        valid: Dataset[Any] | None,
+        valid_size: int,
     ) -> None:
         label = config.devices[0]
         device = torch_device(label)
         self.config, self.plan, self.train, self.valid, self.valid_size = (
-            config, plan, train, valid, valid_size)
+            config,
+            plan,
+            train,
+            valid,
+            valid_size,
+        )
         self.trainable = Trainable(spec, device, config.seed)
         self.identity = Identity(worker=0, rank=0, device=label)
         self.faults = FaultInjector(config.faults, 0)
-        self.replica = Replica(self.trainable.module, device, self.identity,
-                               spec.summed_metrics(), self.faults)
+        self.replica = Replica(
+            self.trainable.module, device, self.identity, spec.summed_metrics(), self.faults
+        )
         self.micro = spec.grad_accumulation
         self.batches: LocalBatches | None = None
         self.epoch = 0
@@ -43,14 +54,21 @@ class SingleEngine:
 
     def begin_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch = epoch
-        self.batches = LocalBatches(self.train, self.plan, epoch, start_step, 0, 1,
-                                    self.config.num_workers)
+        self.batches = LocalBatches(
+            self.train, self.plan, epoch, start_step, 0, 1, self.config.num_workers
+        )
 
     def attempt(self, epoch: int, step: int, global_step: int, stop: bool) -> Vote:
         assert self.batches is not None
         self.step = global_step
-        res = self.replica.run(self.batches.loader(step), self.batches.indices(step),
-                               self.batches.global_size(step), global_step, epoch, self.micro)
+        res = self.replica.run(
+            self.batches.loader(step),
+            self.batches.indices(step),
+            self.batches.global_size(step),
+            global_step,
+            epoch,
+            self.micro,
+        )
         failures = [res.failure] if res.failure else []
         return Vote(failed=len(failures), stop=stop, sums=res.sums, failures=failures)
 
@@ -61,8 +79,9 @@ class SingleEngine:
         self.trainable.discard()
 
     def evaluate(self) -> torch.Tensor:
-        return evaluate_local(self.replica, self.valid, self.valid_size, self.config.batch_size,
-                              0, 1, self.epoch)
+        return evaluate_local(
+            self.replica, self.valid, self.valid_size, self.config.batch_size, 0, 1, self.epoch
+        )
 
     def lr(self) -> float:
         return self.trainable.lr()

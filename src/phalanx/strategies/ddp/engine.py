@@ -32,26 +32,47 @@ class DdpEngine:
     """
 
     def __init__(
-        self, spec: TrainSpec, config: FitConfig, plan: Plan, train: Dataset[Any],
-        valid: Dataset[Any] | None, valid_size: int, rank: int, world: int,
-        device: torch.device, on_phase: PhaseHook,
+        self,
+        spec: TrainSpec,
+        config: FitConfig,
+        plan: Plan,
+        train: Dataset[Any],
+        valid: Dataset[Any] | None,
+        valid_size: int,
+        rank: int,
+        world: int,
+        device: torch.device,
+        on_phase: PhaseHook,
     ) -> None:
         self.config, self.plan, self.train, self.valid, self.valid_size = (
-            config, plan, train, valid, valid_size)
+            config,
+            plan,
+            train,
+            valid,
+            valid_size,
+        )
         self.rank, self.world, self.device = rank, world, device
         self.is_main = rank == 0
         self.trainable = Trainable(spec, device, config.seed)
         ids = [device.index] if device.type == "cuda" else None
         # Buffers are not broadcast in forward: a zero pass after a failed forward would
         # otherwise run that collective twice on one rank. They are synced at commit instead.
-        self.ddp = DistributedDataParallel(self.trainable.module, device_ids=ids,
-                                           forward_sync_buffers=False)
+        self.ddp = DistributedDataParallel(
+            self.trainable.module, device_ids=ids, forward_sync_buffers=False
+        )
         self.identity = Identity(worker=rank, rank=rank, device=config.devices[rank])
         self.faults = FaultInjector(config.faults, rank)
         self.on_phase = on_phase
-        self.replica = Replica(self.trainable.module, device, self.identity,
-                               spec.summed_metrics(), self.faults, forward=self.ddp,
-                               world=world, on_phase=on_phase)
+        self.replica = Replica(
+            self.trainable.module,
+            device,
+            self.identity,
+            spec.summed_metrics(),
+            self.faults,
+            forward=self.ddp,
+            world=world,
+            on_phase=on_phase,
+        )
         self.micro = spec.grad_accumulation
         self.has_buffers = any(True for _ in self.trainable.model.buffers())
         self.batches: LocalBatches | None = None
@@ -60,14 +81,21 @@ class DdpEngine:
 
     def begin_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch = epoch
-        self.batches = LocalBatches(self.train, self.plan, epoch, start_step, self.rank,
-                                    self.world, self.config.num_workers)
+        self.batches = LocalBatches(
+            self.train, self.plan, epoch, start_step, self.rank, self.world, self.config.num_workers
+        )
 
     def attempt(self, epoch: int, step: int, global_step: int, stop: bool) -> Vote:
         assert self.batches is not None
         self.step = global_step
-        res = self.replica.run(self.batches.loader(step), self.batches.indices(step),
-                               self.batches.global_size(step), global_step, epoch, self.micro)
+        res = self.replica.run(
+            self.batches.loader(step),
+            self.batches.indices(step),
+            self.batches.global_size(step),
+            global_step,
+            epoch,
+            self.micro,
+        )
         self.on_phase(global_step, "sync")
         try:
             self.faults.check(global_step, "sync")
@@ -78,8 +106,12 @@ class DdpEngine:
         vote = torch.cat([head, res.sums]).to(self.device)
         dist.all_reduce(vote)
         vote = vote.cpu()
-        return Vote(failed=int(vote[0].item()), stop=bool(vote[1].item() > 0), sums=vote[2:],
-                    failures=[res.failure] if res.failure else [])
+        return Vote(
+            failed=int(vote[0].item()),
+            stop=bool(vote[1].item() > 0),
+            sums=vote[2:],
+            failures=[res.failure] if res.failure else [],
+        )
 
     def commit(self) -> None:
         self.on_phase(self.step, "optimizer")
@@ -93,8 +125,15 @@ class DdpEngine:
 
     def evaluate(self) -> torch.Tensor:
         self.on_phase(self.step, "validation")
-        sums = evaluate_local(self.replica, self.valid, self.valid_size, self.config.batch_size,
-                              self.rank, self.world, self.epoch).to(self.device)
+        sums = evaluate_local(
+            self.replica,
+            self.valid,
+            self.valid_size,
+            self.config.batch_size,
+            self.rank,
+            self.world,
+            self.epoch,
+        ).to(self.device)
         dist.all_reduce(sums)
         return sums.cpu()
 
@@ -108,6 +147,13 @@ class DdpEngine:
         self.trainable.load_state_dict(state)
 
     def _failure(self, exc: BaseException, phase: str) -> Any:
-        return from_exception(exc, worker=self.rank, rank=self.rank,
-                              device=self.identity.device, phase=phase, step=self.step,
-                              epoch=self.epoch, pid=os.getpid())
+        return from_exception(
+            exc,
+            worker=self.rank,
+            rank=self.rank,
+            device=self.identity.device,
+            phase=phase,
+            step=self.step,
+            epoch=self.epoch,
+            pid=os.getpid(),
+        )

@@ -68,8 +68,15 @@ class Outcome:
 
 class Supervisor:
     def __init__(
-        self, spec: TrainSpec, config: FitConfig, plan: Plan, train: Dataset[Any],
-        valid: Dataset[Any] | None, valid_size: int, emit: Any, interrupter: Interrupter,
+        self,
+        spec: TrainSpec,
+        config: FitConfig,
+        plan: Plan,
+        train: Dataset[Any],
+        valid: Dataset[Any] | None,
+        valid_size: int,
+        emit: Any,
+        interrupter: Interrupter,
     ) -> None:
         self.spec, self.config, self.plan = spec, config, plan
         self.train, self.valid, self.valid_size = train, valid, valid_size
@@ -84,19 +91,33 @@ class Supervisor:
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        threads = max(1, (os.cpu_count() or 1) // sum(
-            1 for d in self.config.devices if d.startswith("cpu")) or 1)
+        threads = max(
+            1,
+            (os.cpu_count() or 1) // sum(1 for d in self.config.devices if d.startswith("cpu"))
+            or 1,
+        )
         for rank in range(self.world):
             reader, writer = self.ctx.Pipe(duplex=False)
             args = worker_mod.WorkerArgs(
-                rank=rank, world=self.world, store_port=self.store.port, prefix="g0/",
-                spec=self.spec, config=self.config, plan=self.plan, train=self.train,
-                valid=self.valid, valid_size=self.valid_size, conn=writer,
-                parent_pid=os.getpid(), stack_file=self._stack_file(rank),
-                weights_path=os.path.join(self.tmp, "final.pt"), threads=threads,
+                rank=rank,
+                world=self.world,
+                store_port=self.store.port,
+                prefix="g0/",
+                spec=self.spec,
+                config=self.config,
+                plan=self.plan,
+                train=self.train,
+                valid=self.valid,
+                valid_size=self.valid_size,
+                conn=writer,
+                parent_pid=os.getpid(),
+                stack_file=self._stack_file(rank),
+                weights_path=os.path.join(self.tmp, "final.pt"),
+                threads=threads,
             )
-            proc = self.ctx.Process(target=worker_mod.main, args=(args,),
-                                    name=f"phalanx-worker-{rank}", daemon=True)
+            proc = self.ctx.Process(
+                target=worker_mod.main, args=(args,), name=f"phalanx-worker-{rank}", daemon=True
+            )
             proc.start()
             writer.close()  # the worker holds the only write end: EOF means it is gone
             self.ranks[rank] = RankState(proc, reader)
@@ -203,9 +224,17 @@ class Supervisor:
         else:
             message = f"worker process exited with code {code} without a report"
         return WorkerFailure(
-            worker=rank, rank=rank, device=self.config.devices[rank], kind="crash",
-            message=message, phase=state.phase, step=state.step, pid=state.process.pid,
-            exit_code=code if sig is None else None, signal=sig, action="aborted",
+            worker=rank,
+            rank=rank,
+            device=self.config.devices[rank],
+            kind="crash",
+            message=message,
+            phase=state.phase,
+            step=state.step,
+            pid=state.process.pid,
+            exit_code=code if sig is None else None,
+            signal=sig,
+            action="aborted",
         )
 
     def _check_hang(self) -> None:
@@ -232,10 +261,16 @@ class Supervisor:
 
     def _hang(self, rank: int, state: RankState, stalled: float, stacks: str) -> WorkerFailure:
         return WorkerFailure(
-            worker=rank, rank=rank, device=self.config.devices[rank], kind="hang",
+            worker=rank,
+            rank=rank,
+            device=self.config.devices[rank],
+            kind="hang",
             message=f"no progress for {stalled:.1f}s in phase {state.phase} of step "
             f"{state.step} (hang_timeout {self.config.hang_timeout.total_seconds():g}s)",
-            phase=state.phase, step=state.step, pid=state.process.pid, stacks=stacks,
+            phase=state.phase,
+            step=state.step,
+            pid=state.process.pid,
+            stacks=stacks,
             action="aborted",
         )
 
@@ -277,8 +312,18 @@ class Supervisor:
         return model
 
 
-_PHASE_ORDER = ("start", "preflight", "data", "forward", "backward", "metrics", "sync",
-                "optimizer", "validation", "checkpoint")
+_PHASE_ORDER = (
+    "start",
+    "preflight",
+    "data",
+    "forward",
+    "backward",
+    "metrics",
+    "sync",
+    "optimizer",
+    "validation",
+    "checkpoint",
+)
 
 
 def _waits_in_collective(stacks: str) -> bool:
@@ -289,8 +334,11 @@ def _waits_in_collective(stacks: str) -> bool:
     for i, line in enumerate(lines):
         if "most recent call first" in line and i + 1 < len(lines):
             innermost.append(lines[i + 1])
-    return any(m in frame for frame in innermost
-               for m in ("torch/distributed", "torch/autograd", "torch/nn/parallel"))
+    return any(
+        m in frame
+        for frame in innermost
+        for m in ("torch/distributed", "torch/autograd", "torch/nn/parallel")
+    )
 
 
 def _phase_rank(phase: str) -> int:
@@ -298,8 +346,14 @@ def _phase_rank(phase: str) -> int:
 
 
 def run_ddp(
-    spec: TrainSpec, config: FitConfig, plan: Plan, train: Dataset[Any],
-    valid: Dataset[Any] | None, valid_size: int, emit: Any, interrupter: Interrupter,
+    spec: TrainSpec,
+    config: FitConfig,
+    plan: Plan,
+    train: Dataset[Any],
+    valid: Dataset[Any] | None,
+    valid_size: int,
+    emit: Any,
+    interrupter: Interrupter,
 ) -> Any:
     from phalanx.learner import FitResult
 
@@ -321,10 +375,24 @@ def run_ddp(
     interrupted = done.interrupted
     if interrupted and interrupter.reason:  # the reason as the supervisor was told it
         interrupted = f"Training interrupted: {interrupter.reason}"
-    return FitResult(model, done.history, done.steps, done.epochs, interrupted,
-                     outcome.failures, config.run_dir, time.time() - started)
+    return FitResult(
+        model,
+        done.history,
+        done.steps,
+        done.epochs,
+        interrupted,
+        outcome.failures,
+        config.run_dir,
+        time.time() - started,
+    )
 
 
 def _lost(config: FitConfig) -> WorkerFailure:
-    return WorkerFailure(worker=0, rank=0, device=config.devices[0], kind="crash",
-                         message="rank 0 ended without a result", phase="sync")
+    return WorkerFailure(
+        worker=0,
+        rank=0,
+        device=config.devices[0],
+        kind="crash",
+        message="rank 0 ended without a result",
+        phase="sync",
+    )

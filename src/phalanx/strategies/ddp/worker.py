@@ -92,8 +92,16 @@ class Worker:
         self.send(Relay(event))
 
     def failure(self, exc: BaseException, phase: str) -> WorkerFailure:
-        return from_exception(exc, worker=self.a.rank, rank=self.a.rank, device=self.label,
-                              phase=phase, step=self.step, epoch=None, pid=os.getpid())
+        return from_exception(
+            exc,
+            worker=self.a.rank,
+            rank=self.a.rank,
+            device=self.label,
+            phase=phase,
+            step=self.step,
+            epoch=None,
+            pid=os.getpid(),
+        )
 
     # -- the watch thread: parent gone, abort or stop asked --------------------------------
     def watch(self, store: dist.TCPStore) -> None:
@@ -121,15 +129,24 @@ class Worker:
 
         trainable = Trainable(self.a.spec, probe_device, cfg.seed)
         faults = FaultInjector(cfg.faults, self.a.rank)
-        replica = Replica(trainable.module, probe_device,
-                          Identity(self.a.rank, self.a.rank, self.label),
-                          self.a.spec.summed_metrics(), faults)
+        replica = Replica(
+            trainable.module,
+            probe_device,
+            Identity(self.a.rank, self.a.rank, self.label),
+            self.a.spec.summed_metrics(),
+            faults,
+        )
         first = self.a.plan.local_batch(0, 0, self.a.rank, self.a.world)
         from torch.utils.data import default_collate
 
         faults.check(0, "preflight")
-        result = replica.run(lambda: default_collate([self.a.train[i] for i in first]), first,
-                             len(self.a.plan.global_batch(0, 0)), 0, 0)
+        result = replica.run(
+            lambda: default_collate([self.a.train[i] for i in first]),
+            first,
+            len(self.a.plan.global_batch(0, 0)),
+            0,
+            0,
+        )
         if result.failure is not None:
             result.failure.phase = "preflight"
             raise FailedHere(result.failure)
@@ -137,8 +154,9 @@ class Worker:
 
     def run(self) -> int:
         a, cfg = self.a, self.a.config
-        store = dist.TCPStore("127.0.0.1", a.store_port, is_master=False,
-                              timeout=timedelta(seconds=30))
+        store = dist.TCPStore(
+            "127.0.0.1", a.store_port, is_master=False, timeout=timedelta(seconds=30)
+        )
         threading.Thread(target=self.watch, args=(store,), daemon=True).start()
         if self.device.type == "cpu":
             torch.set_num_threads(a.threads)
@@ -150,15 +168,39 @@ class Worker:
             self.on_phase(0, "sync")
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             timeout = cfg.hang_timeout * 2 + timedelta(seconds=30)
-            dist.init_process_group(backend, store=dist.PrefixStore(a.prefix, store),
-                                    rank=a.rank, world_size=a.world, timeout=timeout)
-            engine = DdpEngine(a.spec, cfg, a.plan, a.train, a.valid, a.valid_size, a.rank,
-                               a.world, self.device, self.on_phase)
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(a.prefix, store),
+                rank=a.rank,
+                world_size=a.world,
+                timeout=timeout,
+            )
+            engine = DdpEngine(
+                a.spec,
+                cfg,
+                a.plan,
+                a.train,
+                a.valid,
+                a.valid_size,
+                a.rank,
+                a.world,
+                self.device,
+                self.on_phase,
+            )
             emit = self.emit if a.rank == 0 else _drop
             checkpointer = make_checkpointer(cfg, emit) if a.rank == 0 else None
-            loop = build_loop(engine, a.spec, cfg, a.plan, emit, lambda: self.stop_reason,
-                              a.rank, a.valid is not None, checkpointer,
-                              on_failure=lambda f: self.send(Failed(f, fatal=False)))
+            loop = build_loop(
+                engine,
+                a.spec,
+                cfg,
+                a.plan,
+                emit,
+                lambda: self.stop_reason,
+                a.rank,
+                a.valid is not None,
+                checkpointer,
+                on_failure=lambda f: self.send(Failed(f, fatal=False)),
+            )
             run = run_member(loop, a.plan, cfg, emit, a.plan.samples, a.valid_size)
         except StepAborted as exc:
             self.send(Aborted(a.rank, exc.step, exc.poison))
@@ -173,8 +215,9 @@ class Worker:
         if a.rank == 0:
             torch.save(engine.trainable.model.state_dict(), a.weights_path)
             st = run.loop.state
-            done = Done(0, a.weights_path, st.history, st.global_step, st.epoch,
-                        run.loop.interrupted)
+            done = Done(
+                0, a.weights_path, st.history, st.global_step, st.epoch, run.loop.interrupted
+            )
         self.send(done)
         dist.destroy_process_group()
         return 0
