@@ -7,6 +7,7 @@ from phalanx.errors import ConfigError, PhalanxError, TrainingFailed
 from phalanx.failures import WorkerFailure
 from phalanx.faults import Fault
 from phalanx.learner import FitResult, Learner
+from phalanx.policy import Recovery
 from phalanx.step import StepOutput
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "FitResult",
     "Learner",
     "PhalanxError",
+    "Recovery",
     "StepOutput",
     "TrainingFailed",
     "WorkerFailure",

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a small model and watch failures being named and survived",
         description="Train a small classifier data-parallel, optionally injecting faults.",
     )
-    demo.add_argument("--epochs", type=int, default=10, help="epochs to train (default 10)")
+    demo.add_argument("--epochs", type=int, default=8, help="epochs to train (default 8)")
     demo.add_argument(
         "--batch-size", type=int, default=64, help="GLOBAL batch size, all devices (default 64)"
     )

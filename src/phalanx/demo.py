@@ -77,9 +77,10 @@ def train_step(model: nn.Module, batch: list[torch.Tensor]) -> px.StepOutput:
 def run_demo(args: argparse.Namespace) -> int:
     """Train on digits with the CLI's settings; 0 if validation accuracy reaches 95%."""
     train, valid = load_digits_split()
-    # One intra-op thread: with batches this small, torch's second thread only adds
-    # synchronisation. Measured on 2 cores: 10 epochs take 1-3 s with 1 thread and 1-21 s with
-    # 2 (the worst when other processes compete for the cores). Restored afterwards.
+    # One intra-op thread: with batches this small, a second torch thread only adds
+    # synchronisation. Measured on 2 cores (10 epochs, single): 1-3 s with 1 thread; with 2,
+    # about the same on an idle machine but 4-21 s while other processes use the cores.
+    # The caller's setting is restored afterwards.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

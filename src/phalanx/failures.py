@@ -60,7 +60,8 @@ class WorkerFailure:
     stacks: str | None = None
     sample_indices: list[int] | None = None
     time: float = field(default_factory=time.time)
-    action: str | None = None  # what the run did about it: retried, aborted, ...
+    action: str | None = None  # what the run did: retried, split, shrunk, respawned, aborted
+    recovery_seconds: float | None = None  # from the failure to the next committed step
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

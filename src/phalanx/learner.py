@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from phalanx import ledger
 from phalanx.checkpoint import Checkpoints
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
@@ -23,6 +24,7 @@ from phalanx.interrupt import Interrupter, handle_signals
 from phalanx.loop import StepAborted
 from phalanx.metrics import LoopMetric, Metric
 from phalanx.plan import Plan
+from phalanx.policy import Recovery
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
 from phalanx.validate import dataset_size, validate_fit
 
@@ -39,6 +41,8 @@ class FitResult:
     failures: list[WorkerFailure] = field(default_factory=list)
     run_dir: str | None = None
     seconds: float = 0.0
+    ledger_ok: bool | None = None  # every sample used exactly once in each finished epoch
+    ledger_problems: list[str] = field(default_factory=list)
 
 
 class Learner:
@@ -91,6 +95,7 @@ class Learner:
         hang_timeout: timedelta = timedelta(seconds=60),
         num_workers: int = 0,
         min_free_memory: int | None = None,
+        on_failure: Recovery | None = None,
         sinks: Sequence[Sink] | None = None,
     ) -> FitResult:
         """Train for ``epochs`` over ``train``, validating on ``valid`` after each epoch.
@@ -115,9 +120,10 @@ class Learner:
             shuffle,
             list(faults),
             preflight,
-            hang_timeout,
+            on_failure.hang_timeout if on_failure and on_failure.hang_timeout else hang_timeout,
             num_workers,
             min_free_memory,
+            on_failure if on_failure is not None else Recovery(),
         )
         train_size = dataset_size(train, "training")
         valid_size = dataset_size(valid, "validation") if valid is not None else 0
@@ -191,7 +197,6 @@ class Learner:
             plan,
             emit,
             self._stop_reason,
-            0,
             valid is not None,
             checkpointer,
         )
@@ -207,6 +212,8 @@ class Learner:
             if close is not None:
                 close()
         st = run.loop.state
+        problems = ledger.check(plan, st.ledger, st.epoch)
+        ledger.write(config.run_dir, st.ledger, problems)
         return FitResult(
             engine.final_model(),
             st.history,
@@ -216,6 +223,8 @@ class Learner:
             run.failures,
             config.run_dir,
             run.seconds,
+            not problems,
+            problems,
         )
 
     def _stop_reason(self) -> str | None:

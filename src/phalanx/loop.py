@@ -29,6 +29,7 @@ from phalanx.events import (
     Emit,
     EpochEnded,
     EpochStarted,
+    Event,
     Notice,
     StepEnded,
     ValidationStarted,
@@ -48,12 +49,17 @@ class Vote:
     stop: bool
     sums: torch.Tensor
     failures: list[WorkerFailure] = field(default_factory=list)  # the ones seen locally
+    splittable: int = 0  # failed members that ran out of memory and can split further
+    regroup: bool = False  # a new generation waits: leave the group after this step
+    ledger: tuple[float, float, float] = (0.0, 0.0, 0.0)  # samples, sum and sum of squares
+    # of the sample indices actually computed, over all members
 
 
 class Engine(Protocol):
     """Where replicas run. Every method is called at the same point on every member."""
 
     is_main: bool
+    rank: int
 
     def begin_epoch(self, epoch: int, start_step: int) -> None: ...
 
@@ -82,6 +88,8 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)
     epoch_sums: torch.Tensor | None = None  # train metric sums of the epoch so far
     epoch_samples: int = 0
+    # One entry per committed step: [epoch, step, global_step, samples, sum, sum of squares]
+    ledger: list[list[float]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -91,6 +99,7 @@ class TrainState:
             "history": [dict(h) for h in self.history],
             "epoch_sums": self.epoch_sums,
             "epoch_samples": self.epoch_samples,
+            "ledger": [list(e) for e in self.ledger],
         }
 
     @classmethod
@@ -102,6 +111,10 @@ class Interrupted(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class Regroup(Exception):
+    """A new generation is waiting: every member leaves the group after the same step."""
 
 
 class StepAborted(Exception):
@@ -121,7 +134,6 @@ class LoopSettings:
     metrics: list[Metric]
     loop_metrics: list[LoopMetric]
     seed: int
-    rank: int = 0
     has_valid: bool = False
 
 
@@ -146,8 +158,8 @@ class TrainLoop:
     ) -> None:
         self.engine = engine
         self.s = settings
-        self.emit = emit if engine.is_main else _drop
-        self.checkpointer = checkpointer if engine.is_main else None
+        self._emit = emit
+        self.checkpointer = checkpointer
         self.early_stopping = early_stopping
         self.stop_requested = stop_requested  # () -> str | None: this member's stop reason
         # Failures seen on this member, with the action taken. Default: a WorkerFailed event.
@@ -155,6 +167,11 @@ class TrainLoop:
         self.state = TrainState()
         self.failures: list[WorkerFailure] = []
         self.epoch_started = time.time()
+
+    def emit(self, event: Event) -> None:
+        """Only the main member (rank 0 of the current group) speaks."""
+        if self.engine.is_main:
+            self._emit(event)
 
     # -- resume -------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -210,12 +227,12 @@ class TrainLoop:
         started = time.perf_counter()
         attempt = 0
         while True:
-            torch.manual_seed(step_seed(self.s.seed, st.global_step, attempt, self.s.rank))
+            torch.manual_seed(step_seed(self.s.seed, st.global_step, self.engine.rank))
             reason = self.stop_requested()
             vote = self.engine.attempt(st.epoch, st.step, st.global_step, reason is not None)
-            action = decide(attempt, vote.failed)
+            action = decide(attempt, vote.failed, vote.splittable)
             for failure in vote.failures:
-                failure.action = {"retry": "retried", "abort": "aborted"}.get(action, action)
+                failure.action = _ACTION_NAMES.get(action, action)
                 self.failures.append(failure)
                 self.on_failure(failure)
             if action == "commit":
@@ -223,8 +240,10 @@ class TrainLoop:
             self.engine.discard()
             if action == "abort":
                 raise StepAborted(st.global_step, vote.failures, poison=attempt > 0)
-            attempt += 1
+            if action == "retry":
+                attempt += 1
         self.engine.commit()
+        st.ledger.append([st.epoch, st.step, st.global_step, *vote.ledger])
         assert st.epoch_sums is not None
         st.epoch_sums += vote.sums
         samples = int(vote.sums[1].item())
@@ -236,6 +255,8 @@ class TrainLoop:
             self._checkpoint(epoch_end=False)
         if vote.stop:
             raise Interrupted(self.stop_requested() or "stop requested by another worker")
+        if vote.regroup:
+            raise Regroup()
 
     def _emit_step(self, vote: Vote, samples: int, seconds: float) -> None:
         st = self.state
@@ -277,7 +298,7 @@ class TrainLoop:
     def _checkpoint(
         self, epoch_end: bool, force: bool = False, metrics: dict[str, float] | None = None
     ) -> None:
-        if self.checkpointer is None:
+        if self.checkpointer is None or not self.engine.is_main:
             return
         config = self.checkpointer.config
         if not (force or should_save(self.state.global_step, epoch_end, config)):
@@ -290,17 +311,16 @@ class TrainLoop:
         )
 
 
-def step_seed(seed: int, global_step: int, attempt: int, rank: int) -> int:
+_ACTION_NAMES = {"retry": "retried", "abort": "aborted", "split": "split"}
+
+
+def step_seed(seed: int, global_step: int, rank: int) -> int:
     """Torch's RNG is reseeded at every step attempt: dropout and any randomness in the step
     depend only on (seed, step, rank), so a retried step and a resumed run replay exactly."""
-    return int(np.random.SeedSequence([seed, global_step, rank]).generate_state(1)[0]) + 0 * attempt
+    return int(np.random.SeedSequence([seed, global_step, rank]).generate_state(1)[0])
 
 
 def _size(metrics: list[Metric]) -> int:
     from phalanx.metrics import total_size
 
     return total_size(metrics)
-
-
-def _drop(event: object) -> None:
-    return None

@@ -1,5 +1,8 @@
 """Decisions as pure functions, testable without processes.
 
+:func:`recover` is the run's rule when a worker falls: respawn, shrink or abort
+(:class:`Recovery` is the user's policy).
+
 :func:`decide` is the step's commit rule: all voted ok -> commit; a first failed attempt ->
 retry the same global batch with the same members; a second -> abort (a poison batch: a bug
 in user code or a bad sample must not cascade into killing healthy workers).
@@ -7,15 +10,81 @@ in user code or a bad sample must not cascade into killing healthy workers).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
-StepAction = Literal["commit", "retry", "abort"]
+from phalanx.failures import WorkerFailure
+
+StepAction = Literal["commit", "retry", "split", "abort"]
 
 MAX_RETRIES = 1
 
 
-def decide(attempt: int, failed: int, max_retries: int = MAX_RETRIES) -> StepAction:
-    """``attempt`` is 0 for the first try of a step; ``failed`` the members that voted failed."""
+def decide(
+    attempt: int, failed: int, splittable: int = 0, max_retries: int = MAX_RETRIES
+) -> StepAction:
+    """The commit rule of one step attempt, the same on every member.
+
+    ``attempt`` counts the retries of this step so far; ``failed`` the members that voted
+    failed; ``splittable`` those of them that ran out of memory and can still cut their share
+    into smaller micro-batches. When every failure is such an out-of-memory, the step is
+    tried again with the split ("split": no retry is used up, the global batch and the math
+    are unchanged). Otherwise a step is retried once, then the run aborts (poison batch).
+    """
     if failed == 0:
         return "commit"
+    if splittable == failed:
+        return "split"
     return "retry" if attempt < max_retries else "abort"
+
+
+RecoveryAction = Literal["respawn", "shrink", "abort"]
+RECOVERY_MODES = ("respawn", "shrink", "abort")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What a ddp run does when a worker falls (dies, hangs, or fails where no vote can
+    absorb it).
+
+    - ``respawn`` (default): the survivors go on at once, and a replacement started on the
+      fallen worker's device joins them at a step boundary, up to ``max_restarts`` times in
+      the run; after that, as ``shrink``.
+    - ``shrink``: the survivors go on without it, down to ``min_workers``.
+    - ``abort``: the run stops with one report.
+
+    A poison batch (the same step failing twice) and a preflight failure stop the run in
+    every mode. ``hang_timeout`` (None: fit's ``hang_timeout``) is how long a worker may
+    make no progress while its peers wait.
+    """
+
+    mode: str = "respawn"
+    max_restarts: int = 3
+    min_workers: int = 1
+    hang_timeout: timedelta | None = None
+
+    def __post_init__(self) -> None:
+        from phalanx.errors import InvalidSettingError
+
+        if self.mode not in RECOVERY_MODES:
+            raise InvalidSettingError(
+                f"Recovery mode {self.mode!r} is unknown; use one of {', '.join(RECOVERY_MODES)}"
+            )
+        if self.max_restarts < 0 or self.min_workers < 1:
+            raise InvalidSettingError("Recovery needs max_restarts >= 0 and min_workers >= 1")
+        if self.hang_timeout is not None and self.hang_timeout.total_seconds() <= 0:
+            raise InvalidSettingError("Recovery hang_timeout must be a positive timedelta")
+
+
+def recover(
+    policy: Recovery, failure: WorkerFailure, history: list[WorkerFailure], survivors: int
+) -> RecoveryAction:
+    """The decision for a fallen worker: a pure function of the policy, the failure, the
+    failures before it (with the actions taken) and how many members are left."""
+    if policy.mode == "abort" or failure.phase == "preflight" or survivors < 1:
+        return "abort"
+    restarts = sum(1 for f in history if f.action == "respawned")
+    if policy.mode == "respawn" and restarts < policy.max_restarts:
+        return "respawn"
+    return "shrink" if survivors >= policy.min_workers else "abort"

@@ -95,6 +95,18 @@ class Identity:
 class LocalResult:
     sums: torch.Tensor  # packed metric states (loss first), float64 CPU
     failure: WorkerFailure | None = None
+    splittable: bool = False  # out of memory, and the share can be cut smaller: try again
+    ledger: tuple[float, float, float] = (0.0, 0.0, 0.0)  # samples, sum, sum of squares
+
+    def vote_head(self) -> list[float]:
+        """This member's part of the vote beside the metric sums."""
+        return [float(self.failure is not None), float(self.splittable), *self.ledger]
+
+
+def ledger_sums(samples: list[int]) -> tuple[float, float, float]:
+    """Count, sum and sum of squares of sample indices: the fingerprint of the samples a
+    step computed, compared with the plan's global batch by :mod:`phalanx.ledger`."""
+    return (float(len(samples)), float(sum(samples)), float(sum(i * i for i in samples)))
 
 
 class Replica:
@@ -125,6 +137,9 @@ class Replica:
         self.size = total_size(metrics)
         self.on_phase = on_phase
         self.step = 0  # the step last run (named by validation heartbeats)
+        # Raised after an out-of-memory error: this replica cuts its share into this many
+        # times more micro-batches from then on (the global batch and the math stay the same).
+        self.split_factor = 1
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         ns = getattr(self.forward, "no_sync", None)
@@ -154,8 +169,9 @@ class Replica:
                 self.faults.check(step, "data")
                 data = to_device(batch(), self.device) if batch is not None and samples else None
             if data is not None:
+                micro = min(len(samples), micro_batches * self.split_factor)
                 synced = self._micro_steps(
-                    data, samples, global_samples, step, sums, tracker, micro_batches
+                    data, samples, global_samples, step, sums, tracker, micro
                 )
         except Exception as exc:
             failure = from_exception(
@@ -169,12 +185,22 @@ class Replica:
                 sample_indices=list(samples),
                 pid=os.getpid(),
             )
+            splittable = self._split_after(failure, len(samples), micro_batches)
             if not synced:
                 self.zero_pass()
-            return LocalResult(torch.zeros(self.size, dtype=torch.float64), failure)
+            return LocalResult(torch.zeros(self.size, dtype=torch.float64), failure, splittable)
         if not synced:
             self.zero_pass()
-        return LocalResult(sums)
+        return LocalResult(sums, ledger=ledger_sums(samples))
+
+    def _split_after(self, failure: WorkerFailure, local: int, micro_batches: int) -> bool:
+        """After an out-of-memory error, double the split if micro-batches can still shrink."""
+        if failure.kind != "oom" or micro_batches * self.split_factor >= local:
+            return False
+        self.split_factor *= 2
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
 
     def _micro_steps(
         self,

@@ -41,9 +41,16 @@ def is_secondary(f: WorkerFailure) -> bool:
     return any(marker in text for marker in SECONDARY_MARKERS)
 
 
-def root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
-    primary = [f for f in failures if not is_secondary(f)]
-    return min(primary or failures, key=lambda f: f.time)
+def root_cause(failures: list[WorkerFailure], poison: bool = False) -> WorkerFailure:
+    """The failure that stopped the run: the earliest primary one among those the run did
+    not recover from (failures it retried, shrank or respawned past are context). For a
+    poison batch, the first failure of the step that failed twice."""
+    primary = [f for f in failures if not is_secondary(f)] or failures
+    fatal = [f for f in primary if f.action == "aborted"] or primary
+    if poison:
+        last = max(fatal, key=lambda f: f.time)
+        fatal = [f for f in primary if f.step == last.step]
+    return min(fatal, key=lambda f: f.time)
 
 
 def code_for(root: WorkerFailure, poison: bool) -> str:
@@ -65,7 +72,7 @@ def build(failures: list[WorkerFailure], poison: bool = False) -> TrainingFailed
     """One :class:`TrainingFailed` whose first line names the root cause."""
     from phalanx.catalog import lookup
 
-    root = root_cause(failures)
+    root = root_cause(failures, poison)
     code = code_for(root, poison)
     lines = [headline(root)]
     if poison:

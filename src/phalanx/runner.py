@@ -46,7 +46,6 @@ def build_loop(
     plan: Plan,
     emit: Emit,
     stop_requested: Callable[[], str | None],
-    rank: int,
     has_valid: bool,
     checkpointer: Checkpointer | None,
     on_failure: Callable[[WorkerFailure], None] | None = None,
@@ -57,7 +56,6 @@ def build_loop(
         metrics=spec.summed_metrics(),
         loop_metrics=spec.loop_metrics(),
         seed=config.seed,
-        rank=rank,
         has_valid=has_valid,
     )
     stopping = copy.deepcopy(config.early_stopping)
@@ -97,6 +95,28 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
     emit(Resumed(info.path, st.epoch, st.step, st.global_step))
 
 
+def start_run(
+    loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit, train_size: int, valid_size: int
+) -> None:
+    """Resume if asked; announce the run."""
+    if config.resume:
+        resume(loop, plan, config, emit)
+    emit(
+        RunStarted(
+            config.run_dir or "",
+            config.strategy,
+            config.devices,
+            config.epochs,
+            plan.steps,
+            plan.batch_size,
+            train_size,
+            valid_size,
+            loop.state.epoch,
+            loop.state.step,
+        )
+    )
+
+
 def run_member(
     loop: TrainLoop,
     plan: Plan,
@@ -108,22 +128,7 @@ def run_member(
     """Resume if asked, run the loop, and always flush checkpoints."""
     started = time.time()
     try:
-        if config.resume:
-            resume(loop, plan, config, emit)
-        emit(
-            RunStarted(
-                config.run_dir or "",
-                config.strategy,
-                config.devices,
-                config.epochs,
-                plan.steps,
-                plan.batch_size,
-                train_size,
-                valid_size,
-                loop.state.epoch,
-                loop.state.step,
-            )
-        )
+        start_run(loop, plan, config, emit, train_size, valid_size)
         result = loop.run()
     finally:
         if loop.checkpointer is not None:

@@ -18,6 +18,7 @@ from phalanx.checkpoint import Checkpoints
 from phalanx.early_stopping import EarlyStopping
 from phalanx.faults import Fault
 from phalanx.metrics import LoopMetric, Metric
+from phalanx.policy import Recovery
 
 ModelSource = Callable[[], nn.Module] | nn.Module
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -81,3 +82,4 @@ class FitConfig:
     hang_timeout: timedelta = timedelta(seconds=60)
     num_workers: int = 0
     min_free_memory: int | None = None
+    recovery: Recovery = field(default_factory=Recovery)  # ddp: what to do when a worker falls

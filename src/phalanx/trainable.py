@@ -24,6 +24,7 @@ class Trainable:
         self.optimizer = spec.optimizer(self.model.parameters())
         self.scheduler = spec.lr_scheduler(self.optimizer) if spec.lr_scheduler else None
         self.clip = spec.grad_clip_norm
+        self.micro_batches = spec.grad_accumulation
         self.model.train()
 
     def commit(self) -> None:

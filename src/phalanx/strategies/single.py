@@ -22,6 +22,7 @@ class SingleEngine:
     """The whole global batch on one device; the vote is this replica's own result."""
 
     is_main = True
+    rank = 0
 
     def __init__(
         self,
@@ -70,7 +71,14 @@ class SingleEngine:
             self.micro,
         )
         failures = [res.failure] if res.failure else []
-        return Vote(failed=len(failures), stop=stop, sums=res.sums, failures=failures)
+        return Vote(
+            failed=len(failures),
+            stop=stop,
+            sums=res.sums,
+            failures=failures,
+            splittable=int(res.splittable),
+            ledger=res.ledger,
+        )
 
     def commit(self) -> None:
         guarded_commit(self.trainable, self.faults, self.identity, self.step, self.epoch)

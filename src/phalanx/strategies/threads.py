@@ -127,6 +127,7 @@ class ThreadsEngine:
     """One replica per device in this process; the vote is reduced over the threads."""
 
     is_main = True
+    rank = 0
 
     def __init__(
         self,
@@ -188,6 +189,7 @@ class ThreadsEngine:
         results = self._gather(tasks, global_step, epoch)
         failures: list[WorkerFailure] = []
         sums = torch.zeros(self.replicas[0].size, dtype=torch.float64)
+        head = torch.zeros(5, dtype=torch.float64)  # failed, splittable, ledger (3)
         for i, outcome in enumerate(results):
             if isinstance(outcome, BaseException):  # Replica.run itself raised (zero pass)
                 failures.append(
@@ -202,6 +204,7 @@ class ThreadsEngine:
                 )
                 continue
             sums += outcome.sums
+            head += torch.tensor(outcome.vote_head(), dtype=torch.float64)
             if outcome.failure is not None:
                 failures.append(outcome.failure)
         if not failures:
@@ -209,7 +212,15 @@ class ThreadsEngine:
                 self._reduce_grads()
             except Exception as exc:
                 failures.append(self._failure(exc, 0, "sync", global_step, epoch, None))
-        return Vote(failed=len(failures), stop=stop, sums=sums, failures=failures)
+        ledger = (head[2].item(), head[3].item(), head[4].item())
+        return Vote(
+            failed=len(failures),
+            stop=stop,
+            sums=sums,
+            failures=failures,
+            splittable=int(head[1].item()),
+            ledger=ledger,
+        )
 
     def _task(
         self, i: int, step: int, global_step: int, epoch: int, seed: int

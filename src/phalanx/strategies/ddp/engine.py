@@ -1,9 +1,11 @@
-"""The engine of one ddp rank: the local step through DDP, then one all-reduce (the vote)."""
+"""The engine of one ddp rank in one generation: the local step through DDP, then one
+all-reduce (the vote), and the state hand-over when a generation forms."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,72 +14,73 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from phalanx.data import LocalBatches
-from phalanx.failures import from_exception
+from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
-from phalanx.loop import Vote
+from phalanx.loop import TrainLoop, Vote
 from phalanx.plan import Plan
-from phalanx.replica import Identity, Replica
-from phalanx.spec import FitConfig, TrainSpec
+from phalanx.replica import Replica
+from phalanx.spec import FitConfig
 from phalanx.strategies.base import evaluate_local, guarded_commit
 from phalanx.trainable import Trainable
 
 PhaseHook = Callable[[int, str], None]
+HEAD = 7  # failed, stop, regroup, splittable, ledger (samples, sum, sum of squares)
+
+
+@dataclass
+class Member:
+    """What a worker keeps across generations: its replica and what it trains."""
+
+    slot: int  # the worker's index in the devices list; its identity for life
+    trainable: Trainable
+    replica: Replica
+    faults: FaultInjector
+    device: torch.device
 
 
 class DdpEngine:
-    """Rank ``rank`` of ``world``: computes its slice of each global batch under DDP.
+    """Rank ``rank`` of ``world`` in one generation: its slice of each global batch, under a
+    DDP module built over this generation's process group.
 
-    The vote is one all-reduce of ``[failed, stop, *metric sums]``: a failed step costs
-    nothing extra and metrics need no collective of their own.
+    The vote is one all-reduce of ``[failed, stop, regroup, splittable, *ledger, *sums]``:
+    a failed step costs nothing extra and metrics need no collective of their own.
     """
 
     def __init__(
         self,
-        spec: TrainSpec,
+        member: Member,
         config: FitConfig,
         plan: Plan,
-        train: Dataset[Any],
-        valid: Dataset[Any] | None,
-        valid_size: int,
+        data: tuple[Dataset[Any], Dataset[Any] | None, int],
         rank: int,
         world: int,
-        device: torch.device,
         on_phase: PhaseHook,
+        regroup_requested: Callable[[], bool],
     ) -> None:
-        self.config, self.plan, self.train, self.valid, self.valid_size = (
-            config,
-            plan,
-            train,
-            valid,
-            valid_size,
-        )
-        self.rank, self.world, self.device = rank, world, device
+        self.m, self.config, self.plan = member, config, plan
+        self.train, self.valid, self.valid_size = data
+        self.rank, self.world = rank, world
         self.is_main = rank == 0
-        self.trainable = Trainable(spec, device, config.seed)
-        ids = [device.index] if device.type == "cuda" else None
-        # Buffers are not broadcast in forward: a zero pass after a failed forward would
+        self.device = member.device
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        # Buffers are not synced in forward: a zero pass after a failed forward would
         # otherwise run that collective twice on one rank. They are synced at commit instead.
         self.ddp = DistributedDataParallel(
-            self.trainable.module, device_ids=ids, forward_sync_buffers=False
+            member.trainable.module, device_ids=ids, forward_sync_buffers=False
         )
-        self.identity = Identity(worker=rank, rank=rank, device=config.devices[rank])
-        self.faults = FaultInjector(config.faults, rank)
+        replica = member.replica
+        replica.forward, replica.world, replica.identity.rank = self.ddp, world, rank
         self.on_phase = on_phase
-        self.replica = Replica(
-            self.trainable.module,
-            device,
-            self.identity,
-            spec.summed_metrics(),
-            self.faults,
-            forward=self.ddp,
-            world=world,
-            on_phase=on_phase,
-        )
-        self.micro = spec.grad_accumulation
-        self.has_buffers = any(True for _ in self.trainable.model.buffers())
+        self.regroup_requested = regroup_requested
+        self.micro = member.trainable.micro_batches
+        self.has_buffers = any(True for _ in member.trainable.model.buffers())
         self.batches: LocalBatches | None = None
         self.epoch = 0
         self.step = 0
+
+    @property
+    def trainable(self) -> Trainable:
+        return self.m.trainable
 
     def begin_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch = epoch
@@ -88,7 +91,7 @@ class DdpEngine:
     def attempt(self, epoch: int, step: int, global_step: int, stop: bool) -> Vote:
         assert self.batches is not None
         self.step = global_step
-        res = self.replica.run(
+        res = self.m.replica.run(
             self.batches.loader(step),
             self.batches.indices(step),
             self.batches.global_size(step),
@@ -98,24 +101,30 @@ class DdpEngine:
         )
         self.on_phase(global_step, "sync")
         try:
-            self.faults.check(global_step, "sync")
+            self.m.faults.check(global_step, "sync")
         except Exception as exc:  # before the vote: this rank just votes failed
             res.failure = res.failure or self._failure(exc, "sync")
-        failed = res.failure is not None
-        head = torch.tensor([float(failed), float(stop)], dtype=torch.float64)
-        vote = torch.cat([head, res.sums]).to(self.device)
+            res.ledger = (0.0, 0.0, 0.0)
+        failed, splittable, *ledger = res.vote_head()
+        head = [failed, float(stop), float(self.regroup_requested()), splittable, *ledger]
+        vote = torch.cat([torch.tensor(head, dtype=torch.float64), res.sums]).to(self.device)
         dist.all_reduce(vote)
-        vote = vote.cpu()
+        v = vote.cpu()
         return Vote(
-            failed=int(vote[0].item()),
-            stop=bool(vote[1].item() > 0),
-            sums=vote[2:],
+            failed=int(v[0].item()),
+            stop=bool(v[1].item() > 0),
+            regroup=bool(v[2].item() > 0),
+            splittable=int(v[3].item()),
+            ledger=(v[4].item(), v[5].item(), v[6].item()),
+            sums=v[HEAD:],
             failures=[res.failure] if res.failure else [],
         )
 
     def commit(self) -> None:
         self.on_phase(self.step, "optimizer")
-        guarded_commit(self.trainable, self.faults, self.identity, self.step, self.epoch)
+        guarded_commit(
+            self.trainable, self.m.faults, self.m.replica.identity, self.step, self.epoch
+        )
         if self.has_buffers:
             for buf in self.trainable.model.buffers():
                 dist.broadcast(buf, src=0)
@@ -126,7 +135,7 @@ class DdpEngine:
     def evaluate(self) -> torch.Tensor:
         self.on_phase(self.step, "validation")
         sums = evaluate_local(
-            self.replica,
+            self.m.replica,
             self.valid,
             self.valid_size,
             self.config.batch_size,
@@ -146,14 +155,35 @@ class DdpEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainable.load_state_dict(state)
 
-    def _failure(self, exc: BaseException, phase: str) -> Any:
+    def _failure(self, exc: BaseException, phase: str) -> WorkerFailure:
+        who = self.m.replica.identity
         return from_exception(
             exc,
-            worker=self.rank,
-            rank=self.rank,
-            device=self.identity.device,
+            worker=who.worker,
+            rank=who.rank,
+            device=who.device,
             phase=phase,
             step=self.step,
             epoch=self.epoch,
             pid=os.getpid(),
         )
+
+
+def hand_over(loop: TrainLoop, rank: int, device: torch.device) -> int:
+    """When a generation forms: agree on the highest committed step, and give every member
+    the full state (model, optimizer, scheduler, loop state, metric sums, RNG) of the
+    lowest rank that has it. Returns that rank. A collective over the new group."""
+    mine = torch.tensor([float(loop.state.global_step)], dtype=torch.float64, device=device)
+    top = mine.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    world = dist.get_world_size()
+    candidate = float(rank) if mine.item() == top.item() else float(world)
+    source = torch.tensor([candidate], dtype=torch.float64, device=device)
+    dist.all_reduce(source, op=dist.ReduceOp.MIN)
+    src = int(source.item())
+    payload = [loop.snapshot() if rank == src else None]
+    dist.broadcast_object_list(payload, src=src, device=device)
+    if rank != src:
+        assert payload[0] is not None
+        loop.restore(payload[0])
+    return src

@@ -11,6 +11,20 @@ from phalanx.failures import WorkerFailure
 
 STOP_KEY = "control/stop"  # value: the reason; workers stop after the current step
 ABORT_KEY = "control/abort"  # value: why; workers exit at once
+GEN_LATEST = "gen/latest"  # counter: the newest generation announced
+GEN_PREFIX = "gen/"  # gen/<n>: JSON {"members": [slots in rank order], "cause": "..."}
+
+
+@dataclass
+class Generation:
+    """Who trains together: ``members`` are worker slots (device indices) in rank order."""
+
+    number: int
+    members: list[int]
+    cause: str = ""
+
+    def rank_of(self, slot: int) -> int:
+        return self.members.index(slot)
 
 
 @dataclass
@@ -24,7 +38,7 @@ class Relay:
 class Progress:
     """A worker entered ``phase`` of ``step`` (its heartbeat, and what a hang report names)."""
 
-    rank: int
+    slot: int
     step: int
     phase: str
     time: float
@@ -42,18 +56,35 @@ class Failed:
 class Aborted:
     """The step policy stopped the run at ``step`` (every rank sends one)."""
 
-    rank: int
+    slot: int
     step: int
     poison: bool
 
 
 @dataclass
 class Done:
-    """A worker finished. Rank 0 adds where the final weights are and the loop's results."""
+    """A worker finished. The main one adds where the final weights are and the results."""
 
-    rank: int
+    slot: int
     weights_path: str | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0
     epochs: int = 0
     interrupted: str | None = None
+    ledger: list[list[float]] = field(default_factory=list)
+
+
+@dataclass
+class Ready:
+    """A replacement worker is started and waits to be let in."""
+
+    slot: int
+
+
+@dataclass
+class Joined:
+    """A worker formed ``generation`` with its peers and holds the agreed state."""
+
+    slot: int
+    generation: int
+    step: int

@@ -1,15 +1,24 @@
 """The ddp supervisor: the process that called ``fit()``.
 
-It hosts the TCPStore (127.0.0.1, a free port), spawns one worker per device, relays rank 0's
-events to the sinks, and watches: a worker that exits without saying why crashed (the
-process sentinel tells within one poll); a worker whose progress has stalled for
-``hang_timeout`` while its peers wait is hung (its stacks are dumped, then it is killed).
-Any fatal failure or a poison batch ends the run: workers are told to exit, stragglers are
-killed, and one :class:`~phalanx.errors.TrainingFailed` names the root cause.
+It hosts the TCPStore (127.0.0.1, a free port), spawns one worker per device, relays the
+main worker's events to the sinks, and watches. A worker falls when it exits without saying
+why (the process sentinel tells within one poll), when it reports a failure no vote can
+absorb, or when its progress has stalled for ``hang_timeout`` while its peers wait (its
+stacks are dumped, then it is killed). For a fallen worker the recovery policy
+(:func:`phalanx.policy.recover`) decides:
+
+- shrink / respawn: a new *generation* is announced in the store (``gen/<n>``: the members
+  in rank order) and the survivors, whose collectives failed at once, form it under a fresh
+  store prefix, agree on the highest committed step and go on. For respawn a replacement is
+  started on the fallen worker's device; when it is ready, the next generation lets it in
+  and the members move to it at a step boundary (the vote carries the request).
+- abort, or a poison batch: workers are told to exit, stragglers are killed, and one
+  :class:`~phalanx.errors.TrainingFailed` names the root cause.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -24,43 +33,54 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import Dataset
 
-from phalanx import report
-from phalanx.events import WorkerFailed
+from phalanx import ledger, report
+from phalanx.events import Notice, StepEnded, WorkerFailed
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.plan import Plan
+from phalanx.policy import recover
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp import worker as worker_mod
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
+    GEN_LATEST,
+    GEN_PREFIX,
     STOP_KEY,
     Aborted,
     Done,
     Failed,
+    Joined,
     Progress,
+    Ready,
     Relay,
 )
 
 POLL = 0.02
-STARTUP_TIMEOUT = 120.0  # spawning and importing torch is not a hang
 GRACE = 2.0  # seconds workers get to exit by themselves once the run is decided
 STACK_WAIT = 0.5
+STARTUP_TIMEOUT = 120.0  # spawning and importing torch is not a hang
+PREFLIGHT_TIMEOUT = 30.0
+IDLE_PHASES = ("start", "regroup", "joining")  # bounded by their own timeouts, not hangs
+ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted"}
 
 
 @dataclass
-class RankState:
+class SlotState:
+    """The process that holds one worker slot (device) now."""
+
     process: Any
     conn: Connection
     step: int = 0
     phase: str = "start"
     changed: float = field(default_factory=time.time)
-    finished: bool = False  # sent Done or Aborted, or its failure is known
+    finished: bool = False  # sent Done or Aborted, or its end is already accounted for
+    generation: int = -1  # the newest generation it has joined
 
 
 @dataclass
 class Outcome:
     failures: list[WorkerFailure] = field(default_factory=list)
-    fatal: bool = False
+    fatal: bool = False  # the run is aborted
     poison: bool = False
     done: Done | None = None
     aborted: set[int] = field(default_factory=set)
@@ -72,58 +92,75 @@ class Supervisor:
         spec: TrainSpec,
         config: FitConfig,
         plan: Plan,
-        train: Dataset[Any],
-        valid: Dataset[Any] | None,
-        valid_size: int,
+        data: tuple[Dataset[Any], Dataset[Any] | None, int],
         emit: Any,
         interrupter: Interrupter,
     ) -> None:
         self.spec, self.config, self.plan = spec, config, plan
-        self.train, self.valid, self.valid_size = train, valid, valid_size
+        self.train, self.valid, self.valid_size = data
         self.emit, self.interrupter = emit, interrupter
         self.world = len(config.devices)
         self.ctx = mp.get_context("spawn")
         self.tmp = tempfile.mkdtemp(prefix="phalanx-")
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.ranks: dict[int, RankState] = {}
+        self.slots: dict[int, SlotState] = {}
+        self.retired: list[Any] = []  # processes replaced by a respawn, joined at close
         self.outcome = Outcome()
         self.stop_sent = False
+        self.generation = -1
+        self.members: list[int] = []
+        self.waiting: list[int] = []  # replacements ready to be let in
+        self.recovering: list[WorkerFailure] = []  # failures waiting for a committed step
+        cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
+        self.threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        threads = max(
-            1,
-            (os.cpu_count() or 1) // sum(1 for d in self.config.devices if d.startswith("cpu"))
-            or 1,
+        for slot in range(self.world):
+            self._spawn(slot, replacement=False)
+        self._announce(list(range(self.world)), "start")
+
+    def _spawn(self, slot: int, replacement: bool) -> None:
+        reader, writer = self.ctx.Pipe(duplex=False)
+        args = worker_mod.WorkerArgs(
+            slot=slot,
+            store_port=self.store.port,
+            spec=self.spec,
+            config=self.config,
+            plan=self.plan,
+            train=self.train,
+            valid=self.valid,
+            valid_size=self.valid_size,
+            conn=writer,
+            parent_pid=os.getpid(),
+            stack_file=self._stack_file(slot),
+            weights_path=os.path.join(self.tmp, "final.pt"),
+            threads=self.threads,
+            replacement=replacement,
         )
-        for rank in range(self.world):
-            reader, writer = self.ctx.Pipe(duplex=False)
-            args = worker_mod.WorkerArgs(
-                rank=rank,
-                world=self.world,
-                store_port=self.store.port,
-                prefix="g0/",
-                spec=self.spec,
-                config=self.config,
-                plan=self.plan,
-                train=self.train,
-                valid=self.valid,
-                valid_size=self.valid_size,
-                conn=writer,
-                parent_pid=os.getpid(),
-                stack_file=self._stack_file(rank),
-                weights_path=os.path.join(self.tmp, "final.pt"),
-                threads=threads,
-            )
-            proc = self.ctx.Process(
-                target=worker_mod.main, args=(args,), name=f"phalanx-worker-{rank}", daemon=True
-            )
-            proc.start()
-            writer.close()  # the worker holds the only write end: EOF means it is gone
-            self.ranks[rank] = RankState(proc, reader)
+        name = f"phalanx-worker-{slot}" + ("-replacement" if replacement else "")
+        if slot in self.slots:
+            self.retired.append(self.slots[slot].process)
+        proc = self.ctx.Process(target=worker_mod.main, args=(args,), name=name, daemon=True)
+        proc.start()
+        writer.close()  # the worker holds the only write end: EOF means it is gone
+        self.slots[slot] = SlotState(proc, reader, phase="joining" if replacement else "start")
+
+    def _announce(self, members: list[int], cause: str) -> None:
+        """Generation n+1: written before the counter moves, so a reader sees it whole."""
+        self.generation += 1
+        self.members = list(members)
+        now = time.time()
+        for slot in self.members:  # a fresh hang window to form the new group in
+            self.slots[slot].changed = now
+        doc = json.dumps({"members": self.members, "cause": cause})
+        self.store.set(f"{GEN_PREFIX}{self.generation}", doc)
+        self.store.add(GEN_LATEST, 1 if self.generation > 0 else 0)
+        if self.generation > 0:
+            self.emit(Notice(f"generation {self.generation}: workers {self.members} ({cause})"))
 
     def watch(self) -> Outcome:
-        """Until every worker is finished or the run is decided (then tear down)."""
+        """Until every worker has ended or the run is decided (then tear down)."""
         decided_at: float | None = None
         while True:
             self._drain()
@@ -131,11 +168,12 @@ class Supervisor:
             if decided_at is None:
                 self._check_hang()
                 self._forward_stop()
+                self._admit()
             if self._decided() and decided_at is None:
                 decided_at = time.time()
                 self.store.set(ABORT_KEY, "run decided")
-            if all(not s.process.is_alive() for s in self.ranks.values()):
-                for state in self.ranks.values():
+            if all(not s.process.is_alive() for s in self.slots.values()):
+                for state in self.slots.values():
                     if not state.conn.closed:
                         self._read(state.conn)
                 return self.outcome
@@ -143,27 +181,28 @@ class Supervisor:
                 self.kill_all()
 
     def kill_all(self) -> None:
-        for state in self.ranks.values():
+        for state in self.slots.values():
             if state.process.is_alive():
                 state.finished = True  # killed by us: not a failure of its own
                 state.process.kill()
-        for state in self.ranks.values():
+        for state in self.slots.values():
             state.process.join(timeout=5)
 
     def close(self) -> None:
         self.kill_all()
-        for state in self.ranks.values():
+        for state in self.slots.values():
             state.conn.close()
+        for proc in self.retired:
+            proc.join(timeout=5)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     # -- what workers say ----------------------------------------------------------------
     def _drain(self, timeout: float = POLL) -> None:
-        """Handle every message that arrives within ``timeout`` (wakes on a message or a
-        process exit)."""
-        open_conns = [s.conn for s in self.ranks.values() if not s.conn.closed]
-        sentinels = [s.process.sentinel for s in self.ranks.values()]
-        ready = wait([*open_conns, *sentinels], timeout=timeout)
-        for conn in open_conns:
+        """Handle what arrives within ``timeout`` (wakes on a message or a process exit)."""
+        conns = [s.conn for s in self.slots.values() if not s.conn.closed]
+        sentinels = [s.process.sentinel for s in self.slots.values()]
+        ready = wait([*conns, *sentinels], timeout=timeout)
+        for conn in conns:
             if conn in ready:
                 self._read(conn)
 
@@ -177,56 +216,61 @@ class Supervisor:
     def _handle(self, message: object) -> None:
         out = self.outcome
         if isinstance(message, Relay):
+            if isinstance(message.event, StepEnded):
+                self._recovered(message.event.time)
             self.emit(message.event)
         elif isinstance(message, Progress):
-            state = self.ranks[message.rank]
+            state = self.slots[message.slot]
             state.step, state.phase, state.changed = message.step, message.phase, time.time()
+        elif isinstance(message, Joined):
+            state = self.slots[message.slot]
+            state.generation, state.changed = message.generation, time.time()
+        elif isinstance(message, Ready):
+            self.waiting.append(message.slot)
         elif isinstance(message, Failed):
-            out.failures.append(message.failure)
-            out.fatal = out.fatal or message.fatal
             if message.fatal:
-                message.failure.action = "aborted"
-                self.ranks[message.failure.rank].finished = True
-            self.emit(WorkerFailed(message.failure, message.failure.action or ""))
+                self.slots[message.failure.worker].finished = True
+                self._fallen(message.failure)
+            else:
+                out.failures.append(message.failure)
+                self.emit(WorkerFailed(message.failure, message.failure.action or ""))
         elif isinstance(message, Aborted):
-            out.aborted.add(message.rank)
+            out.aborted.add(message.slot)
             out.poison = out.poison or message.poison
-            self.ranks[message.rank].finished = True
+            self.slots[message.slot].finished = True
         elif isinstance(message, Done):
-            self.ranks[message.rank].finished = True
-            if message.rank == 0:
+            self.slots[message.slot].finished = True
+            if message.weights_path is not None:
                 out.done = message
+                self._dismiss_waiting()
 
     def _decided(self) -> bool:
         return self.outcome.fatal or bool(self.outcome.aborted)
 
     # -- what the supervisor sees for itself ----------------------------------------------
     def _check_deaths(self) -> None:
-        for rank, state in self.ranks.items():
+        for slot, state in list(self.slots.items()):
             code = state.process.exitcode
-            if code is None or state.finished:
-                continue
-            if code in (0, worker_mod.EXIT_TOLD):
+            if code is None or state.finished or code in (0, worker_mod.EXIT_TOLD):
                 continue
             self._read(state.conn)  # its last words may still be in the pipe
             if state.finished:
                 continue
             state.finished = True
-            self._record(self._death(rank, state, code))
+            self._fallen(self._death(slot, state, code))
 
-    def _death(self, rank: int, state: RankState, code: int) -> WorkerFailure:
+    def _death(self, slot: int, state: SlotState, code: int) -> WorkerFailure:
         sig = -code if code < 0 else None
         if sig is not None:
-            name = signal.Signals(sig).name
-            message = f"worker process died from signal {name}"
+            message = f"worker process died from signal {signal.Signals(sig).name}"
             if sig == signal.SIGKILL:
                 message += " (SIGKILL: possibly the kernel's out-of-memory killer; check dmesg)"
         else:
             message = f"worker process exited with code {code} without a report"
         return WorkerFailure(
-            worker=rank,
-            rank=rank,
-            device=self.config.devices[rank],
+            worker=slot,
+            rank=self._rank(slot),
+            device=self.config.devices[slot],
             kind="crash",
             message=message,
             phase=state.phase,
@@ -234,36 +278,45 @@ class Supervisor:
             pid=state.process.pid,
             exit_code=code if sig is None else None,
             signal=sig,
-            action="aborted",
         )
 
     def _check_hang(self) -> None:
-        running = {r: s for r, s in self.ranks.items() if not s.finished}
-        if not running:
-            return
+        watched = {
+            slot: self.slots[slot]
+            for slot in self.members
+            if not self.slots[slot].finished and self.slots[slot].phase not in IDLE_PHASES
+        }
+        starting = [s for s in self.slots.values() if s.phase == "start" and not s.finished]
         now = time.time()
-        if any(now - s.changed < self._limit(s) for s in running.values()):
+        if any(now - s.changed > STARTUP_TIMEOUT for s in starting):
+            watched.update({k: s for k, s in self.slots.items() if s in starting})
+        elif not watched:
+            return
+        if any(now - s.changed < self._limit(s) for s in watched.values()):
             return
         # Everyone stalled: the hung ones are behind (the others wait in a collective).
-        behind = min((s.step, _phase_rank(s.phase)) for s in running.values())
-        tied = {r: s for r, s in running.items() if (s.step, _phase_rank(s.phase)) == behind}
-        stacks = {r: self._dump_stacks(r, s) for r, s in tied.items()}
-        hung = [r for r in tied if not _waits_in_collective(stacks[r])] or list(tied)
-        for rank in hung:
-            state = tied[rank]
-            self._record(self._hang(rank, state, now - state.changed, stacks[rank]))
-            state.process.kill()
+        behind = min((s.step, _phase_rank(s.phase)) for s in watched.values())
+        tied = {k: s for k, s in watched.items() if (s.step, _phase_rank(s.phase)) == behind}
+        stacks = {k: self._dump_stacks(k, s) for k, s in tied.items()}
+        hung = [k for k in tied if not _waits_in_collective(stacks[k])] or list(tied)
+        for slot in hung:
+            state = tied[slot]
+            failure = self._hang(slot, state, now - state.changed, stacks[slot])
             state.finished = True
+            state.process.kill()
+            self._fallen(failure)
 
-    def _limit(self, state: RankState) -> float:
+    def _limit(self, state: SlotState) -> float:
+        """How long a worker may make no progress: ``hang_timeout``; at least
+        PREFLIGHT_TIMEOUT for the preflight (first calls are slow: lazy initialisation)."""
         limit = self.config.hang_timeout.total_seconds()
-        return max(limit, STARTUP_TIMEOUT) if state.phase == "start" else limit
+        return max(limit, PREFLIGHT_TIMEOUT) if state.phase == "preflight" else limit
 
-    def _hang(self, rank: int, state: RankState, stalled: float, stacks: str) -> WorkerFailure:
+    def _hang(self, slot: int, state: SlotState, stalled: float, stacks: str) -> WorkerFailure:
         return WorkerFailure(
-            worker=rank,
-            rank=rank,
-            device=self.config.devices[rank],
+            worker=slot,
+            rank=self._rank(slot),
+            device=self.config.devices[slot],
             kind="hang",
             message=f"no progress for {stalled:.1f}s in phase {state.phase} of step "
             f"{state.step} (hang_timeout {self.config.hang_timeout.total_seconds():g}s)",
@@ -271,11 +324,10 @@ class Supervisor:
             step=state.step,
             pid=state.process.pid,
             stacks=stacks,
-            action="aborted",
         )
 
-    def _dump_stacks(self, rank: int, state: RankState) -> str:
-        path = self._stack_file(rank)
+    def _dump_stacks(self, slot: int, state: SlotState) -> str:
+        path = self._stack_file(slot)
         try:
             os.kill(state.process.pid, signal.SIGUSR1)
         except ProcessLookupError:
@@ -286,24 +338,70 @@ class Supervisor:
             time.sleep(0.05)
             with open(path) as fh:
                 text = fh.read()
-            if text and "File" in text:
+            if "File" in text:
                 time.sleep(0.05)
                 with open(path) as fh:
                     return fh.read()
         return text or "(no stacks: the worker did not answer SIGUSR1)"
 
-    def _record(self, failure: WorkerFailure) -> None:
-        self.outcome.failures.append(failure)
-        self.outcome.fatal = True
-        self.emit(WorkerFailed(failure, "aborted"))
+    # -- decisions -------------------------------------------------------------------------
+    def _fallen(self, failure: WorkerFailure) -> None:
+        """A worker is out. Decide with the recovery policy, and act."""
+        out = self.outcome
+        slot = failure.worker
+        if self._decided():
+            failure.action = "aborted"
+            out.failures.append(failure)
+            return
+        if slot in self.waiting:
+            self.waiting.remove(slot)
+        survivors = [m for m in self.members if m != slot and not self.slots[m].finished]
+        action = recover(self.config.recovery, failure, out.failures, len(survivors))
+        failure.action = ACTIONS[action]
+        out.failures.append(failure)
+        self.emit(WorkerFailed(failure, failure.action))
+        if action == "abort":
+            out.fatal = True
+            return
+        self.recovering.append(failure)
+        if action == "respawn":
+            self._spawn(slot, replacement=True)
+        if slot in self.members:
+            self._announce(survivors, f"worker {slot} {failure.kind}: {failure.action}")
+
+    def _dismiss_waiting(self) -> None:
+        """The run is over: replacements still waiting to join are not needed."""
+        for state in self.slots.values():
+            if state.generation < 0 and state.phase == "joining" and not state.finished:
+                state.finished = True
+                state.process.kill()
+        self.waiting = []
+
+    def _admit(self) -> None:
+        """Let ready replacements in, once the current generation has formed (so no
+        member is half-way into an older one)."""
+        if not self.waiting or self.outcome.done is not None:
+            return
+        formed = all(self.slots[m].generation == self.generation for m in self.members)
+        if formed:
+            joining, self.waiting = self.waiting, []
+            self._announce(self.members + joining, f"workers {joining} rejoin")
+
+    def _recovered(self, when: float) -> None:
+        for failure in self.recovering:
+            failure.recovery_seconds = max(0.0, when - failure.time)
+        self.recovering = []
+
+    def _rank(self, slot: int) -> int:
+        return self.members.index(slot) if slot in self.members else slot
 
     def _forward_stop(self) -> None:
         if self.interrupter.should_stop() and not self.stop_sent:
             self.store.set(STOP_KEY, self.interrupter.reason or "stop requested")
             self.stop_sent = True
 
-    def _stack_file(self, rank: int) -> str:
-        return os.path.join(self.tmp, f"stacks-{rank}.txt")
+    def _stack_file(self, slot: int) -> str:
+        return os.path.join(self.tmp, f"stacks-{slot}.txt")
 
     # -- the result ------------------------------------------------------------------------
     def final_model(self, path: str) -> torch.nn.Module:
@@ -315,6 +413,7 @@ class Supervisor:
 _PHASE_ORDER = (
     "start",
     "preflight",
+    "regroup",
     "data",
     "forward",
     "backward",
@@ -329,16 +428,14 @@ _PHASE_ORDER = (
 def _waits_in_collective(stacks: str) -> bool:
     """Whether some thread's innermost Python frame is inside torch's distributed or
     autograd code: a rank blocked there is waiting for a peer, not hung itself."""
-    innermost = []
     lines = stacks.splitlines()
-    for i, line in enumerate(lines):
-        if "most recent call first" in line and i + 1 < len(lines):
-            innermost.append(lines[i + 1])
-    return any(
-        m in frame
-        for frame in innermost
-        for m in ("torch/distributed", "torch/autograd", "torch/nn/parallel")
-    )
+    innermost = [
+        lines[i + 1]
+        for i, line in enumerate(lines)
+        if "most recent call first" in line and i + 1 < len(lines)
+    ]
+    markers = ("torch/distributed", "torch/autograd", "torch/nn/parallel")
+    return any(m in frame for frame in innermost for m in markers)
 
 
 def _phase_rank(phase: str) -> int:
@@ -358,7 +455,7 @@ def run_ddp(
     from phalanx.learner import FitResult
 
     started = time.time()
-    sup = Supervisor(spec, config, plan, train, valid, valid_size, emit, interrupter)
+    sup = Supervisor(spec, config, plan, (train, valid, valid_size), emit, interrupter)
     try:
         sup.start()
         outcome = sup.watch()
@@ -372,6 +469,10 @@ def run_ddp(
         model = sup.final_model(done.weights_path)
     finally:
         sup.close()
+    if outcome.failures:
+        report.write_json(config.run_dir, outcome.failures, None, config.devices)
+    problems = ledger.check(plan, done.ledger, done.epochs)
+    ledger.write(config.run_dir, done.ledger, problems)
     interrupted = done.interrupted
     if interrupted and interrupter.reason:  # the reason as the supervisor was told it
         interrupted = f"Training interrupted: {interrupter.reason}"
@@ -384,6 +485,8 @@ def run_ddp(
         outcome.failures,
         config.run_dir,
         time.time() - started,
+        not problems,
+        problems,
     )
 
 
@@ -393,6 +496,6 @@ def _lost(config: FitConfig) -> WorkerFailure:
         rank=0,
         device=config.devices[0],
         kind="crash",
-        message="rank 0 ended without a result",
+        message="the run ended without a result from its main worker",
         phase="sync",
     )

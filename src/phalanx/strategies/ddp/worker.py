@@ -1,17 +1,23 @@
-"""A ddp worker process: one device, one rank.
+"""A ddp worker process: one device, one slot, a rank in each generation it joins.
 
 Order of work: ignore SIGINT (the supervisor decides), register faulthandler on SIGUSR1
 (the supervisor asks for stacks of a hung worker), watch the parent and the control keys,
-preflight (one isolated forward/backward: no collective can hang on a shape bug), join the
-process group, wrap the model in DDP, run the loop, report.
+preflight (one isolated forward/backward: no collective can hang on a shape bug), then for
+each generation: form its process group under the store prefix ``g<n>/``, wrap the model in
+DDP, take the agreed state (generations after the first), and train until the run ends or
+the group breaks. When a collective fails because a peer fell, the worker waits for the next
+generation the supervisor announces and goes on in it.
 
 Exit codes: 0 done or stopped by the step policy (an :class:`Aborted` was sent), 1 failed
-(a :class:`Failed` was sent, fatal).
+(a fatal :class:`Failed` was sent), 3 told to exit by the supervisor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import gc
+import json
 import os
 import signal
 import sys
@@ -23,38 +29,43 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from phalanx.devices import torch_device
 from phalanx.events import Event
 from phalanx.failures import FailedHere, WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
-from phalanx.loop import StepAborted
+from phalanx.loop import Regroup, StepAborted, TrainLoop
 from phalanx.plan import Plan
 from phalanx.replica import Identity, Replica
-from phalanx.runner import build_loop, make_checkpointer, run_member
+from phalanx.runner import build_loop, make_checkpointer, start_run
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.ddp.engine import DdpEngine
+from phalanx.strategies.ddp.engine import DdpEngine, Member, hand_over
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
+    GEN_LATEST,
+    GEN_PREFIX,
     STOP_KEY,
     Aborted,
     Done,
     Failed,
+    Generation,
+    Joined,
     Progress,
+    Ready,
     Relay,
 )
+from phalanx.trainable import Trainable
 
 WATCH_INTERVAL = 0.1
-EXIT_TOLD = 3  # exited because the supervisor said the run is over (not a failure)
+EXIT_TOLD = 3  # exited because the supervisor said so (not a failure)
+ANNOUNCE_WAIT = 10.0  # after a broken collective: how long to wait for the next generation
 
 
 @dataclass
 class WorkerArgs:
-    rank: int
-    world: int
+    slot: int
     store_port: int
-    prefix: str
     spec: TrainSpec
     config: FitConfig
     plan: Plan
@@ -66,16 +77,22 @@ class WorkerArgs:
     stack_file: str
     weights_path: str
     threads: int
+    replacement: bool = False  # started to replace a fallen worker: joins a later generation
 
 
 class Worker:
     def __init__(self, args: WorkerArgs) -> None:
         self.a = args
-        self.label = args.config.devices[args.rank]
+        self.label = args.config.devices[args.slot]
         self.device = torch_device(self.label)
         self.stop_reason: str | None = None
+        self.generation = -1
+        self.latest = -1  # newest generation announced, as the watch thread last saw it
+        self.rank = args.slot
         self.step = 0
-        self.phase = "preflight"
+        self.phase = "start"
+        self.loop: TrainLoop | None = None  # kept across generations
+        self.interrupted: str | None = None
         self.lock = threading.Lock()  # the checkpointer thread sends events too
 
     # -- messages ----------------------------------------------------------------------
@@ -86,7 +103,7 @@ class Worker:
 
     def on_phase(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
-        self.send(Progress(self.a.rank, step, phase, time.time()))
+        self.send(Progress(self.a.slot, step, phase, time.time()))
 
     def emit(self, event: Event) -> None:
         self.send(Relay(event))
@@ -94,8 +111,8 @@ class Worker:
     def failure(self, exc: BaseException, phase: str) -> WorkerFailure:
         return from_exception(
             exc,
-            worker=self.a.rank,
-            rank=self.a.rank,
+            worker=self.a.slot,
+            rank=self.rank,
             device=self.label,
             phase=phase,
             step=self.step,
@@ -103,54 +120,83 @@ class Worker:
             pid=os.getpid(),
         )
 
-    # -- the watch thread: parent gone, abort or stop asked --------------------------------
+    # -- the watch thread: parent gone, abort, stop or a new generation ---------------------
     def watch(self, store: dist.TCPStore) -> None:
         while True:
             time.sleep(WATCH_INTERVAL)
             if os.getppid() != self.a.parent_pid:
                 os._exit(1)  # the supervisor died: no orphans
             try:
-                keys = [ABORT_KEY, STOP_KEY]
-                present = [k for k in keys if store.check([k])]
+                present = [k for k in (ABORT_KEY, STOP_KEY) if store.check([k])]
+                self.latest = int(store.add(GEN_LATEST, 0))
+                if STOP_KEY in present and self.stop_reason is None:
+                    self.stop_reason = store.get(STOP_KEY).decode()
             except Exception:
                 os._exit(1)  # the store (the supervisor) is unreachable
             if ABORT_KEY in present:
                 os._exit(EXIT_TOLD)
-            if STOP_KEY in present and self.stop_reason is None:
-                self.stop_reason = store.get(STOP_KEY).decode()
+
+    def regroup_requested(self) -> bool:
+        return self.latest > self.generation
+
+    def wait_generation(self, store: dist.TCPStore, after: int, timeout: float) -> Generation:
+        """The newest generation after ``after`` that counts this worker in (or one that
+        leaves it out: then it exits). Raises TimeoutError when none comes in time."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            latest = int(store.add(GEN_LATEST, 0))
+            if latest > after:
+                doc = json.loads(store.get(f"{GEN_PREFIX}{latest}").decode())
+                gen = Generation(latest, doc["members"], doc.get("cause", ""))
+                if self.a.slot in gen.members or not self.a.replacement:
+                    return gen
+                after = latest  # a replacement waits for the generation that lets it in
+            time.sleep(0.02)
+        raise TimeoutError(f"no new generation after {after} within {timeout:.0f}s")
 
     # -- the run -------------------------------------------------------------------------
-    def preflight(self) -> None:
-        """One forward and backward on this rank's first slice, alone, gradients discarded."""
+    def build_member(self) -> Member:
         cfg = self.a.config
-        self.on_phase(0, "preflight")
-        probe_device = self.device
-        from phalanx.trainable import Trainable
-
-        trainable = Trainable(self.a.spec, probe_device, cfg.seed)
-        faults = FaultInjector(cfg.faults, self.a.rank)
+        trainable = Trainable(self.a.spec, self.device, cfg.seed)
+        # A replacement does not replay the faults of the worker it replaces.
+        faults = FaultInjector([] if self.a.replacement else cfg.faults, self.a.slot)
+        identity = Identity(worker=self.a.slot, rank=self.a.slot, device=self.label)
         replica = Replica(
             trainable.module,
-            probe_device,
-            Identity(self.a.rank, self.a.rank, self.label),
+            self.device,
+            identity,
+            self.a.spec.summed_metrics(),
+            faults,
+            on_phase=self.on_phase,
+        )
+        return Member(self.a.slot, trainable, replica, faults, self.device)
+
+    def preflight(self) -> None:
+        """One forward and backward on this worker's first slice, alone, gradients dropped."""
+        cfg, plan, slot = self.a.config, self.a.plan, self.a.slot
+        self.on_phase(0, "preflight")
+        trainable = Trainable(self.a.spec, self.device, cfg.seed)
+        faults = FaultInjector(cfg.faults, slot)
+        replica = Replica(
+            trainable.module,
+            self.device,
+            Identity(slot, slot, self.label),
             self.a.spec.summed_metrics(),
             faults,
         )
-        first = self.a.plan.local_batch(0, 0, self.a.rank, self.a.world)
-        from torch.utils.data import default_collate
-
+        first = plan.local_batch(0, 0, slot, len(cfg.devices))
         faults.check(0, "preflight")
         result = replica.run(
             lambda: default_collate([self.a.train[i] for i in first]),
             first,
-            len(self.a.plan.global_batch(0, 0)),
+            len(plan.global_batch(0, 0)),
             0,
             0,
+            trainable.micro_batches,
         )
         if result.failure is not None:
             result.failure.phase = "preflight"
             raise FailedHere(result.failure)
-        del trainable, replica
 
     def run(self) -> int:
         a, cfg = self.a, self.a.config
@@ -163,64 +209,122 @@ class Worker:
         else:
             torch.cuda.set_device(self.device)
         try:
-            if cfg.preflight:
+            if cfg.preflight and not a.replacement:
                 self.preflight()
-            self.on_phase(0, "sync")
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            timeout = cfg.hang_timeout * 2 + timedelta(seconds=30)
-            dist.init_process_group(
-                backend,
-                store=dist.PrefixStore(a.prefix, store),
-                rank=a.rank,
-                world_size=a.world,
-                timeout=timeout,
-            )
-            engine = DdpEngine(
-                a.spec,
-                cfg,
-                a.plan,
-                a.train,
-                a.valid,
-                a.valid_size,
-                a.rank,
-                a.world,
-                self.device,
-                self.on_phase,
-            )
-            emit = self.emit if a.rank == 0 else _drop
-            checkpointer = make_checkpointer(cfg, emit) if a.rank == 0 else None
-            loop = build_loop(
+            member = self.build_member()
+            if a.replacement:
+                self.send(Ready(a.slot))
+            gen = self.wait_generation(store, -1, 4 * _forming_timeout(cfg).total_seconds())
+        except FailedHere as exc:
+            self.send(Failed(exc.failure, fatal=True))
+            return 1
+        return self.generations(store, member, gen)
+
+    def generations(self, store: dist.TCPStore, member: Member, gen: Generation) -> int:
+        """Train in one generation after another until the run ends for this worker."""
+        while True:
+            if self.a.slot not in gen.members:
+                return EXIT_TOLD
+            wait, broken = ANNOUNCE_WAIT, None
+            try:
+                self.train_in(member, gen)
+                return self.finish()
+            except Regroup:
+                wait = _forming_timeout(self.a.config).total_seconds()
+            except StepAborted as exc:
+                self.send(Aborted(self.a.slot, exc.step, exc.poison))
+                return 0
+            except FailedHere as exc:
+                self.send(Failed(exc.failure, fatal=True))
+                return 1
+            except Exception as exc:  # the group broke: a peer fell, or this worker did
+                broken = exc
+            finally:
+                _leave_group()
+            try:
+                gen = self.wait_generation(store, gen.number, wait)
+            except TimeoutError as exc:  # nobody else fell: the failure is this worker's
+                self.send(Failed(self.failure(broken or exc, self.phase), fatal=True))
+                return 1
+
+    def train_in(self, member: Member, gen: Generation) -> None:
+        """Form ``gen``'s group, take the agreed state, train until the run ends."""
+        a, cfg = self.a, self.a.config
+        self.generation = gen.number
+        rank, world = gen.rank_of(a.slot), len(gen.members)
+        self.rank = rank
+        self.on_phase(self.step, "regroup")
+        member.trainable.discard()  # gradients of a step the old group never committed
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        rendezvous = dist.TCPStore(
+            "127.0.0.1", a.store_port, is_master=False, timeout=_forming_timeout(cfg)
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"g{gen.number}/", rendezvous),
+            rank=rank,
+            world_size=world,
+            timeout=cfg.hang_timeout * 2 + timedelta(seconds=30),
+        )
+        data = (a.train, a.valid, a.valid_size)
+        engine = DdpEngine(
+            member, cfg, a.plan, data, rank, world, self.on_phase, self.regroup_requested
+        )
+        first = self.loop is None
+        if self.loop is None:
+            self.loop = build_loop(
                 engine,
                 a.spec,
                 cfg,
                 a.plan,
-                emit,
+                self.emit,
                 lambda: self.stop_reason,
-                a.rank,
                 a.valid is not None,
-                checkpointer,
+                None,
                 on_failure=lambda f: self.send(Failed(f, fatal=False)),
             )
-            run = run_member(loop, a.plan, cfg, emit, a.plan.samples, a.valid_size)
-        except StepAborted as exc:
-            self.send(Aborted(a.rank, exc.step, exc.poison))
-            return 0
-        except FailedHere as exc:
-            self.send(Failed(exc.failure, fatal=True))
-            return 1
-        except Exception as exc:
-            self.send(Failed(self.failure(exc, self.phase), fatal=True))
-            return 1
-        done = Done(a.rank)
-        if a.rank == 0:
-            torch.save(engine.trainable.model.state_dict(), a.weights_path)
-            st = run.loop.state
+        loop = self.loop
+        loop.engine = engine
+        if first and not a.replacement:
+            start_run(loop, a.plan, cfg, loop.emit, a.plan.samples, a.valid_size)
+        if gen.number > 0:
+            hand_over(loop, rank, self.device)
+        if engine.is_main and loop.checkpointer is None and cfg.run_dir:
+            loop.checkpointer = make_checkpointer(cfg, self.emit)
+        self.send(Joined(a.slot, gen.number, loop.state.global_step))
+        self.interrupted = loop.run().interrupted
+
+    def finish(self) -> int:
+        loop = self.loop
+        assert loop is not None
+        if loop.checkpointer is not None:
+            loop.checkpointer.close()
+        done = Done(self.a.slot)
+        if loop.engine.is_main:
+            torch.save(loop.engine.state_dict()["model"], self.a.weights_path)
+            st = loop.state
             done = Done(
-                0, a.weights_path, st.history, st.global_step, st.epoch, run.loop.interrupted
+                self.a.slot,
+                self.a.weights_path,
+                st.history,
+                st.global_step,
+                st.epoch,
+                self.interrupted,
+                st.ledger,
             )
         self.send(done)
-        dist.destroy_process_group()
         return 0
+
+
+def _forming_timeout(config: FitConfig) -> timedelta:
+    return max(timedelta(seconds=10), config.hang_timeout)
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # a broken group may refuse a clean shutdown
+            dist.destroy_process_group()
+    gc.collect()  # drops the old DDP reducer and its autograd hooks
 
 
 def main(args: WorkerArgs) -> None:
@@ -232,7 +336,3 @@ def main(args: WorkerArgs) -> None:
     args.conn.close()
     sys.stdout.flush()
     os._exit(code)
-
-
-def _drop(event: Event) -> None:
-    return None
