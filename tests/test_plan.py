@@ -244,9 +244,11 @@ def test_decide_retries_a_first_failure_then_aborts(failed: int) -> None:
     attempt=st.integers(min_value=0, max_value=20),
     failed=st.integers(min_value=0, max_value=8),
     max_retries=st.integers(min_value=0, max_value=10),
+    data=st.data(),
 )
-def test_decide_rule(attempt: int, failed: int, max_retries: int) -> None:
-    action = decide(attempt, failed, max_retries)
+def test_decide_rule(attempt: int, failed: int, max_retries: int, data: st.DataObject) -> None:
+    splittable = data.draw(st.integers(min_value=0, max_value=max(failed - 1, 0)))
+    action = decide(attempt, failed, splittable, max_retries=max_retries)
     if failed == 0:
         assert action == "commit"
     elif attempt < max_retries:

@@ -195,8 +195,22 @@ def test_exception_in_a_metric_is_reported_in_phase_metrics() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_oom_twice_is_px203() -> None:
+def test_oom_is_absorbed_by_splitting_the_share_into_micro_batches() -> None:
+    """Out of memory on one replica: the step is tried again while that replica cuts its
+    share into micro-batches; the global batch and the math are unchanged."""
+    clean = learner().fit(DATA, devices=TWO, strategy="threads", batch_size=45, sinks=[])
     fault = px.Fault(kind="oom", worker=1, step=2, times=2)
+    result = learner().fit(
+        DATA, devices=TWO, strategy="threads", batch_size=45, sinks=[], faults=[fault]
+    )
+    assert [(f.kind, f.action, f.worker) for f in result.failures] == [("oom", "split", 1)] * 2
+    assert rel_diff(params(clean.model), params(result.model)) <= 1e-5
+    assert result.ledger_ok
+
+
+@pytest.mark.timeout(60)
+def test_oom_even_at_one_sample_per_micro_batch_is_px203() -> None:
+    fault = px.Fault(kind="oom", worker=1, step=2, times=100)
     with pytest.raises(px.TrainingFailed) as info:
         learner().fit(
             DATA, devices=TWO, strategy="threads", batch_size=45, sinks=[], faults=[fault]
