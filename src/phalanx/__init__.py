@@ -1,6 +1,6 @@
 """phalanx: data-parallel PyTorch training that names every failure and keeps going."""
 
-from phalanx import metrics
+from phalanx import faults, metrics
 from phalanx.checkpoint import Checkpoints
 from phalanx.early_stopping import EarlyStopping
 from phalanx.errors import ConfigError, PhalanxError, TrainingFailed
@@ -22,6 +22,7 @@ __all__ = [
     "StepOutput",
     "TrainingFailed",
     "WorkerFailure",
+    "faults",
     "metrics",
 ]
 __version__ = "0.1.0"

@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KIND:WORKER@STEP",
         help="inject a fault, e.g. kill:1@30 (repeatable)",
     )
+    demo.add_argument(
+        "--chaos",
+        type=int,
+        default=0,
+        metavar="N",
+        help="inject N random failures (kill, hang, exception); needs --strategy ddp",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.set_defaults(handler=_demo)
     return parser

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -83,19 +84,59 @@ def run_demo(args: argparse.Namespace) -> int:
     # The caller's setting is restored afterwards.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    faults = [px.Fault.parse(f) for f in args.fault]
+    chaos = getattr(args, "chaos", 0)
+    if chaos:
+        if args.strategy != "ddp":
+            print("phalanx demo: --chaos needs --strategy ddp (and several --devices)")
+            return 2
+        steps = -(-len(train) // args.batch_size) * args.epochs
+        workers = len(args.devices.split(","))
+        faults += px.faults.chaos(chaos, workers, steps, seed=args.seed)
     try:
-        result = _fit(args, train, valid)
+        result = _fit(args, train, valid, faults)
+        clean = _fit(args, train, valid, [], quiet=True) if chaos else None
     finally:
         torch.set_num_threads(threads)
     accuracy = result.history[-1].get("valid/accuracy") if result.history else None
     if accuracy is None:
         print("final validation accuracy: none (no epoch finished)")
         return 1
-    print(f"final validation accuracy: {accuracy:.3f}")
+    if result.failures:
+        print_timeline(result)
+    if clean is not None:
+        print(
+            f"clean run, same seed, no failures: validation accuracy "
+            f"{clean.history[-1]['valid/accuracy']:.3f}"
+        )
+    print(
+        f"final validation accuracy: {accuracy:.3f}; every sample used exactly once per "
+        f"epoch: {result.ledger_ok}"
+    )
     return 0 if accuracy >= PASS_ACCURACY else 1
 
 
-def _fit(args: argparse.Namespace, train: TensorDataset, valid: TensorDataset) -> px.FitResult:
+def print_timeline(result: px.FitResult) -> None:
+    """The failures of the run and what was done about each."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Failures and recoveries")
+    for column in ("worker", "device", "kind", "step", "phase", "action", "back in"):
+        table.add_column(column)
+    for f in result.failures:
+        back = f"{f.recovery_seconds:.2f} s" if f.recovery_seconds is not None else "-"
+        table.add_row(str(f.worker), f.device, f.kind, str(f.step), f.phase, f.action or "", back)
+    Console().print(table)
+
+
+def _fit(
+    args: argparse.Namespace,
+    train: TensorDataset,
+    valid: TensorDataset,
+    faults: list[px.Fault],
+    quiet: bool = False,
+) -> px.FitResult:
     learner = px.Learner(
         make_model,
         make_optimizer,
@@ -110,8 +151,10 @@ def _fit(args: argparse.Namespace, train: TensorDataset, valid: TensorDataset) -
         devices=args.devices,
         strategy=args.strategy,
         seed=args.seed,
-        run_dir=args.run_dir,
-        resume=args.resume,
+        run_dir=None if quiet else args.run_dir,
+        resume=args.resume and not quiet,
         checkpoint=px.Checkpoints(every_steps=20, keep_last=2, keep_best="valid/accuracy"),
-        faults=[px.Fault.parse(f) for f in args.fault],
+        faults=faults,
+        hang_timeout=timedelta(seconds=5),
+        sinks=[] if quiet else None,
     )

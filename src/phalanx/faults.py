@@ -62,6 +62,23 @@ class Fault:
         return cls(kind, int(worker), int(step), phase or "forward", int(times or 1))
 
 
+def chaos(count: int, workers: int, total_steps: int, seed: int = 0) -> list[Fault]:
+    """``count`` failures for a chaos run: kinds in turn kill, hang, exception (transient),
+    at seeded random workers, at steps spread over the first three quarters of the run (so
+    each recovery has room to finish before the next one)."""
+    import random
+
+    if count < 1:
+        return []
+    rng = random.Random(seed)
+    span = max(1, (total_steps * 3 // 4) // count)
+    kinds = ("kill", "hang", "exception")
+    return [
+        Fault(kinds[i % 3], worker=rng.randrange(workers), step=i * span + rng.randrange(span))
+        for i in range(count)
+    ]
+
+
 class FaultInjector:
     """Fires the faults meant for one worker. Holds how often each has fired (per process)."""
 

@@ -65,11 +65,12 @@ class DdpEngine:
         ids = [self.device.index] if self.device.type == "cuda" else None
         # Buffers are not synced in forward: a zero pass after a failed forward would
         # otherwise run that collective twice on one rank. They are synced at commit instead.
-        self.ddp = DistributedDataParallel(
+        ddp = DistributedDataParallel(
             member.trainable.module, device_ids=ids, forward_sync_buffers=False
         )
+        self.ddp: DistributedDataParallel | None = ddp  # None once the group is left
         replica = member.replica
-        replica.forward, replica.world, replica.identity.rank = self.ddp, world, rank
+        replica.forward, replica.world, replica.identity.rank = ddp, world, rank
         self.on_phase = on_phase
         self.regroup_requested = regroup_requested
         self.micro = member.trainable.micro_batches

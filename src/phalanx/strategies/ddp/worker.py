@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.utils.data import Dataset, default_collate
 
 from phalanx.devices import torch_device
@@ -60,6 +61,12 @@ from phalanx.trainable import Trainable
 WATCH_INTERVAL = 0.1
 EXIT_TOLD = 3  # exited because the supervisor said so (not a failure)
 ANNOUNCE_WAIT = 10.0  # after a broken collective: how long to wait for the next generation
+STARTUP_WAIT = 120.0  # for the first generation to be announced
+REPLACEMENT_WAIT = 3600.0  # a replacement waits to be let in (or dismissed when the run ends)
+
+
+class Superseded(Exception):
+    """A newer generation was announced while this one was forming."""
 
 
 @dataclass
@@ -139,6 +146,11 @@ class Worker:
     def regroup_requested(self) -> bool:
         return self.latest > self.generation
 
+    def connect(self) -> dist.TCPStore:
+        return dist.TCPStore(
+            "127.0.0.1", self.a.store_port, is_master=False, timeout=timedelta(seconds=30)
+        )
+
     def wait_generation(self, store: dist.TCPStore, after: int, timeout: float) -> Generation:
         """The newest generation after ``after`` that counts this worker in (or one that
         leaves it out: then it exits). Raises TimeoutError when none comes in time."""
@@ -200,10 +212,9 @@ class Worker:
 
     def run(self) -> int:
         a, cfg = self.a, self.a.config
-        store = dist.TCPStore(
-            "127.0.0.1", a.store_port, is_master=False, timeout=timedelta(seconds=30)
-        )
-        threading.Thread(target=self.watch, args=(store,), daemon=True).start()
+        store = self.connect()
+        # Its own client: a TCPStore client must not be shared between threads.
+        threading.Thread(target=self.watch, args=(self.connect(),), daemon=True).start()
         if self.device.type == "cpu":
             torch.set_num_threads(a.threads)
         else:
@@ -214,9 +225,14 @@ class Worker:
             member = self.build_member()
             if a.replacement:
                 self.send(Ready(a.slot))
-            gen = self.wait_generation(store, -1, 4 * _forming_timeout(cfg).total_seconds())
+            # A replacement waits until it is let in or dismissed (the supervisor decides).
+            first_wait = REPLACEMENT_WAIT if a.replacement else STARTUP_WAIT
+            gen = self.wait_generation(store, -1, first_wait)
         except FailedHere as exc:
             self.send(Failed(exc.failure, fatal=True))
+            return 1
+        except TimeoutError as exc:
+            self.send(Failed(self.failure(exc, self.phase), fatal=True))
             return 1
         return self.generations(store, member, gen)
 
@@ -227,9 +243,9 @@ class Worker:
                 return EXIT_TOLD
             wait, broken = ANNOUNCE_WAIT, None
             try:
-                self.train_in(member, gen)
+                self.train_in(store, member, gen)
                 return self.finish()
-            except Regroup:
+            except (Regroup, Superseded):
                 wait = _forming_timeout(self.a.config).total_seconds()
             except StepAborted as exc:
                 self.send(Aborted(self.a.slot, exc.step, exc.poison))
@@ -238,16 +254,46 @@ class Worker:
                 self.send(Failed(exc.failure, fatal=True))
                 return 1
             except Exception as exc:  # the group broke: a peer fell, or this worker did
-                broken = exc
+                # A record, not the exception: its traceback would keep the old group alive.
+                broken = self.failure(exc, self.phase)
             finally:
-                _leave_group()
+                self.leave_group(member)
             try:
                 gen = self.wait_generation(store, gen.number, wait)
             except TimeoutError as exc:  # nobody else fell: the failure is this worker's
-                self.send(Failed(self.failure(broken or exc, self.phase), fatal=True))
+                self.send(Failed(broken or self.failure(exc, self.phase), fatal=True))
                 return 1
 
-    def train_in(self, member: Member, gen: Generation) -> None:
+    def leave_group(self, member: Member) -> None:
+        """Drop every reference to this generation's DDP module and process group, then
+        destroy the group, so its sockets close and peers still blocked on them error out."""
+        if self.loop is not None and isinstance(self.loop.engine, DdpEngine):
+            self.loop.engine.ddp = None
+        member.replica.forward = member.trainable.module
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # a broken group may refuse a clean shutdown
+                dist.destroy_process_group()
+        # torch names the default group by a counter that destroy_process_group resets only
+        # when it completes; after a failed shutdown the next group would get another name
+        # than its peers' and its rendezvous would wait for keys nobody writes.
+        distributed_c10d._world.group_count = 0
+        gc.collect()  # drops the old DDP reducer and its autograd hooks
+
+    def arrive(self, store: dist.TCPStore, gen: Generation, rank: int) -> None:
+        """Wait until every member of ``gen`` has arrived, before any of them starts torch's
+        rendezvous (which cannot be interrupted). If a newer generation is announced
+        meanwhile (a member fell before arriving), this one is dropped: Superseded."""
+        keys = [f"arrived/g{gen.number}/{r}" for r in range(len(gen.members))]
+        store.set(keys[rank], "1")
+        deadline = time.time() + _forming_timeout(self.a.config).total_seconds()
+        while not store.check(keys):
+            if self.latest > gen.number:
+                raise Superseded(gen.number)
+            if time.time() > deadline:
+                raise TimeoutError(f"generation {gen.number} did not form in time")
+            time.sleep(0.02)
+
+    def train_in(self, store: dist.TCPStore, member: Member, gen: Generation) -> None:
         """Form ``gen``'s group, take the agreed state, train until the run ends."""
         a, cfg = self.a, self.a.config
         self.generation = gen.number
@@ -255,6 +301,7 @@ class Worker:
         self.rank = rank
         self.on_phase(self.step, "regroup")
         member.trainable.discard()  # gradients of a step the old group never committed
+        self.arrive(store, gen, rank)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         rendezvous = dist.TCPStore(
             "127.0.0.1", a.store_port, is_master=False, timeout=_forming_timeout(cfg)
@@ -318,13 +365,6 @@ class Worker:
 
 def _forming_timeout(config: FitConfig) -> timedelta:
     return max(timedelta(seconds=10), config.hang_timeout)
-
-
-def _leave_group() -> None:
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):  # a broken group may refuse a clean shutdown
-            dist.destroy_process_group()
-    gc.collect()  # drops the old DDP reducer and its autograd hooks
 
 
 def main(args: WorkerArgs) -> None:
