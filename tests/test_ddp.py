@@ -1,0 +1,413 @@
+"""strategy="ddp": one process per device. Same math as "single"; every failure is named in
+one report within seconds; no process is left behind, even when the supervisor is killed.
+
+Starting the workers (spawn, importing torch) costs ~3-10 s per fit() on a 2-core machine,
+so fits are shared where the assertions allow it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx as px
+from ddp_helpers import (
+    alive,
+    child_env,
+    children,
+    is_resource_tracker,
+    make_data,
+    mlp,
+    mse_step,
+    sgd,
+    slow_mlp,
+)
+from phalanx.events import Event, StepEnded
+from phalanx.report import is_secondary
+
+TWO = "cpu:0,cpu:1"
+THREE = "cpu:0,cpu:1,cpu:2"
+
+# 489 samples in global batches of 44: 11 full batches and a short one of 5, 12 steps an
+# epoch, 60 steps in 5 epochs. Two workers split 44 as 22/22 and 5 as 3/2; three workers
+# split 44 as 15/15/14 and 5 as 2/2/1.
+DATA = make_data(489)
+VALID = make_data(101, seed=1)
+FIT: dict[str, Any] = dict(batch_size=44, epochs=5, seed=3)
+
+FAULT_STEP = 3
+HANG_TIMEOUT = timedelta(seconds=3)
+DECISION_S = 5.0  # from the fault to the report, beyond hang_timeout for hangs
+
+
+def learner(step: Any = mse_step) -> px.Learner:
+    return px.Learner(mlp, sgd, step)
+
+
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Largest difference in a tensor relative to that tensor's largest entry."""
+    assert [t.shape for t in a] == [t.shape for t in b]
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b, strict=True))
+
+
+class StepTimes:
+    """A sink keeping when each committed step ended (the event's own time, set in rank 0)."""
+
+    def __init__(self) -> None:
+        self.ended: dict[int, float] = {}
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, StepEnded):
+            self.ended[event.global_step] = event.time
+
+    def close(self) -> None:
+        pass
+
+
+# -- no process left behind (every test) --------------------------------------------------
+
+
+def _left_behind(baseline: set[int]) -> dict[int, str]:
+    return {
+        pid: state
+        for pid, state in children(os.getpid()).items()
+        if pid not in baseline and not is_resource_tracker(pid)
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def baseline_children() -> set[int]:
+    """Children this process had before this module (other modules' business)."""
+    return set(children(os.getpid()))
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(baseline_children: set[int]) -> Iterator[None]:
+    yield
+    deadline = time.time() + 1.0
+    left = _left_behind(baseline_children)
+    while left and time.time() < deadline:
+        time.sleep(0.05)
+        left = _left_behind(baseline_children)
+    assert not left, f"child processes left behind (pid: state): {left}"
+    assert multiprocessing.active_children() == []
+
+
+# -- shared runs -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single_run() -> px.FitResult:
+    return learner().fit(DATA, VALID, devices="cpu", strategy="single", sinks=[], **FIT)
+
+
+@pytest.fixture(scope="module")
+def ddp2_run() -> tuple[px.FitResult, float]:
+    """A clean two-worker run, and its wall time (the reference for the fault cases)."""
+    started = time.time()
+    result = learner().fit(DATA, VALID, devices=TWO, strategy="ddp", sinks=[], **FIT)
+    return result, time.time() - started
+
+
+# -- 1. the same math as single --------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("devices", [TWO, THREE])
+def test_ddp_matches_single(
+    devices: str, single_run: px.FitResult, ddp2_run: tuple[px.FitResult, float]
+) -> None:
+    if devices == TWO:
+        result = ddp2_run[0]
+    else:
+        result = learner().fit(DATA, VALID, devices=devices, strategy="ddp", sinks=[], **FIT)
+    assert result.steps == single_run.steps == 60
+    assert result.epochs == 5
+    a, b = params(result.model), params(single_run.model)
+    assert rel_diff(a, b) <= 1e-5
+    torch.manual_seed(FIT["seed"])
+    assert rel_diff(params(mlp()), b) > 1e-2  # training moved the weights
+    assert len(result.history) == len(single_run.history) == 5
+    for mine, ref in zip(result.history, single_run.history, strict=True):
+        assert mine["epoch"] == ref["epoch"]
+        assert mine["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-5)
+        assert mine["valid/loss"] == pytest.approx(ref["valid/loss"], rel=1e-5)
+        assert mine["train/lr"] == ref["train/lr"]
+    assert result.history[-1]["train/loss"] < 0.5 * result.history[0]["train/loss"]
+    assert result.failures == []
+    assert next(result.model.parameters()).device.type == "cpu"
+
+
+# -- 2. the fault matrix -----------------------------------------------------------------------
+
+# kind -> (root cause kind, code, times)
+EXPECTED = {
+    "exception": ("exception", "PX204", 2),  # times=2: a poison batch
+    "kill": ("crash", "PX201", 1),
+    "hang": ("hang", "PX202", 1),
+    # An out-of-memory step is first tried again with the share cut into smaller micro-batches
+    # (doubling each time, 22 samples: 5 splits); one that still fails at one sample per
+    # micro-batch is retried once, then it is a poison batch.
+    "oom": ("oom", "PX203", 99),
+}
+# Stop at the first fallen worker (the default, respawn, would train on).
+ABORT = px.Recovery(mode="abort")
+CASES = [(kind, rank, "forward") for kind in EXPECTED for rank in (0, 1)] + [
+    ("exception", 1, "backward"),
+    ("exception", 0, "data"),
+]
+CASE_IDS = ["-".join(map(str, case)) for case in CASES]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("kind", "rank", "phase"), CASES, ids=CASE_IDS)
+def test_fault_is_named_within_seconds(
+    kind: str, rank: int, phase: str, ddp2_run: tuple[px.FitResult, float], tmp_path: Path
+) -> None:
+    root_kind, code, times = EXPECTED[kind]
+    fault = px.Fault(kind, worker=rank, step=FAULT_STEP, phase=phase, times=times)
+    steps = StepTimes()
+    run_dir = tmp_path / "run"
+    started = time.time()
+    with pytest.raises(px.TrainingFailed) as info:
+        learner().fit(
+            DATA,
+            devices=TWO,
+            strategy="ddp",
+            faults=[fault],
+            hang_timeout=HANG_TIMEOUT,
+            on_failure=ABORT,
+            run_dir=str(run_dir),
+            sinks=[steps],
+            **{**FIT, "epochs": 1},
+        )
+    decided = time.time()
+    err = info.value
+
+    # A decision within seconds: from the end of the last good step (the faulty step begins
+    # right after it) to the raised report; and the whole fit no slower than a clean run
+    # plus that (the clean run trains 60 steps; startup varies by a few seconds).
+    allowance = HANG_TIMEOUT.total_seconds() if kind == "hang" else 0.0
+    assert max(steps.ended) == FAULT_STEP
+    assert decided - steps.ended[FAULT_STEP] < allowance + DECISION_S
+    clean_wall = ddp2_run[1]
+    assert decided - started < clean_wall + allowance + DECISION_S
+
+    # One report whose first line names the root cause.
+    first = str(err).splitlines()[0]
+    for part in (f"device cpu:{rank}", f"rank {rank}", f"step {FAULT_STEP}", f"({phase})"):
+        assert part in first, (part, first)
+    if kind == "exception":
+        assert "InjectedFault: injected exception" in first
+    if kind == "oom":
+        assert "OutOfMemoryError: injected out of memory" in first
+    root = err.root_cause
+    assert (root.kind, root.rank, root.worker) == (root_kind, rank, rank)
+    assert root.device == f"cpu:{rank}"
+    assert (root.step, root.phase) == (FAULT_STEP, phase)
+    assert err.code == code
+    assert not is_secondary(root)
+    assert "by peer" not in root.message.lower()
+    assert root in err.failures
+    if times > 1:  # the step was retried (after splits for oom), then aborted the run
+        mine = [f for f in err.failures if f.rank == rank and f.kind == root_kind]
+        splits = 5 if kind == "oom" else 0
+        assert [f.action for f in mine] == ["split"] * splits + ["retried", "aborted"]
+        assert root is mine[0]
+        assert "poison batch" in str(err)
+    if kind == "kill":
+        assert root.signal == signal.SIGKILL
+        assert root.exit_code is None
+    if kind == "hang":
+        assert root.stacks is not None
+        assert "faults.py" in root.stacks
+        assert "in fire" in root.stacks
+        assert "Stacks of the hung worker" in str(err)
+    for other in err.failures:  # the survivor only ever saw the consequences
+        if other.rank != rank:
+            assert is_secondary(other), other
+
+    doc = json.loads((run_dir / "failures.json").read_text())
+    assert doc["root_cause"]["rank"] == rank
+    assert doc["root_cause"]["kind"] == root_kind
+    assert doc["root_cause"]["step"] == FAULT_STEP
+    assert doc["environment"]["devices"] == ["cpu:0", "cpu:1"]
+    assert doc["environment"]["torch"] == torch.__version__
+    assert len(doc["failures"]) == len(err.failures)
+
+
+# -- 3. a transient fault is retried and changes nothing -------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_transient_exception_is_retried(ddp2_run: tuple[px.FitResult, float]) -> None:
+    clean = ddp2_run[0]
+    fault = px.Fault("exception", worker=1, step=FAULT_STEP, times=1)
+    result = learner().fit(
+        DATA, VALID, devices=TWO, strategy="ddp", faults=[fault], sinks=[], **FIT
+    )
+    assert result.steps == clean.steps == 60
+    assert len(result.failures) == 1
+    failure = result.failures[0]
+    assert (failure.rank, failure.kind, failure.step, failure.action) == (
+        1,
+        "exception",
+        FAULT_STEP,
+        "retried",
+    )
+    assert "injected exception" in failure.message
+    for a, b in zip(params(result.model), params(clean.model), strict=True):
+        assert torch.allclose(a, b, rtol=1e-6)
+    for mine, ref in zip(result.history, clean.history, strict=True):
+        assert mine["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-6)
+
+
+# -- 5. the supervisor killed: its workers exit ---------------------------------------------
+
+SCRIPT = """\
+# {marker}
+import sys
+
+import ddp_helpers as h
+import phalanx as px
+
+if __name__ == "__main__":
+    px.Learner(h.mlp, h.sgd, h.slow_step).fit(
+        h.make_data(4000), epochs=10, batch_size=20, devices="cpu:0,cpu:1", strategy="ddp",
+        run_dir=sys.argv[1],
+    )
+"""
+
+
+def _wait_for_step(events: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"the training script exited early ({proc.returncode})"
+        if events.exists() and '"StepEnded"' in events.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no StepEnded in {events} within {timeout}s")
+
+
+@pytest.mark.timeout(120)
+def test_workers_exit_when_the_supervisor_is_killed(tmp_path: Path) -> None:
+    marker = f"phalanx-supervisor-kill-{os.getpid()}-{time.time_ns()}"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(marker=marker))
+    run_dir = tmp_path / "run"
+    log = (tmp_path / "log.txt").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(run_dir)],
+        env=child_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    workers: dict[int, str] = {}
+    try:
+        _wait_for_step(run_dir / "events.jsonl", proc, timeout=90)
+        workers = {pid: st for pid, st in children(proc.pid).items() if st != "Z"}
+        named = [pid for pid in workers if not is_resource_tracker(pid)]
+        assert len(named) >= 2, f"expected two workers under {proc.pid}: {workers}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.time() + 5.0
+        while time.time() < deadline and any(alive(pid) for pid in workers):
+            time.sleep(0.05)
+        still = [pid for pid in workers if alive(pid)]
+        assert not still, f"workers still running 5 s after the supervisor died: {still}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in workers:  # never leave them behind, even when the test fails
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+    assert proc.returncode == -signal.SIGKILL
+
+
+# -- 6. configuration errors, before any process starts ---------------------------------------
+
+
+def _nested_optimizer() -> Any:
+    def adam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params)
+
+    return adam
+
+
+CONFIG_ERRORS = {
+    "model-lambda": (
+        lambda: px.Learner(lambda: mlp(), sgd, mse_step),
+        {},
+        "PX114",
+        "module-level function",
+    ),
+    "optimizer-nested": (
+        lambda: px.Learner(mlp, _nested_optimizer(), mse_step),
+        {},
+        "PX114",
+        "module-level function",
+    ),
+    "step-lambda": (
+        lambda: px.Learner(mlp, sgd, lambda m, b: mse_step(m, b)),
+        {},
+        "PX115",
+        "module level",
+    ),
+    "batch-smaller-than-devices": (
+        lambda: px.Learner(mlp, sgd, mse_step),
+        {"batch_size": 2, "devices": THREE},
+        "PX113",
+        "at least 3",
+    ),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", list(CONFIG_ERRORS))
+def test_config_errors_before_any_process(case: str) -> None:
+    make, overrides, code, hint = CONFIG_ERRORS[case]
+    before = set(children(os.getpid()))
+    kwargs: dict[str, Any] = {"batch_size": 20, "devices": TWO, **overrides}
+    with pytest.raises(px.ConfigError) as info:
+        make().fit(make_data(100), strategy="ddp", sinks=[], **kwargs)
+    assert info.value.code == code
+    assert hint in str(info.value)
+    assert set(children(os.getpid())) == before
+    assert multiprocessing.active_children() == []
+
+
+# -- setup is not a hang --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_slow_setup_is_not_a_hang() -> None:
+    """A model factory that takes 3 s (e.g. loading weights) with hang_timeout=2 s: setup
+    is not a step, so it is no hang; the steps themselves take milliseconds."""
+    result = px.Learner(slow_mlp, sgd, mse_step).fit(
+        make_data(100),
+        batch_size=20,
+        devices=TWO,
+        strategy="ddp",
+        sinks=[],
+        hang_timeout=timedelta(seconds=2),
+    )
+    assert result.steps == 5
