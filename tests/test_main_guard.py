@@ -36,8 +36,7 @@ def train():
 def _run(tmp_path: Path, tail: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(BODY) + tail)
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=90)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
 
 
 @pytest.mark.timeout(120)
