@@ -287,7 +287,7 @@ DURING_RECOVERY = {
     "member-falls-before-the-group-forms": (
         [px.Fault("kill", worker=1, step=5), px.Fault("hang", worker=0, step=6)],
         px.Recovery(mode="respawn"),
-        timedelta(seconds=6),  # long enough for the replacement to be ready during the hang
+        timedelta(seconds=8),  # long enough for the replacement to be ready during the hang
         [(1, "crash", 5, "respawned"), (0, "hang", 6, "respawned")],
         None,
     ),
@@ -308,12 +308,17 @@ def test_failures_during_recovery(
     if members is not None:
         assert [g.members for g in gens] == members
     else:
-        assert gens[0].members == [0, 2]
-        assert any(g.members == [2, 1] and "worker 0 hang" in g.cause for g in gens)
+        # Worker 1's replacement was let in ([0, 2, 1]) while worker 0 hung; that
+        # generation never formed, and [2, 1] went on without worker 0.
+        assert [(g.members, g.cause) for g in gens[:3]] == [
+            ([0, 2], "worker 1 crash: respawned"),
+            ([0, 2, 1], "workers [1] rejoin"),
+            ([2, 1], "worker 0 hang: respawned"),
+        ], [(g.members, g.cause) for g in gens]
     assert_same_run(result, rec, clean)
     assert_recovered_quickly(result, record_property)
-    # No collective or rendezvous waited out a timeout (those are 30 s and more).
-    assert wall < 30 + hang_timeout.total_seconds(), f"the fit took {wall:.0f}s"
+    # No rendezvous waited out its timeout (2 * hang_timeout + 30 s).
+    assert wall < 40 + hang_timeout.total_seconds(), f"the fit took {wall:.0f}s"
 
 
 # -- 3. min_workers and max_restarts ----------------------------------------------------------
