@@ -35,7 +35,7 @@ import phalanx as px
 from phalanx.events import Event, StepEnded
 from phalanx.plan import Plan, split
 
-WIDTH = 1024
+WIDTH = 2048
 FEATURES = 256
 SAMPLES = 8192
 BATCH = 256
@@ -164,6 +164,7 @@ def fault_to_report(kind: str, world: int) -> float:
                 devices=",".join(f"cpu:{i}" for i in range(world)),
                 sinks=[sink],
                 faults=[fault],
+                on_failure=px.Recovery(mode="abort"),  # the report is what is timed here
                 hang_timeout=timedelta(seconds=3),
             )
         except px.TrainingFailed:

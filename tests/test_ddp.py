@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,6 @@ from torch import nn
 
 import phalanx as px
 from ddp_helpers import (
-    alive,
-    child_env,
-    children,
-    is_resource_tracker,
     make_data,
     mlp,
     mse_step,
@@ -37,6 +32,7 @@ from ddp_helpers import (
 )
 from phalanx.events import Event, StepEnded
 from phalanx.report import is_secondary
+from procs import alive, child_env, children, is_resource_tracker
 
 TWO = "cpu:0,cpu:1"
 THREE = "cpu:0,cpu:1,cpu:2"
@@ -79,35 +75,6 @@ class StepTimes:
 
     def close(self) -> None:
         pass
-
-
-# -- no process left behind (every test) --------------------------------------------------
-
-
-def _left_behind(baseline: set[int]) -> dict[int, str]:
-    return {
-        pid: state
-        for pid, state in children(os.getpid()).items()
-        if pid not in baseline and not is_resource_tracker(pid)
-    }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def baseline_children() -> set[int]:
-    """Children this process had before this module (other modules' business)."""
-    return set(children(os.getpid()))
-
-
-@pytest.fixture(autouse=True)
-def no_process_left_behind(baseline_children: set[int]) -> Iterator[None]:
-    yield
-    deadline = time.time() + 1.0
-    left = _left_behind(baseline_children)
-    while left and time.time() < deadline:
-        time.sleep(0.05)
-        left = _left_behind(baseline_children)
-    assert not left, f"child processes left behind (pid: state): {left}"
-    assert multiprocessing.active_children() == []
 
 
 # -- shared runs -----------------------------------------------------------------------------

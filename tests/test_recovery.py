@@ -11,14 +11,12 @@ test trains on the same data and shares one clean reference run.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,11 +28,8 @@ from torch import nn
 
 import phalanx as px
 from phalanx.events import Event, Notice, StepEnded, WorkerFailed
+from procs import alive, child_env, children, is_resource_tracker
 from recovery_helpers import (
-    alive,
-    child_env,
-    children,
-    is_resource_tracker,
     linear,
     make_data,
     mse_step,
@@ -57,35 +52,6 @@ STEPS = 210
 TOLERANCE = 1e-5
 HANG_TIMEOUT = timedelta(seconds=3)
 RECOVERY_S = 5.0  # from a fallen worker's failure to the next committed step
-
-
-# -- no process left behind (every test) --------------------------------------------------
-
-
-def _left_behind(baseline: set[int]) -> dict[int, str]:
-    return {
-        pid: state
-        for pid, state in children(os.getpid()).items()
-        if pid not in baseline and not is_resource_tracker(pid)
-    }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def baseline_children() -> set[int]:
-    """Children this process had before this module (other modules' business)."""
-    return set(children(os.getpid()))
-
-
-@pytest.fixture(autouse=True)
-def no_process_left_behind(baseline_children: set[int]) -> Iterator[None]:
-    yield
-    deadline = time.time() + 2.0
-    left = _left_behind(baseline_children)
-    while left and time.time() < deadline:
-        time.sleep(0.05)
-        left = _left_behind(baseline_children)
-    assert not left, f"child processes left behind (pid: state): {left}"
-    assert multiprocessing.active_children() == []
 
 
 # -- observing a run ------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import socket
 import time
 import traceback as tb
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Kind = Literal["exception", "crash", "hang", "oom"]
 Phase = Literal[
@@ -26,17 +26,7 @@ Phase = Literal[
     "validation",
     "checkpoint",
 ]
-PHASES: tuple[str, ...] = (
-    "preflight",
-    "data",
-    "forward",
-    "backward",
-    "sync",
-    "optimizer",
-    "metrics",
-    "validation",
-    "checkpoint",
-)
+PHASES: tuple[str, ...] = get_args(Phase)
 
 
 @dataclass

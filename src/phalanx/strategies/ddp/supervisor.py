@@ -55,7 +55,7 @@ from phalanx.strategies.ddp.protocol import (
     Relay,
 )
 
-POLL = 0.02
+POLL = 0.1
 GRACE = 2.0  # seconds workers get to exit by themselves once the run is decided
 STACK_WAIT = 0.5
 STARTUP_TIMEOUT = 120.0  # spawning and importing torch is not a hang

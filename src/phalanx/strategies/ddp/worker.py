@@ -95,6 +95,8 @@ class Worker:
         self.stop_reason: str | None = None
         self.generation = -1
         self.latest = -1  # newest generation announced, as the watch thread last saw it
+        self.members: list[int] = []  # of the generation this worker is in
+        self.aborted_for = -1  # the generation for which this group was aborted (NCCL)
         self.rank = args.slot
         self.step = 0
         self.phase = "start"
@@ -138,10 +140,25 @@ class Worker:
                 self.latest = int(store.add(GEN_LATEST, 0))
                 if STOP_KEY in present and self.stop_reason is None:
                     self.stop_reason = store.get(STOP_KEY).decode()
+                if self.device.type == "cuda" and self.latest > self.generation:
+                    self.abort_if_peer_fell(store)
             except Exception:
                 os._exit(1)  # the store (the supervisor) is unreachable
             if ABORT_KEY in present:
                 os._exit(EXIT_TOLD)
+
+    def abort_if_peer_fell(self, store: dist.TCPStore) -> None:
+        """NCCL: a collective with a dead peer never returns (gloo errors at once, when the
+        peer's socket closes). When the newest generation leaves out a member of this one,
+        abort this group's communicators so the main thread gets an error and moves on.
+        A generation that only adds members is joined at a step boundary: no abort."""
+        if self.aborted_for >= self.latest or not dist.is_initialized():
+            return
+        doc = json.loads(store.get(f"{GEN_PREFIX}{self.latest}").decode())
+        if set(self.members) - set(doc["members"]):
+            self.aborted_for = self.latest
+            with contextlib.suppress(Exception):  # the main thread may be leaving already
+                distributed_c10d._abort_process_group()
 
     def regroup_requested(self) -> bool:
         return self.latest > self.generation
@@ -188,7 +205,8 @@ class Worker:
         cfg, plan, slot = self.a.config, self.a.plan, self.a.slot
         self.on_phase(0, "preflight")
         trainable = Trainable(self.a.spec, self.device, cfg.seed)
-        faults = FaultInjector(cfg.faults, slot)
+        # Only preflight faults fire here: the others belong to the real steps.
+        faults = FaultInjector([f for f in cfg.faults if f.phase == "preflight"], slot)
         replica = Replica(
             trainable.module,
             self.device,
@@ -296,7 +314,7 @@ class Worker:
     def train_in(self, store: dist.TCPStore, member: Member, gen: Generation) -> None:
         """Form ``gen``'s group, take the agreed state, train until the run ends."""
         a, cfg = self.a, self.a.config
-        self.generation = gen.number
+        self.generation, self.members = gen.number, list(gen.members)
         rank, world = gen.rank_of(a.slot), len(gen.members)
         self.rank = rank
         self.on_phase(self.step, "regroup")

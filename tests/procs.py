@@ -1,0 +1,56 @@
+"""Processes seen through /proc (psutil is not a dependency): what the no-process-left-behind
+checks and the supervisor-kill tests look at."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def children(pid: int) -> dict[int, str]:
+    """The direct children of ``pid`` (scanning /proc: psutil is not a dependency), as
+    {pid: state letter}; a zombie ("Z") has exited but was not reaped."""
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        info = proc_stat(int(entry))
+        if info is not None and info[1] == pid:
+            found[int(entry)] = info[0]
+    return found
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, ppid) of ``pid``, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the name may contain spaces
+    return fields[0], int(fields[1])
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's resource tracker: started once per process by the first spawn and
+    kept for the process's lifetime by design (not a leaked worker)."""
+    return "resource_tracker" in cmdline(pid)
+
+
+def alive(pid: int) -> bool:
+    info = proc_stat(pid)
+    return info is not None and info[0] != "Z"
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if p)
+    return env
