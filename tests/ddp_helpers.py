@@ -50,3 +50,41 @@ def slow_mlp() -> nn.Module:
     """A model factory that takes a few seconds (downloading weights, building a big model)."""
     time.sleep(SLOW_SETUP_S)
     return mlp()
+
+
+class FlakyData(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A dataset whose sample ``bad`` raises the first ``failures`` times it is read, and
+    which records every index it served (per process)."""
+
+    def __init__(self, n: int, bad: int, failures: int = 1) -> None:
+        self.data = make_data(n)
+        self.bad, self.failures = bad, failures
+        self.served: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.bad and self.failures > 0:
+            self.failures -= 1
+            raise OSError(f"transient read error on sample {i}")
+        self.served.append(i)
+        return self.data[i]
+
+
+def bn_mlp() -> nn.Module:
+    """An MLP with a BatchNorm layer: a model with buffers."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def sgd_decaying(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def decay(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda_step)
+
+
+def lambda_step(step: int) -> float:
+    return 1.0 / (1.0 + step)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -37,11 +37,20 @@ class LocalBatches:
         self.global_sizes = [
             len(plan.global_batch(epoch, s, order)) for s in range(start_step, plan.steps)
         ]
-        sampler = [s for s in self.slices if s]
-        self._loader = iter(
-            DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers)
-        )
+        self._dataset, self._collate, self._num_workers = dataset, collate, num_workers
+        self._loader = self._iterate(start_step)
         self._current: tuple[int, Any] | None = None
+
+    def _iterate(self, step: int) -> Iterator[Any]:
+        """Collated slices from ``step`` on (empty slices are skipped: nothing to load)."""
+        sampler = [s for s in self.slices[step - self.start :] if s]
+        loader = DataLoader(
+            self._dataset,
+            batch_sampler=sampler,
+            collate_fn=self._collate,
+            num_workers=self._num_workers,
+        )
+        return iter(loader)
 
     def indices(self, step: int) -> list[int]:
         return self.slices[step - self.start]
@@ -54,7 +63,13 @@ class LocalBatches:
 
         def load() -> Any:
             if self._current is None or self._current[0] != step:
-                self._current = (step, next(self._loader))
+                try:
+                    self._current = (step, next(self._loader))
+                except Exception:
+                    # The failed slice was consumed: start again at this step, so that a
+                    # retry loads the same samples, not the next step's.
+                    self._loader = self._iterate(step)
+                    raise
             return self._current[1]
 
         return load

@@ -203,6 +203,8 @@ class Learner:
         try:
             run = run_member(loop, plan, config, emit, plan.samples, valid_size)
         except (StepAborted, FailedHere) as exc:
+            if isinstance(exc, FailedHere):
+                exc.failure.action = "aborted"  # the failure that ends the run
             failures = loop.failures + ([exc.failure] if isinstance(exc, FailedHere) else [])
             error = report.build(failures, poison=isinstance(exc, StepAborted) and exc.poison)
             report.write_json(config.run_dir, failures, error.root_cause, config.devices)

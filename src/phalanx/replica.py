@@ -163,16 +163,13 @@ class Replica:
         sums = torch.zeros(self.size, dtype=torch.float64)
         self.step = step
         tracker = _PhaseTracker(step, self.on_phase)
-        synced = False
         try:
             with tracker.enter("data"):
                 self.faults.check(step, "data")
                 data = to_device(batch(), self.device) if batch is not None and samples else None
             if data is not None:
                 micro = min(len(samples), micro_batches * self.split_factor)
-                synced = self._micro_steps(
-                    data, samples, global_samples, step, sums, tracker, micro
-                )
+                self._micro_steps(data, samples, global_samples, step, sums, tracker, micro)
         except Exception as exc:
             failure = from_exception(
                 exc,
@@ -186,10 +183,10 @@ class Replica:
                 pid=os.getpid(),
             )
             splittable = self._split_after(failure, len(samples), micro_batches)
-            if not synced:
+            if not tracker.synced:
                 self.zero_pass()
             return LocalResult(torch.zeros(self.size, dtype=torch.float64), failure, splittable)
-        if not synced:
+        if not tracker.synced:
             self.zero_pass()
         return LocalResult(sums, ledger=ledger_sums(samples))
 
@@ -211,7 +208,10 @@ class Replica:
         sums: torch.Tensor,
         tracker: _PhaseTracker,
         micro_batches: int,
-    ) -> bool:
+    ) -> None:
+        """Forward, backward and metric states of each micro-batch; all but the last under
+        ``no_sync``. ``tracker.synced`` is set as soon as the last backward has run, so a
+        failure after it (in the metrics) does not cause a second synchronised backward."""
         pieces = bounds(len(samples), micro_batches)
         for j, (a, b) in enumerate(pieces):
             last = j == len(pieces) - 1
@@ -231,12 +231,12 @@ class Replica:
                 with tracker.enter("backward"):
                     self.faults.check(step, "backward")
                     (loss * ((b - a) * self.world / global_samples)).backward()
+                    tracker.synced = last
             with tracker.enter("metrics"):
                 self.faults.check(step, "metrics")
                 sums += pack_states(
                     self.metrics, StepOutput(loss.detach(), outputs, targets), b - a
                 )
-        return True
 
     def zero_pass(self) -> None:
         """A backward of zero gradients through ``forward`` (keeps DDP's collectives matched)."""
@@ -263,6 +263,7 @@ class _PhaseTracker:
 
     def __init__(self, step: int, on_phase: Callable[[int, str], None] | None) -> None:
         self.phase = ""
+        self.synced = False  # the synchronised (last) backward of this attempt has run
         self.step = step
         self.on_phase = on_phase
 

@@ -122,13 +122,16 @@ class DdpEngine:
         )
 
     def commit(self) -> None:
+        """Buffers first (a collective that can still fail with nothing changed), then the
+        optimizer: once it has stepped, nothing here can fail because of a peer, so a step
+        is never applied on one member and then computed again after a regroup."""
         self.on_phase(self.step, "optimizer")
-        guarded_commit(
-            self.trainable, self.m.faults, self.m.replica.identity, self.step, self.epoch
-        )
         if self.has_buffers:
             for buf in self.trainable.model.buffers():
                 dist.broadcast(buf, src=0)
+        guarded_commit(
+            self.trainable, self.m.faults, self.m.replica.identity, self.step, self.epoch
+        )
 
     def discard(self) -> None:
         self.trainable.discard()

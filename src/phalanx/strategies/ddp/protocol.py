@@ -1,5 +1,5 @@
-"""What workers tell the supervisor (over one multiprocessing queue) and the store keys
-the supervisor uses to talk back. Every message is a small picklable dataclass."""
+"""What workers tell the supervisor (each over its own pipe) and the store keys the
+supervisor uses to talk back. Every message is a small picklable dataclass."""
 
 from __future__ import annotations
 

@@ -140,7 +140,11 @@ class Supervisor:
         )
         name = f"phalanx-worker-{slot}" + ("-replacement" if replacement else "")
         if slot in self.slots:
-            self.retired.append(self.slots[slot].process)
+            old = self.slots[slot]
+            if not old.conn.closed:
+                self._read(old.conn)  # its last words, then let the pipe go
+                old.conn.close()
+            self.retired.append(old.process)
         proc = self.ctx.Process(target=worker_mod.main, args=(args,), name=name, daemon=True)
         proc.start()
         writer.close()  # the worker holds the only write end: EOF means it is gone
@@ -349,6 +353,10 @@ class Supervisor:
         """A worker is out. Decide with the recovery policy, and act."""
         out = self.outcome
         slot = failure.worker
+        if out.done is not None:  # the run has its result: nothing left to recover
+            failure.action = "ignored"
+            out.failures.append(failure)
+            return
         if self._decided():
             failure.action = "aborted"
             out.failures.append(failure)
@@ -370,9 +378,10 @@ class Supervisor:
             self._announce(survivors, f"worker {slot} {failure.kind}: {failure.action}")
 
     def _dismiss_waiting(self) -> None:
-        """The run is over: replacements still waiting to join are not needed."""
+        """The run is over: workers that have not joined the last generation (replacements
+        waiting to be let in, or let in while the others finished) are not needed."""
         for state in self.slots.values():
-            if state.generation < 0 and state.phase == "joining" and not state.finished:
+            if state.generation < self.generation and not state.finished:
                 state.finished = True
                 state.process.kill()
         self.waiting = []

@@ -305,7 +305,8 @@ class Worker:
         store.set(keys[rank], "1")
         deadline = time.time() + _forming_timeout(self.a.config).total_seconds()
         while not store.check(keys):
-            if self.latest > gen.number:
+            if self.latest > gen.number and not store.check(keys):
+                # (checked again: a peer that saw every key is already in the rendezvous)
                 raise Superseded(gen.number)
             if time.time() > deadline:
                 raise TimeoutError(f"generation {gen.number} did not form in time")
