@@ -17,31 +17,12 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import phalanx as px
+from ddp_helpers import make_data, mlp, mse_step, sgd
 from phalanx.metrics import Metric
 from phalanx.step import StepOutput
 
 TWO = "cpu:0,cpu:1"
 THREE = "cpu:0,cpu:1,cpu:2"
-
-
-def make_data(n: int, seed: int = 0) -> TensorDataset:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=gen)
-    y = (x[:, :3].sum(dim=1, keepdim=True) - x[:, 3:4] * x[:, 4:5]).tanh()
-    return TensorDataset(x, y)
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-
-
-def sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-def mse_step(model: nn.Module, batch: Any) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 
 
 def learner(step: Any = mse_step, metrics: tuple[Any, ...] = ()) -> px.Learner:

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from phalanx.data import validation_batches
-from phalanx.failures import FailedHere, from_exception
+from phalanx.failures import FailedHere, WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
 from phalanx.replica import Identity, Replica
 from phalanx.trainable import Trainable
@@ -36,7 +36,7 @@ def evaluate_local(
         for idx, batch in zip(parts, loader, strict=True):
             sums += replica.evaluate(batch, len(idx))
     except Exception as exc:
-        raise FailedHere(_failure(exc, replica.identity, "validation", None, epoch)) from exc
+        raise FailedHere(failure_of(exc, replica.identity, "validation", None, epoch)) from exc
     finally:
         replica.module.train()
     return sums
@@ -54,12 +54,18 @@ def guarded_commit(
         faults.check(step, "optimizer")
         trainable.commit()
     except Exception as exc:
-        raise FailedHere(_failure(exc, identity, "optimizer", step, epoch)) from exc
+        raise FailedHere(failure_of(exc, identity, "optimizer", step, epoch)) from exc
 
 
-def _failure(
-    exc: BaseException, who: Identity, phase: str, step: int | None, epoch: int | None
-) -> Any:
+def failure_of(
+    exc: BaseException,
+    who: Identity,
+    phase: str,
+    step: int | None,
+    epoch: int | None,
+    samples: list[int] | None = None,
+) -> WorkerFailure:
+    """``exc``, raised in ``phase`` on the replica ``who``, as a failure record."""
     return from_exception(
         exc,
         worker=who.worker,
@@ -68,6 +74,7 @@ def _failure(
         phase=phase,
         step=step,
         epoch=epoch,
+        sample_indices=samples,
         pid=os.getpid(),
     )
 

@@ -49,13 +49,13 @@ from torch.utils.data import Dataset
 
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
-from phalanx.failures import FailedHere, WorkerFailure, from_exception
+from phalanx.failures import FailedHere, WorkerFailure
 from phalanx.faults import Fault, FaultInjector
 from phalanx.loop import Vote
 from phalanx.plan import Plan
 from phalanx.replica import Identity, LocalResult, Replica
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.base import evaluate_local, guarded_commit
+from phalanx.strategies.base import evaluate_local, failure_of, guarded_commit
 from phalanx.trainable import Trainable
 
 T = TypeVar("T")
@@ -299,18 +299,7 @@ class ThreadsEngine:
         epoch: int,
         samples: list[int] | None,
     ) -> WorkerFailure:
-        who = self.identities[i]
-        return from_exception(
-            exc,
-            worker=who.worker,
-            rank=who.rank,
-            device=who.device,
-            phase=phase,
-            step=step,
-            epoch=epoch,
-            sample_indices=samples,
-            pid=os.getpid(),
-        )
+        return failure_of(exc, self.identities[i], phase, step, epoch, samples)
 
     @torch.no_grad()
     def _reduce_grads(self) -> None:
