@@ -88,3 +88,17 @@ def decay(optimizer: torch.optim.Optimizer) -> Any:
 
 def lambda_step(step: int) -> float:
     return 1.0 / (1.0 + step)
+
+
+def sgd_unsavable(params: Any) -> torch.optim.Optimizer:
+    """An optimizer whose state cannot be pickled: every checkpoint write fails."""
+    optimizer = sgd(params)
+    optimizer.param_groups[0]["callback"] = _local_callback()
+    return optimizer
+
+
+def _local_callback() -> Any:
+    def callback() -> None:  # a nested function: pickle cannot save it
+        return None
+
+    return callback

@@ -17,6 +17,7 @@ from ddp_helpers import (
     mse_step,
     sgd,
     sgd_decaying,
+    sgd_unsavable,
 )
 
 N, BATCH = 64, 8
@@ -114,3 +115,39 @@ def test_root_cause_is_the_failure_that_ended_the_run_not_a_recovered_one() -> N
     assert (err.root_cause.step, err.root_cause.phase) == (3, "optimizer")
     assert "failed at step 3 (optimizer)" in str(err).splitlines()[0]
     assert [f.action for f in err.failures] == ["retried", "aborted"]
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_that_cannot_be_written_fails_the_run_with_its_phase(tmp_path) -> None:
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(mlp, sgd_unsavable, mse_step).fit(
+            make_data(N),
+            batch_size=BATCH,
+            sinks=[],
+            run_dir=str(tmp_path),
+            checkpoint=px.Checkpoints(every_steps=2),
+        )
+    err = info.value
+    assert err.root_cause.phase == "checkpoint"
+    assert err.root_cause.exception_type == "CheckpointError"
+    assert err.code == "PX120"
+    assert "(checkpoint)" in str(err).splitlines()[0]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_checkpoint_failure_on_the_main_worker_stops_the_run_at_once(tmp_path) -> None:
+    """Replacing the worker cannot fix a checkpoint that cannot be written: no respawn."""
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(mlp, sgd_unsavable, mse_step).fit(
+            make_data(N),
+            batch_size=BATCH,
+            sinks=[],
+            run_dir=str(tmp_path),
+            strategy="ddp",
+            devices="cpu:0,cpu:1",
+            checkpoint=px.Checkpoints(every_steps=2),
+        )
+    err = info.value
+    assert (err.root_cause.worker, err.root_cause.phase) == (0, "checkpoint")
+    assert err.code == "PX120"
+    assert [f.action for f in err.failures if f.phase == "checkpoint"] == ["aborted"]

@@ -8,11 +8,12 @@ opens a :class:`~phalanx.errors.TrainingFailed` report.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
 import traceback as tb
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 Kind = Literal["exception", "crash", "hang", "oom"]
 Phase = Literal[
@@ -89,6 +90,36 @@ def from_exception(
         traceback="".join(tb.format_exception(type(exc), exc, exc.__traceback__)),
         pid=pid,
         sample_indices=sample_indices,
+    )
+
+
+class Who(Protocol):
+    """Who a failure happened to: a replica's identity."""
+
+    worker: int
+    rank: int
+    device: str
+
+
+def failure_of(
+    exc: BaseException,
+    who: Who,
+    phase: str,
+    step: int | None,
+    epoch: int | None,
+    samples: list[int] | None = None,
+) -> WorkerFailure:
+    """``exc``, raised in ``phase`` on the replica ``who``, as a failure record."""
+    return from_exception(
+        exc,
+        worker=who.worker,
+        rank=who.rank,
+        device=who.device,
+        phase=phase,
+        step=step,
+        epoch=epoch,
+        sample_indices=samples,
+        pid=os.getpid(),
     )
 
 

@@ -14,9 +14,10 @@ Only the main member emits events and writes checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,7 +36,7 @@ from phalanx.events import (
     ValidationStarted,
     WorkerFailed,
 )
-from phalanx.failures import WorkerFailure
+from phalanx.failures import FailedHere, Who, WorkerFailure, failure_of
 from phalanx.metrics import LoopMetric, LoopStats, Metric, compute_all
 from phalanx.plan import Plan
 from phalanx.policy import decide
@@ -60,6 +61,11 @@ class Engine(Protocol):
 
     is_main: bool
     rank: int
+
+    @property
+    def identity(self) -> Who:
+        """Who this member is, for failures outside a step's vote."""
+        ...
 
     def begin_epoch(self, epoch: int, start_step: int) -> None: ...
 
@@ -262,7 +268,8 @@ class TrainLoop:
         st = self.state
         stats = LoopStats(lr=self.engine.lr(), samples_per_s=samples / max(seconds, 1e-9))
         assert st.epoch_sums is not None
-        running = compute_all(self.s.metrics, st.epoch_sums)
+        with self._fails_as("metrics"):
+            running = compute_all(self.s.metrics, st.epoch_sums)
         running.update({m.name: m.read(stats) for m in self.s.loop_metrics})
         loss = vote.sums[0].item() / max(samples, 1)
         self.emit(
@@ -282,11 +289,15 @@ class TrainLoop:
     def _end_epoch(self) -> str | None:
         st = self.state
         assert st.epoch_sums is not None
-        results = {f"train/{k}": v for k, v in compute_all(self.s.metrics, st.epoch_sums).items()}
+        with self._fails_as("metrics"):
+            train = compute_all(self.s.metrics, st.epoch_sums)
+        results = {f"train/{k}": v for k, v in train.items()}
         results["train/lr"] = self.engine.lr()
         if self.s.has_valid:
             self.emit(ValidationStarted(st.epoch, 0))
-            valid = compute_all(self.s.metrics, self.engine.evaluate())
+            sums = self.engine.evaluate()
+            with self._fails_as("metrics"):
+                valid = compute_all(self.s.metrics, sums)
             results.update({f"valid/{k}": v for k, v in valid.items()})
         st.history.append({"epoch": st.epoch, **results})
         self.emit(EpochEnded(st.epoch, results, time.time() - self.epoch_started))
@@ -306,9 +317,29 @@ class TrainLoop:
         metric = None
         if config.keep_best and metrics is not None:
             metric = metrics.get(config.keep_best)
-        self.checkpointer.save(
-            self.snapshot(), step=self.state.global_step, epoch=self.state.epoch, metric=metric
-        )
+        with self._fails_as("checkpoint"):
+            self.checkpointer.save(
+                self.snapshot(), step=self.state.global_step, epoch=self.state.epoch, metric=metric
+            )
+
+    def close_checkpointer(self) -> None:
+        """Wait for pending checkpoint writes; a write that failed fails this member."""
+        if self.checkpointer is not None:
+            with self._fails_as("checkpoint"):
+                self.checkpointer.close()
+
+    @contextlib.contextmanager
+    def _fails_as(self, phase: str) -> Iterator[None]:
+        """Outside a step's vote, an exception fails this member in ``phase`` (FailedHere),
+        named like any other failure."""
+        try:
+            yield
+        except (FailedHere, Interrupted, Regroup, StepAborted):
+            raise
+        except Exception as exc:
+            st = self.state
+            failure = failure_of(exc, self.engine.identity, phase, st.global_step, st.epoch)
+            raise FailedHere(failure) from exc
 
 
 _ACTION_NAMES = {"retry": "retried", "abort": "aborted", "split": "split"}

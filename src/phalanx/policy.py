@@ -41,6 +41,9 @@ def decide(
 
 RecoveryAction = Literal["respawn", "shrink", "abort"]
 RECOVERY_MODES = ("respawn", "shrink", "abort")
+# A fatal failure in these phases is not one worker's accident: the same model, data, metric
+# or disk fails the same way on any worker, so replacing or dropping the worker cannot help.
+RUN_LEVEL_PHASES = ("preflight", "checkpoint", "metrics", "validation")
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,10 @@ class Recovery:
     - ``shrink``: the survivors go on without it, down to ``min_workers``.
     - ``abort``: the run stops with one report.
 
-    A poison batch (the same step failing twice) and a preflight failure stop the run in
-    every mode. ``hang_timeout`` (None: fit's ``hang_timeout``) is how long a worker may
-    make no progress while its peers wait.
+    A poison batch (the same step failing twice) and a fatal failure in preflight,
+    validation, metrics or checkpoint (``RUN_LEVEL_PHASES``) stop the run in every mode.
+    ``hang_timeout`` (None: fit's ``hang_timeout``) is how long a worker may make no
+    progress while its peers wait.
     """
 
     mode: str = "respawn"
@@ -82,7 +86,7 @@ def recover(
 ) -> RecoveryAction:
     """The decision for a fallen worker: a pure function of the policy, the failure, the
     failures before it (with the actions taken) and how many members are left."""
-    if policy.mode == "abort" or failure.phase == "preflight" or survivors < 1:
+    if policy.mode == "abort" or failure.phase in RUN_LEVEL_PHASES or survivors < 1:
         return "abort"
     restarts = sum(1 for f in history if f.action == "respawned")
     if policy.mode == "respawn" and restarts < policy.max_restarts:

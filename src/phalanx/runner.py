@@ -131,6 +131,5 @@ def run_member(
         start_run(loop, plan, config, emit, train_size, valid_size)
         result = loop.run()
     finally:
-        if loop.checkpointer is not None:
-            loop.checkpointer.close()
+        loop.close_checkpointer()
     return MemberRun(result, loop.failures, time.time() - started)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from phalanx.data import validation_batches
-from phalanx.failures import FailedHere, WorkerFailure, from_exception
+from phalanx.failures import FailedHere, failure_of
 from phalanx.faults import FaultInjector
 from phalanx.replica import Identity, Replica
 from phalanx.trainable import Trainable
@@ -55,28 +54,6 @@ def guarded_commit(
         trainable.commit()
     except Exception as exc:
         raise FailedHere(failure_of(exc, identity, "optimizer", step, epoch)) from exc
-
-
-def failure_of(
-    exc: BaseException,
-    who: Identity,
-    phase: str,
-    step: int | None,
-    epoch: int | None,
-    samples: list[int] | None = None,
-) -> WorkerFailure:
-    """``exc``, raised in ``phase`` on the replica ``who``, as a failure record."""
-    return from_exception(
-        exc,
-        worker=who.worker,
-        rank=who.rank,
-        device=who.device,
-        phase=phase,
-        step=step,
-        epoch=epoch,
-        sample_indices=samples,
-        pid=os.getpid(),
-    )
 
 
 Thunk = Callable[[], Any]

@@ -129,6 +129,11 @@ class ThreadsEngine:
     is_main = True
     rank = 0
 
+    @property
+    def identity(self) -> Identity:
+        """The main replica's: failures outside a step (checkpoint, metrics) happen there."""
+        return self.identities[0]
+
     def __init__(
         self,
         spec: TrainSpec,

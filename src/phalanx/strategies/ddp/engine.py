@@ -18,7 +18,7 @@ from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
 from phalanx.loop import TrainLoop, Vote
 from phalanx.plan import Plan
-from phalanx.replica import Replica
+from phalanx.replica import Identity, Replica
 from phalanx.spec import FitConfig
 from phalanx.strategies.base import evaluate_local, guarded_commit
 from phalanx.trainable import Trainable
@@ -82,6 +82,10 @@ class DdpEngine:
     @property
     def trainable(self) -> Trainable:
         return self.m.trainable
+
+    @property
+    def identity(self) -> Identity:
+        return self.m.replica.identity
 
     def begin_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch = epoch

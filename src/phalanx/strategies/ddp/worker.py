@@ -363,8 +363,7 @@ class Worker:
     def finish(self) -> int:
         loop = self.loop
         assert loop is not None
-        if loop.checkpointer is not None:
-            loop.checkpointer.close()
+        loop.close_checkpointer()
         done = Done(self.a.slot)
         if loop.engine.is_main:
             torch.save(loop.engine.state_dict()["model"], self.a.weights_path)
