@@ -173,6 +173,7 @@ class TrainLoop:
         self.state = TrainState()
         self.failures: list[WorkerFailure] = []
         self.epoch_started = time.time()
+        self.saved_step = -1  # the global step of the last checkpoint this member saved
 
     def emit(self, event: Event) -> None:
         """Only the main member (rank 0 of the current group) speaks."""
@@ -221,7 +222,8 @@ class TrainLoop:
         st = self.state
         steps = self.s.plan.steps
         self.emit(EpochStarted(st.epoch, steps, st.step))
-        self.epoch_started = time.time()
+        if st.step == 0:  # not when a regroup or a resume goes on mid-epoch
+            self.epoch_started = time.time()
         self.engine.begin_epoch(st.epoch, st.step)
         if st.epoch_sums is None:
             st.epoch_sums = torch.zeros(_size(self.s.metrics), dtype=torch.float64)
@@ -314,6 +316,9 @@ class TrainLoop:
         config = self.checkpointer.config
         if not (force or should_save(self.state.global_step, epoch_end, config)):
             return
+        if force and self.saved_step == self.state.global_step:
+            return  # a stop right after a save of this very state: nothing new to save
+        self.saved_step = self.state.global_step
         metric = None
         if config.keep_best and metrics is not None:
             metric = metrics.get(config.keep_best)
