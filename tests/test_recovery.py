@@ -28,6 +28,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.events import Event, Notice, StepEnded, WorkerFailed
+from phalanx.plan import Plan, split
 from procs import alive, child_env, children, is_resource_tracker
 from recovery_helpers import (
     linear,
@@ -285,6 +286,33 @@ def test_failures_during_recovery(
     assert_recovered_quickly(result, record_property)
     # No rendezvous waited out its timeout (2 * hang_timeout + 30 s).
     assert wall < 40 + hang_timeout.total_seconds(), f"the fit took {wall:.0f}s"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kill_phase", ["forward", "sync"])
+def test_own_failure_in_the_step_a_peer_dies_is_kept(
+    kill_phase: str, clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Worker 2's step raises at step 5 while worker 1 dies in the same step: killed in its
+    forward, worker 2's zero pass (the gradient collective) breaks; killed before the vote
+    ("sync"), the vote breaks. Either way worker 2's own failure is reported, not lost."""
+    faults = [
+        px.Fault("kill", worker=1, step=5, phase=kill_phase),
+        px.Fault("exception", worker=2, step=5, phase="forward"),
+    ]
+    result, rec = fit(tmp_path, faults, px.Recovery(mode="shrink"))
+    assert sorted(summary(result)) == [(1, "crash", 5, "shrunk"), (2, "exception", 5, "retried")]
+    own = next(f for f in result.failures if f.kind == "exception")
+    assert (own.device, own.phase, own.rank) == ("cpu:2", "forward", 2)
+    assert "injected exception" in own.message
+    share = split(Plan(len(DATA), FIT["batch_size"], seed=FIT["seed"]).global_batch(0, 5), 3)[2]
+    assert own.sample_indices == list(share)
+    assert sorted((e.failure.worker, e.action) for e in rec.failed()) == [
+        (1, "shrunk"),
+        (2, "retried"),
+    ]
+    assert [g.members for g in rec.generations()] == [[0, 2]]
+    assert_same_run(result, rec, clean)
 
 
 # -- 3. min_workers and max_restarts ----------------------------------------------------------

@@ -140,6 +140,10 @@ class Replica:
         # Raised after an out-of-memory error: this replica cuts its share into this many
         # times more micro-batches from then on (the global batch and the math stay the same).
         self.split_factor = 1
+        # This attempt's failure until a vote has carried it (the engine clears it then). A
+        # peer falling in the same step breaks the collective first; the ddp worker then
+        # reports this failure itself instead of losing it.
+        self.unvoted: WorkerFailure | None = None
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         ns = getattr(self.forward, "no_sync", None)
@@ -162,6 +166,7 @@ class Replica:
         """
         sums = torch.zeros(self.size, dtype=torch.float64)
         self.step = step
+        self.unvoted = None
         tracker = _PhaseTracker(step, self.on_phase)
         try:
             with tracker.enter("data"):
@@ -183,6 +188,7 @@ class Replica:
                 pid=os.getpid(),
             )
             splittable = self._split_after(failure, len(samples), micro_batches)
+            self.unvoted = failure
             if not tracker.synced:
                 self.zero_pass()
             return LocalResult(torch.zeros(self.size, dtype=torch.float64), failure, splittable)

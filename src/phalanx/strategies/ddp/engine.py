@@ -110,10 +110,12 @@ class DdpEngine:
         except Exception as exc:  # before the vote: this rank just votes failed
             res.failure = res.failure or self._failure(exc, "sync")
             res.ledger = (0.0, 0.0, 0.0)
+            self.m.replica.unvoted = res.failure
         failed, splittable, *ledger = res.vote_head()
         head = [failed, float(stop), float(self.regroup_requested()), splittable, *ledger]
         vote = torch.cat([torch.tensor(head, dtype=torch.float64), res.sums]).to(self.device)
         dist.all_reduce(vote)
+        self.m.replica.unvoted = None  # the vote carries it from here
         v = vote.cpu()
         return Vote(
             failed=int(v[0].item()),

@@ -39,6 +39,7 @@ from phalanx.faults import FaultInjector
 from phalanx.loop import Regroup, StepAborted, TrainLoop
 from phalanx.plan import Plan
 from phalanx.replica import Identity, Replica
+from phalanx.report import is_secondary
 from phalanx.runner import build_loop, make_checkpointer, start_run
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.engine import DdpEngine, Member, hand_over
@@ -274,6 +275,7 @@ class Worker:
             except Exception as exc:  # the group broke: a peer fell, or this worker did
                 # A record, not the exception: its traceback would keep the old group alive.
                 broken = self.failure(exc, self.phase)
+                self.report_unvoted(member)
             finally:
                 self.leave_group(member)
             try:
@@ -281,6 +283,16 @@ class Worker:
             except TimeoutError as exc:  # nobody else fell: the failure is this worker's
                 self.send(Failed(broken or self.failure(exc, self.phase), fatal=True))
                 return 1
+
+    def report_unvoted(self, member: Member) -> None:
+        """This worker's own failure in a step whose collective broke before the vote could
+        carry it (a peer fell in the same step): reported here, since the step is computed
+        again by the next generation. Not when it is that broken collective itself (a
+        backward that met the fallen peer's closed socket): that is the peer's failure."""
+        lost, member.replica.unvoted = member.replica.unvoted, None
+        if lost is not None and not is_secondary(lost):
+            lost.action = "retried"
+            self.send(Failed(lost, fatal=False))
 
     def leave_group(self, member: Member) -> None:
         """Drop every reference to this generation's DDP module and process group, then
