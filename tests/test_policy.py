@@ -55,6 +55,20 @@ def test_abort_mode_and_preflight_failures_always_abort() -> None:
     assert recover(respawn, failure(phase="preflight"), [], survivors=3) == "abort"
 
 
+@pytest.mark.parametrize("phase", ["validation", "metrics", "checkpoint"])
+def test_an_exception_in_a_run_level_phase_aborts_but_a_death_there_is_recovered(
+    phase: str,
+) -> None:
+    respawn = px.Recovery()
+    for kind in ("exception", "oom"):
+        assert recover(respawn, failure(kind=kind, phase=phase), [], survivors=2) == "abort"
+    for kind in ("crash", "hang"):
+        assert recover(respawn, failure(kind=kind, phase=phase), [], survivors=2) == "respawn"
+        shrink = px.Recovery(mode="shrink")
+        assert recover(shrink, failure(kind=kind, phase=phase), [], survivors=2) == "shrink"
+    assert recover(respawn, failure(kind="hang", phase="preflight"), [], survivors=2) == "abort"
+
+
 def test_retried_failures_do_not_count_as_restarts() -> None:
     policy = px.Recovery(max_restarts=1)
     history = [failure(kind="exception", action="retried")] * 5

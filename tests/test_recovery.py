@@ -315,6 +315,69 @@ def test_own_failure_in_the_step_a_peer_dies_is_kept(
     assert_same_run(result, rec, clean)
 
 
+VALID = make_data(90, seed=1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["kill", "hang"])
+def test_a_death_or_hang_during_validation_is_recovered(
+    kind: str, clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Killed (the OOM killer, say) or hung in the validation after step 20 (the end of
+    epoch 0): the survivors validate again without it and train on."""
+    rec = Recorder()
+    result = px.Learner(linear, sgd, mse_step).fit(
+        DATA,
+        valid=VALID,
+        devices=THREE,
+        strategy="ddp",
+        faults=[px.Fault(kind, worker=1, step=20, phase="validation")],
+        on_failure=px.Recovery(mode="shrink"),
+        hang_timeout=HANG_TIMEOUT,
+        run_dir=str(tmp_path / "run"),
+        sinks=[rec],
+        **FIT,
+    )
+    (fallen,) = result.failures
+    expected_kind = "crash" if kind == "kill" else "hang"
+    assert (fallen.worker, fallen.kind, fallen.step, fallen.action) == (
+        1,
+        expected_kind,
+        20,
+        "shrunk",
+    )
+    assert fallen.phase == "validation"
+    assert [g.members for g in rec.generations()] == [[0, 2]]
+    assert [h["epoch"] for h in result.history] == list(range(FIT["epochs"]))
+    assert all(h["valid/loss"] > 0 for h in result.history)
+    assert_same_run(result, rec, clean)
+
+
+@pytest.mark.timeout(90)
+def test_an_exception_during_validation_stops_the_run_in_every_mode(tmp_path: Path) -> None:
+    """The same data and model would fail the same way on any worker: no respawn."""
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(linear, sgd, mse_step).fit(
+            DATA,
+            valid=VALID,
+            devices=TWO,
+            strategy="ddp",
+            faults=[px.Fault("exception", worker=1, step=20, phase="validation")],
+            on_failure=px.Recovery(mode="respawn"),
+            sinks=[],
+            **FIT,
+        )
+    root = info.value.root_cause
+    assert (root.worker, root.kind, root.phase, root.action) == (
+        1,
+        "exception",
+        "validation",
+        "aborted",
+    )
+    assert "injected exception" in str(info.value).splitlines()[0]
+    assert not [f for f in info.value.failures if f.action in ("respawned", "shrunk")]
+
+
 # -- 3. min_workers and max_restarts ----------------------------------------------------------
 
 

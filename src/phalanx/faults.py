@@ -2,10 +2,13 @@
 
 ``Fault(kind="kill", worker=1, step=30)`` kills worker 1's process with SIGKILL when it
 reaches step 30 (counted in committed optimizer steps since the run began, so step 30 is
-the 31st step). Kinds: ``exception`` (raise :class:`InjectedFault`), ``kill`` (SIGKILL of
+the 31st step), or at the first step it runs after that when it was not there at step 30
+(a replacement that joined later). A replacement never replays the faults up to the step
+its predecessor fell at. Kinds: ``exception`` (raise :class:`InjectedFault`), ``kill`` (SIGKILL of
 the worker process), ``hang`` (sleep that never returns), ``oom`` (raise
 ``torch.OutOfMemoryError``). ``times`` is how many attempts of that step fail (1 is a
-transient fault that the retry absorbs; 2 or more make a poison batch).
+transient fault that the retry absorbs; 2 or more make a poison batch). Phase
+``validation`` fires in the validation that follows step ``step`` (the last step of an epoch).
 """
 
 from __future__ import annotations
@@ -41,10 +44,10 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidSettingError(f"Fault kind {self.kind!r} is unknown; use one of {KINDS}")
-        if self.phase not in PHASES or self.phase in ("validation", "checkpoint"):
+        if self.phase not in PHASES or self.phase == "checkpoint":
             raise InvalidSettingError(
                 f"Fault phase {self.phase!r} cannot be injected; use one of "
-                "preflight, data, forward, backward, sync, optimizer, metrics"
+                "preflight, data, forward, backward, sync, optimizer, metrics, validation"
             )
         if self.worker < 0 or self.step < 0 or self.times < 1:
             raise InvalidSettingError("Fault needs worker >= 0, step >= 0 and times >= 1")
@@ -88,7 +91,7 @@ class FaultInjector:
 
     def check(self, step: int, phase: str) -> None:
         for fault in self.faults:
-            if fault.step == step and fault.phase == phase:
+            if fault.step <= step and fault.phase == phase:
                 if self.fired.get(fault, 0) >= fault.times:
                     continue
                 self.fired[fault] = self.fired.get(fault, 0) + 1

@@ -41,9 +41,12 @@ def decide(
 
 RecoveryAction = Literal["respawn", "shrink", "abort"]
 RECOVERY_MODES = ("respawn", "shrink", "abort")
-# A fatal failure in these phases is not one worker's accident: the same model, data, metric
-# or disk fails the same way on any worker, so replacing or dropping the worker cannot help.
+# An exception in these phases is not one worker's accident: the same model, data, metric or
+# disk fails the same way on any worker, so replacing or dropping the worker cannot help. A
+# death or a hang in them (the OOM killer during validation, say) is recovered like any other,
+# except in preflight, whose point is to stop before training starts.
 RUN_LEVEL_PHASES = ("preflight", "checkpoint", "metrics", "validation")
+RUN_LEVEL_KINDS = ("exception", "oom")
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,8 @@ class Recovery:
     - ``shrink``: the survivors go on without it, down to ``min_workers``.
     - ``abort``: the run stops with one report.
 
-    A poison batch (the same step failing twice) and a fatal failure in preflight,
-    validation, metrics or checkpoint (``RUN_LEVEL_PHASES``) stop the run in every mode.
+    A poison batch (the same step failing twice), any failure in preflight and an exception
+    in validation, metrics or checkpoint (``RUN_LEVEL_PHASES``) stop the run in every mode.
     ``hang_timeout`` (None: fit's ``hang_timeout``) is how long a worker may make no
     progress while its peers wait.
     """
@@ -86,7 +89,10 @@ def recover(
 ) -> RecoveryAction:
     """The decision for a fallen worker: a pure function of the policy, the failure, the
     failures before it (with the actions taken) and how many members are left."""
-    if policy.mode == "abort" or failure.phase in RUN_LEVEL_PHASES or survivors < 1:
+    run_level = failure.phase == "preflight" or (
+        failure.kind in RUN_LEVEL_KINDS and failure.phase in RUN_LEVEL_PHASES
+    )
+    if policy.mode == "abort" or run_level or survivors < 1:
         return "abort"
     restarts = sum(1 for f in history if f.action == "respawned")
     if policy.mode == "respawn" and restarts < policy.max_restarts:

@@ -31,6 +31,7 @@ def evaluate_local(
     parts = [b for b in validation_batches(valid_size, batch_size, member, members) if b]
     replica.module.eval()
     try:
+        replica.faults.check(replica.step, "validation")
         loader = DataLoader(valid, batch_sampler=parts, collate_fn=default_collate)
         for idx, batch in zip(parts, loader, strict=True):
             sums += replica.evaluate(batch, len(idx))

@@ -117,10 +117,12 @@ class Supervisor:
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         for slot in range(self.world):
-            self._spawn(slot, replacement=False)
+            self._spawn(slot)
         self._announce(list(range(self.world)), "start")
 
-    def _spawn(self, slot: int, replacement: bool) -> None:
+    def _spawn(self, slot: int, replaces: WorkerFailure | None = None) -> None:
+        """Start the worker of ``slot``; a replacement when it ``replaces`` a fallen one."""
+        replacement = replaces is not None
         reader, writer = self.ctx.Pipe(duplex=False)
         args = worker_mod.WorkerArgs(
             slot=slot,
@@ -137,6 +139,7 @@ class Supervisor:
             weights_path=os.path.join(self.tmp, "final.pt"),
             threads=self.threads,
             replacement=replacement,
+            faults_after=-1 if replaces is None or replaces.step is None else replaces.step,
         )
         name = f"phalanx-worker-{slot}" + ("-replacement" if replacement else "")
         if slot in self.slots:
@@ -373,7 +376,7 @@ class Supervisor:
             return
         self.recovering.append(failure)
         if action == "respawn":
-            self._spawn(slot, replacement=True)
+            self._spawn(slot, replaces=failure)
         if slot in self.members:
             self._announce(survivors, f"worker {slot} {failure.kind}: {failure.action}")
 

@@ -86,6 +86,9 @@ class WorkerArgs:
     weights_path: str
     threads: int
     replacement: bool = False  # started to replace a fallen worker: joins a later generation
+    # A replacement fires only the faults meant for steps after the one its predecessor
+    # fell at: those up to it were the predecessor's.
+    faults_after: int = -1
 
 
 class Worker:
@@ -188,8 +191,8 @@ class Worker:
     def build_member(self) -> Member:
         cfg = self.a.config
         trainable = Trainable(self.a.spec, self.device, cfg.seed)
-        # A replacement does not replay the faults of the worker it replaces.
-        faults = FaultInjector([] if self.a.replacement else cfg.faults, self.a.slot)
+        later = [f for f in cfg.faults if f.step > self.a.faults_after]
+        faults = FaultInjector(later, self.a.slot)
         identity = Identity(worker=self.a.slot, rank=self.a.slot, device=self.label)
         replica = Replica(
             trainable.module,

@@ -1,0 +1,81 @@
+"""`phalanx demo` as a user runs it: a real process, its output read like a user reads it.
+
+The single-device demo must pass 95% validation accuracy and print the summary; the chaos
+demo must show three injected failures (kill, hang, exception), each with what was done
+about it, and end with the accuracy of the clean run and an exact data ledger.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from procs import child_env
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes and signals")
+
+
+def demo(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx", "demo", "--run-dir", str(tmp_path / "run"), *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+
+
+def final_accuracy(out: str) -> float:
+    m = re.search(
+        r"final validation accuracy: ([\d.]+); every sample used exactly once per "
+        r"epoch: (\w+)",
+        out,
+    )
+    assert m, out[-2000:]
+    assert m.group(2) == "True", "the data ledger is not exact"
+    return float(m.group(1))
+
+
+@pytest.mark.timeout(120)
+def test_demo_reaches_95_percent_and_prints_progress_and_summary(tmp_path: Path) -> None:
+    run = demo(tmp_path, timeout=110)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    assert final_accuracy(out) >= 0.95
+    assert re.search(r"epoch 1/8 step \d+/23 \(global \d+\): loss [\d.]+", out)  # progress
+    assert "Learner Summary" in out
+    for metric in ("accuracy", "f1", "loss"):
+        assert re.search(rf"│ valid │ {metric} +│", out), metric
+    assert (tmp_path / "run" / "metrics.csv").exists()
+    assert list((tmp_path / "run").glob("checkpoints/*"))
+
+
+@pytest.mark.timeout(240)
+def test_chaos_demo_survives_three_failures_with_the_clean_accuracy(tmp_path: Path) -> None:
+    run = demo(
+        tmp_path,
+        "--strategy", "ddp", "--devices", "cpu:0,cpu:1,cpu:2", "--chaos", "3",
+        timeout=220,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    # Each failure as it happens, named, with its action ...
+    live = re.findall(
+        r"worker (\d) \(rank \d\) on device cpu:\1 failed at step (\d+).*-> (\w+)", out
+    )
+    assert len(live) == 3, out
+    # ... and the timeline at the end: one row each, kill, hang and exception in turn.
+    table = out[out.index("Failures and recoveries") :]
+    rows = re.findall(r"│ (\d) +│ cpu:\1 +│ (\w+) +│ (\d+) +│ (\w+) +│ (\w+) +│", table)
+    assert [r[1] for r in rows] == ["crash", "hang", "exception"], table
+    assert [r[4] for r in rows] == ["respawned", "respawned", "retried"], table
+    assert [(r[0], r[2], r[4]) for r in rows] == [(w, s, a) for w, s, a in live]
+    assert "rejoin" in out  # a replacement came back in
+    clean = re.search(r"clean run, same seed, no failures: validation accuracy ([\d.]+)", out)
+    assert clean, out[-2000:]
+    assert final_accuracy(out) == float(clean.group(1)) >= 0.95
