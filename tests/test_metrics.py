@@ -328,3 +328,28 @@ def test_helpers_layout_and_errors() -> None:
 
     with pytest.raises(InvalidSettingError, match="broken"):
         pack_states([Broken()], out(logits, targets), 50)
+
+
+class _Broken(Accuracy):
+    name = "broken"
+
+    def compute(self, state: torch.Tensor) -> float:
+        return state[0].item() / 0.0  # a ZeroDivisionError from Python, not a torch inf
+
+    def state(self, output: StepOutput, samples: int) -> torch.Tensor:
+        if output.outputs is None:
+            raise KeyError("outputs")
+        return super().state(output, samples)
+
+
+def test_a_metric_that_raises_is_named_with_its_method_and_the_original_error() -> None:
+    from phalanx.errors import MetricError
+
+    metrics = [_Broken(), Accuracy()]
+    with pytest.raises(MetricError) as info:
+        pack_states(metrics, StepOutput(torch.tensor(1.0)), 2)
+    assert "metric 'broken' (_Broken.state) raised KeyError: 'outputs'" in str(info.value)
+    assert info.value.code == "PX121"
+    output = StepOutput(torch.tensor(1.0), torch.eye(2), torch.tensor([0, 1]))
+    with pytest.raises(MetricError, match=r"metric 'broken' \(_Broken.compute\) raised"):
+        compute_all(metrics, pack_states(metrics, output, 2))

@@ -170,6 +170,8 @@ def test_exception_in_a_metric_is_reported_in_phase_metrics() -> None:
     err = info.value
     first = str(err).splitlines()[0]
     assert "(metrics)" in first and "this metric cannot count" in first
+    assert "metric 'exploding' (Exploding.state) raised" in first
+    assert err.code == "PX121"
     assert err.root_cause.phase == "metrics"
     assert err.root_cause.step == 0
     assert {f.device for f in err.failures} == {"cpu:0", "cpu:1"}

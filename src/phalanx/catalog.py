@@ -374,6 +374,29 @@ _ENTRIES = [
         "# after\nlearner.fit(train, valid, run_dir='runs/exp1', resume=True)",
     ),
     Explanation(
+        code="PX121",
+        title="a metric raised",
+        meaning="A metric's state() (run on every batch) or compute() (run on the summed "
+        "state) raised. The report names the metric and quotes its exception; training "
+        "stops, since the same metric would fail on any worker.",
+        when="During training (phase metrics) or at the end of an epoch, when metric values "
+        "are computed for the progress display and the history.",
+        causes=[
+            "A custom metric that assumes outputs or targets of another shape or type.",
+            "A division by zero in compute() for an empty state (no samples this epoch).",
+        ],
+        fixes=[
+            "Read the metric's name and method in the report; run it on one batch by hand: "
+            "m.compute(m.state(output, len(batch))).",
+            "Make state() accept what the step returns (px.StepOutput outputs and targets).",
+            "Guard compute() against a zero count.",
+        ],
+        example="# before\nclass MeanTarget(px.metrics.Metric):\n"
+        "    def compute(self, state):\n        return state[0].item() / state[1].item()\n"
+        "# after\nclass MeanTarget(px.metrics.Metric):\n"
+        "    def compute(self, state):\n        return state[0].item() / max(state[1].item(), 1)",
+    ),
+    Explanation(
         code="PX200",
         title="a worker raised an exception",
         meaning="Training stopped because a worker raised. The report's first line names the "

@@ -111,6 +111,12 @@ class CheckpointError(PhalanxError):
     code = "PX120"
 
 
+class MetricError(PhalanxError):
+    """A metric's ``state`` or ``compute`` raised; the message names the metric."""
+
+    code = "PX121"
+
+
 class TrainingFailed(PhalanxError):
     """The run stopped because a worker failed.
 

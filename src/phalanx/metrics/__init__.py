@@ -8,9 +8,12 @@ The layout of the flat vector is each metric's state in list order; its length i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
-from phalanx.errors import InvalidSettingError
+from phalanx.errors import InvalidSettingError, MetricError, PhalanxError
 from phalanx.metrics.base import LoopMetric, LoopStats, Metric
 from phalanx.metrics.classification import F1, Accuracy, Precision, Recall, TopKAccuracy
 from phalanx.metrics.loop import LearningRate, SamplesPerSecond
@@ -47,7 +50,8 @@ def pack_states(metrics: list[Metric], output: StepOutput, samples: int) -> torc
     """
     parts: list[torch.Tensor] = []
     for m in metrics:
-        s = m.state(output, samples)
+        with _named(m, "state"):
+            s = m.state(output, samples)
         if s.ndim != 1 or s.numel() != m.size():
             raise InvalidSettingError(
                 f"metric {m.name!r} returned a state of shape {tuple(s.shape)}; its state() "
@@ -76,6 +80,21 @@ def compute_all(metrics: list[Metric], state: torch.Tensor) -> dict[str, float]:
     values: dict[str, float] = {}
     start = 0
     for m in metrics:
-        values[m.name] = m.compute(state[start : start + m.size()])
+        with _named(m, "compute"):
+            values[m.name] = m.compute(state[start : start + m.size()])
         start += m.size()
     return values
+
+
+@contextlib.contextmanager
+def _named(metric: Metric, method: str) -> Iterator[None]:
+    """An exception in a metric's method becomes a MetricError that names the metric."""
+    try:
+        yield
+    except (PhalanxError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        raise MetricError(
+            f"metric {metric.name!r} ({type(metric).__name__}.{method}) raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
