@@ -30,7 +30,7 @@ from ddp_helpers import (
     sgd,
     slow_mlp,
 )
-from phalanx.events import Event, StepEnded
+from phalanx.events import CheckpointSkipped, Event, Resumed, StepEnded
 from phalanx.report import is_secondary
 from procs import alive, child_env, children, is_resource_tracker
 
@@ -72,6 +72,19 @@ class StepTimes:
     def handle(self, event: Event) -> None:
         if isinstance(event, StepEnded):
             self.ended[event.global_step] = event.time
+
+    def close(self) -> None:
+        pass
+
+
+class Recorder:
+    """A sink that appends every event to ``into``."""
+
+    def __init__(self, into: list[Event]) -> None:
+        self.into = into
+
+    def handle(self, event: Event) -> None:
+        self.into.append(event)
 
     def close(self) -> None:
         pass
@@ -257,10 +270,11 @@ import phalanx as px
 
 if __name__ == "__main__":
     px.Learner(h.mlp, h.sgd, h.slow_step).fit(
-        h.make_data(4000), epochs=10, batch_size=20, devices="cpu:0,cpu:1", strategy="ddp",
-        run_dir=sys.argv[1],
+        h.make_data(KILL_SAMPLES), epochs=KILL_EPOCHS, batch_size=20, devices="cpu:0,cpu:1",
+        strategy="ddp", run_dir=sys.argv[1], checkpoint=px.Checkpoints(every_steps=2),
     )
 """
+KILL_SAMPLES, KILL_EPOCHS = 400, 10  # 20 steps an epoch, 0.2 s each: minutes of training
 
 
 def _wait_for_step(events: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -273,11 +287,25 @@ def _wait_for_step(events: Path, proc: subprocess.Popen[bytes], timeout: float) 
     raise AssertionError(f"no StepEnded in {events} within {timeout}s")
 
 
-@pytest.mark.timeout(120)
+def _wait_for_checkpoint(directory: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"the training script exited early ({proc.returncode})"
+        if list(directory.glob("ckpt-*.pt")):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint in {directory} within {timeout}s")
+
+
+@pytest.mark.timeout(180)
 def test_workers_exit_when_the_supervisor_is_killed(tmp_path: Path) -> None:
     marker = f"phalanx-supervisor-kill-{os.getpid()}-{time.time_ns()}"
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(marker=marker))
+    script.write_text(
+        SCRIPT.format(marker=marker)
+        .replace("KILL_SAMPLES", str(KILL_SAMPLES))
+        .replace("KILL_EPOCHS", str(KILL_EPOCHS))
+    )
     run_dir = tmp_path / "run"
     log = (tmp_path / "log.txt").open("wb")
     proc = subprocess.Popen(
@@ -289,6 +317,7 @@ def test_workers_exit_when_the_supervisor_is_killed(tmp_path: Path) -> None:
     workers: dict[int, str] = {}
     try:
         _wait_for_step(run_dir / "events.jsonl", proc, timeout=90)
+        _wait_for_checkpoint(run_dir / "checkpoints", proc, timeout=30)
         workers = {pid: st for pid, st in children(proc.pid).items() if st != "Z"}
         named = [pid for pid in workers if not is_resource_tracker(pid)]
         assert len(named) >= 2, f"expected two workers under {proc.pid}: {workers}"
@@ -308,6 +337,22 @@ def test_workers_exit_when_the_supervisor_is_killed(tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
         log.close()
     assert proc.returncode == -signal.SIGKILL
+
+    # The last checkpoint is intact (its checksum holds: no file is skipped) and the run
+    # resumes from it. The resumed run keeps the plan (data, batch size, seed) and trains a
+    # fast step for the rest of the first epoch only.
+    saved = [int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("ckpt-*.pt")]
+    assert saved, "no checkpoint was written before the supervisor died"
+    assert max(saved) < KILL_SAMPLES // 20, "killed after the first epoch: resume has no work"
+    events: list[Event] = []
+    result = learner().fit(
+        make_data(KILL_SAMPLES), epochs=1, batch_size=20, devices=TWO, strategy="ddp",
+        run_dir=run_dir, resume=True, sinks=[Recorder(events)],
+    )  # fmt: skip
+    resumed = [e for e in events if isinstance(e, Resumed)]
+    assert [e.global_step for e in resumed] == [max(saved)]
+    assert not [e for e in events if isinstance(e, CheckpointSkipped)]
+    assert result.steps == KILL_SAMPLES // 20 and result.ledger_ok
 
 
 # -- 6. configuration errors, before any process starts ---------------------------------------

@@ -471,6 +471,45 @@ def test_oom_is_split_without_restart(clean: list[torch.Tensor], tmp_path: Path)
     assert_same_run(result, rec, clean)
 
 
+# -- 5b. a failure in the middle of backward, after DDP began reducing ----------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("kind", "action"), [("exception", "retried"), ("oom", "split")])
+def test_failure_in_the_middle_of_backward_rebuilds_the_group(
+    kind: str, action: str, clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """A backward fault fires from a gradient hook, after DDP has begun reducing: that
+    worker's DDP state is broken, so no zero pass can follow. The same members form a new
+    group, take the agreed state and compute the step again (split, for out of memory)."""
+    result, rec = fit(tmp_path, [px.Fault(kind, worker=1, step=7, phase="backward")], px.Recovery())
+    assert summary(result) == [(1, kind, 7, action)]
+    assert result.failures[0].phase == "backward"
+    assert [(g.members, g.cause) for g in rec.generations()] == [
+        ([0, 1, 2], f"worker 1 {kind} in backward: rebuilt")
+    ]
+    assert [e.action for e in rec.failed()] == [action]
+    recovered = result.failures[0].recovery_seconds
+    assert recovered is not None and recovered < RECOVERY_S
+    assert_same_run(result, rec, clean)
+
+
+@pytest.mark.timeout(120)
+def test_failure_in_the_middle_of_backward_twice_is_a_poison_batch(tmp_path: Path) -> None:
+    started = time.time()
+    with pytest.raises(px.TrainingFailed) as info:
+        fit(tmp_path, [px.Fault("exception", worker=2, step=7, phase="backward", times=2)],
+            px.Recovery())  # fmt: skip
+    err = info.value
+    assert err.code == "PX204"
+    mine = [f for f in err.failures if f.worker == 2]
+    assert [f.action for f in mine] == ["retried", "aborted"]
+    assert err.root_cause is mine[0]
+    assert (err.root_cause.step, err.root_cause.phase) == (7, "backward")
+    assert not [f for f in err.failures if f.action in ("respawned", "shrunk")]
+    assert time.time() - started < 40
+
+
 # -- 6. preemption: SIGTERM checkpoints, resume ends bitwise equal ------------------------------
 
 SCRIPT = """\

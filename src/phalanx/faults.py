@@ -8,15 +8,18 @@ its predecessor fell at. Kinds: ``exception`` (raise :class:`InjectedFault`), ``
 the worker process), ``hang`` (sleep that never returns), ``oom`` (raise
 ``torch.OutOfMemoryError``). ``times`` is how many attempts of that step fail (1 is a
 transient fault that the retry absorbs; 2 or more make a poison batch). Phase
-``validation`` fires in the validation that follows step ``step`` (the last step of an epoch).
+``validation`` fires in the validation that follows step ``step`` (the last step of an epoch);
+phase ``backward`` fires in the middle of the backward pass, as a real error there would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -89,13 +92,43 @@ class FaultInjector:
         self.faults = [f for f in faults if f.worker == worker]
         self.fired: dict[Fault, int] = {}
 
+    def due(self, step: int, phase: str) -> list[Fault]:
+        return [
+            f
+            for f in self.faults
+            if f.step <= step and f.phase == phase and self.fired.get(f, 0) < f.times
+        ]
+
     def check(self, step: int, phase: str) -> None:
-        for fault in self.faults:
-            if fault.step <= step and fault.phase == phase:
-                if self.fired.get(fault, 0) >= fault.times:
-                    continue
-                self.fired[fault] = self.fired.get(fault, 0) + 1
-                fire(fault)
+        for fault in self.due(step, phase):
+            self.fired[fault] = self.fired.get(fault, 0) + 1
+            fire(fault)
+
+    @contextlib.contextmanager
+    def inside_backward(self, step: int, module: torch.nn.Module) -> Iterator[None]:
+        """Backward faults fire in the middle of the backward pass, as a real error there
+        would: from a hook on the gradient of the module's first parameter (usually the
+        first layer's, computed last, when DDP has already begun reducing the others), or
+        after the backward when that gradient is never computed."""
+        if not self.due(step, "backward"):
+            yield
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        fired: list[bool] = []
+
+        def hook(grad: torch.Tensor) -> None:
+            if not fired:
+                fired.append(True)
+                self.check(step, "backward")
+
+        handle = params[0].register_hook(hook) if params else None
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+        if not fired:
+            self.check(step, "backward")
 
 
 def fire(fault: Fault) -> None:

@@ -144,6 +144,8 @@ class Replica:
         # peer falling in the same step breaks the collective first; the ddp worker then
         # reports this failure itself instead of losing it.
         self.unvoted: WorkerFailure | None = None
+        self.unvoted_splittable = False  # it was an out-of-memory error, and the share is
+        # now cut smaller (split_factor doubled): trying again is a split, not a retry
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         ns = getattr(self.forward, "no_sync", None)
@@ -188,7 +190,7 @@ class Replica:
                 pid=os.getpid(),
             )
             splittable = self._split_after(failure, len(samples), micro_batches)
-            self.unvoted = failure
+            self.unvoted, self.unvoted_splittable = failure, splittable
             if not tracker.synced:
                 self.zero_pass()
             return LocalResult(torch.zeros(self.size, dtype=torch.float64), failure, splittable)
@@ -234,8 +236,7 @@ class Replica:
                             f"{_short(samples[a:b])}; lower the learning rate, clip "
                             "gradients (grad_clip_norm=) or check these samples"
                         )
-                with tracker.enter("backward"):
-                    self.faults.check(step, "backward")
+                with tracker.enter("backward"), self.faults.inside_backward(step, self.module):
                     (loss * ((b - a) * self.world / global_samples)).backward()
                     tracker.synced = last
             with tracker.enter("metrics"):

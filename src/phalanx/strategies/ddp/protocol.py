@@ -12,7 +12,8 @@ from phalanx.failures import WorkerFailure
 STOP_KEY = "control/stop"  # value: the reason; workers stop after the current step
 ABORT_KEY = "control/abort"  # value: why; workers exit at once
 GEN_LATEST = "gen/latest"  # counter: the newest generation announced
-GEN_PREFIX = "gen/"  # gen/<n>: JSON {"members": [slots in rank order], "cause": "..."}
+GEN_PREFIX = "gen/"  # gen/<n>: JSON {"members": [slots in rank order], "cause": "...",
+# "rebuild": true when the same members form a new group because the old one broke}
 
 
 @dataclass
@@ -50,6 +51,19 @@ class Failed:
 
     failure: WorkerFailure
     fatal: bool
+
+
+@dataclass
+class Broke:
+    """This worker's own failure in a step, when the step's collectives broke before a vote
+    could carry it: either a peer fell in the same step, or this failure itself left the
+    group unusable (an error in the middle of backward, after DDP began reducing). The
+    supervisor decides: record it, rebuild the group with the same members, or stop the
+    run (the step had failed before: a poison batch)."""
+
+    failure: WorkerFailure
+    generation: int
+    splittable: bool = False  # out of memory, and the share is cut smaller: a split
 
 
 @dataclass

@@ -47,6 +47,7 @@ from phalanx.strategies.ddp.protocol import (
     GEN_PREFIX,
     STOP_KEY,
     Aborted,
+    Broke,
     Done,
     Failed,
     Joined,
@@ -57,6 +58,7 @@ from phalanx.strategies.ddp.protocol import (
 
 POLL = 0.1
 GRACE = 2.0  # seconds workers get to exit by themselves once the run is decided
+BROKE_SETTLE = 0.2  # a Broke report waits this long for a peer's death to be seen first
 STACK_WAIT = 0.5
 STARTUP_TIMEOUT = 120.0  # spawning and importing torch is not a hang
 PREFLIGHT_TIMEOUT = 30.0
@@ -111,6 +113,8 @@ class Supervisor:
         self.members: list[int] = []
         self.waiting: list[int] = []  # replacements ready to be let in
         self.recovering: list[WorkerFailure] = []  # failures waiting for a committed step
+        self.broke: list[tuple[float, Broke]] = []  # received, not yet settled
+        self.broke_in: dict[int, int] = {}  # id of a settled Broke failure -> its generation
         cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
         self.threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
@@ -153,14 +157,14 @@ class Supervisor:
         writer.close()  # the worker holds the only write end: EOF means it is gone
         self.slots[slot] = SlotState(proc, reader, phase="joining" if replacement else "start")
 
-    def _announce(self, members: list[int], cause: str) -> None:
+    def _announce(self, members: list[int], cause: str, rebuild: bool = False) -> None:
         """Generation n+1: written before the counter moves, so a reader sees it whole."""
         self.generation += 1
         self.members = list(members)
         now = time.time()
         for slot in self.members:  # a fresh hang window to form the new group in
             self.slots[slot].changed = now
-        doc = json.dumps({"members": self.members, "cause": cause})
+        doc = json.dumps({"members": self.members, "cause": cause, "rebuild": rebuild})
         self.store.set(f"{GEN_PREFIX}{self.generation}", doc)
         self.store.add(GEN_LATEST, 1 if self.generation > 0 else 0)
         if self.generation > 0:
@@ -172,6 +176,7 @@ class Supervisor:
         while True:
             self._drain()
             self._check_deaths()
+            self._settle_broke()
             if decided_at is None:
                 self._check_hang()
                 self._forward_stop()
@@ -183,6 +188,7 @@ class Supervisor:
                 for state in self.slots.values():
                     if not state.conn.closed:
                         self._read(state.conn)
+                self._settle_broke(everything=True)
                 return self.outcome
             if decided_at is not None and time.time() - decided_at > GRACE:
                 self.kill_all()
@@ -241,6 +247,8 @@ class Supervisor:
             else:
                 out.failures.append(message.failure)
                 self.emit(WorkerFailed(message.failure, message.failure.action or ""))
+        elif isinstance(message, Broke):
+            self.broke.append((time.time(), message))
         elif isinstance(message, Aborted):
             out.aborted.add(message.slot)
             out.poison = out.poison or message.poison
@@ -379,6 +387,47 @@ class Supervisor:
             self._spawn(slot, replaces=failure)
         if slot in self.members:
             self._announce(survivors, f"worker {slot} {failure.kind}: {failure.action}")
+
+    def _settle_broke(self, everything: bool = False) -> None:
+        """Decide on :class:`Broke` reports once they are ``BROKE_SETTLE`` old: a peer that
+        died in the same step (what broke the group) is seen first, so its generation, not
+        a rebuild, carries the retry."""
+        now = time.time()
+        waiting, self.broke = self.broke, []
+        for received, message in waiting:
+            if everything or now - received >= BROKE_SETTLE:
+                self._broke(message)
+            else:
+                self.broke.append((received, message))
+
+    def _broke(self, message: Broke) -> None:
+        """A worker's own failure that no vote carried. The step is computed again by the
+        next generation: a rebuild of the same members when nothing else has moved the run
+        on since the worker's generation; a poison batch when the step had already failed
+        in an earlier attempt (out-of-memory splits do not count)."""
+        failure, generation, out = message.failure, message.generation, self.outcome
+        earlier = [
+            f
+            for f in out.failures
+            if f.step == failure.step
+            and f.action == "retried"
+            and self.broke_in.get(id(f)) != generation  # not the same attempt's
+        ]
+        if out.done is not None or self._decided():
+            failure.action = "ignored" if out.done is not None else "aborted"
+        elif earlier and not message.splittable:
+            failure.action = "aborted"
+            out.poison = True
+            out.aborted.add(failure.worker)
+        else:
+            failure.action = "split" if message.splittable else "retried"
+            self.broke_in[id(failure)] = generation
+            if generation == self.generation:
+                self.recovering.append(failure)
+                cause = f"worker {failure.worker} {failure.kind} in {failure.phase}: rebuilt"
+                self._announce(self.members, cause, rebuild=True)
+        out.failures.append(failure)
+        self.emit(WorkerFailed(failure, failure.action))
 
     def _dismiss_waiting(self) -> None:
         """The run is over: workers that have not joined the last generation (replacements

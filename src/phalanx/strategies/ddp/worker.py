@@ -49,6 +49,7 @@ from phalanx.strategies.ddp.protocol import (
     GEN_PREFIX,
     STOP_KEY,
     Aborted,
+    Broke,
     Done,
     Failed,
     Generation,
@@ -154,12 +155,13 @@ class Worker:
     def abort_if_peer_fell(self, store: dist.TCPStore) -> None:
         """NCCL: a collective with a dead peer never returns (gloo errors at once, when the
         peer's socket closes). When the newest generation leaves out a member of this one,
-        abort this group's communicators so the main thread gets an error and moves on.
-        A generation that only adds members is joined at a step boundary: no abort."""
+        abort this group's communicators so the main thread gets an error and moves on;
+        likewise when it rebuilds the group with the same members (a member broke it). A
+        generation that only adds members is joined at a step boundary: no abort."""
         if self.aborted_for >= self.latest or not dist.is_initialized():
             return
         doc = json.loads(store.get(f"{GEN_PREFIX}{self.latest}").decode())
-        if set(self.members) - set(doc["members"]):
+        if doc.get("rebuild") or set(self.members) - set(doc["members"]):
             self.aborted_for = self.latest
             with contextlib.suppress(Exception):  # the main thread may be leaving already
                 distributed_c10d._abort_process_group()
@@ -288,14 +290,14 @@ class Worker:
                 return 1
 
     def report_unvoted(self, member: Member) -> None:
-        """This worker's own failure in a step whose collective broke before the vote could
-        carry it (a peer fell in the same step): reported here, since the step is computed
-        again by the next generation. Not when it is that broken collective itself (a
-        backward that met the fallen peer's closed socket): that is the peer's failure."""
+        """This worker's own failure in a step whose collectives broke before the vote could
+        carry it: a peer fell in the same step, or this failure broke the group itself (in
+        the middle of backward). The supervisor decides (see :class:`Broke`). Not when the
+        failure is that broken collective (a backward that met a fallen peer's closed
+        socket): that is the peer's failure."""
         lost, member.replica.unvoted = member.replica.unvoted, None
         if lost is not None and not is_secondary(lost):
-            lost.action = "retried"
-            self.send(Failed(lost, fatal=False))
+            self.send(Broke(lost, self.generation, member.replica.unvoted_splittable))
 
     def leave_group(self, member: Member) -> None:
         """Drop every reference to this generation's DDP module and process group, then
