@@ -102,3 +102,17 @@ def _local_callback() -> Any:
         return None
 
     return callback
+
+
+def wrong_shape_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """A shape bug: the model takes 8 features, the step feeds it 9."""
+    x, y = batch
+    x = torch.cat([x, x[:, :1]], dim=1)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def model_needing_a_missing_package() -> nn.Module:
+    """A model factory that imports what the worker's environment lacks."""
+    import phalanx_no_such_package  # type: ignore[import-not-found]  # noqa: F401
+
+    return mlp()

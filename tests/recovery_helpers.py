@@ -9,6 +9,8 @@ import this file as ``recovery_helpers`` too. Subprocess scripts get it through
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -45,3 +47,25 @@ def slow_step(model: nn.Module, batch: Any) -> torch.Tensor:
     """A step that takes a while, without using the CPU (two cores for three workers)."""
     time.sleep(STEP_SLEEP_S)
     return mse_step(model, batch)
+
+
+class DeadlySample(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``make_data(n)``, except that reading sample ``bad`` in a worker process kills that
+    process (``how="kill"``: SIGKILL, as a segfaulting decoder or the OOM killer would) or
+    hangs it (``how="hang"``). In the process that built it (the test), it reads normally."""
+
+    def __init__(self, n: int, bad: int, how: str = "kill") -> None:
+        self.data = make_data(n)
+        self.bad, self.how = bad, how
+        self.owner = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.bad and os.getpid() != self.owner:
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:
+                time.sleep(1)
+        return self.data[i]

@@ -26,9 +26,11 @@ import phalanx as px
 from ddp_helpers import (
     make_data,
     mlp,
+    model_needing_a_missing_package,
     mse_step,
     sgd,
     slow_mlp,
+    wrong_shape_step,
 )
 from phalanx.events import CheckpointSkipped, Event, Resumed, StepEnded
 from phalanx.report import is_secondary
@@ -150,8 +152,14 @@ EXPECTED = {
 # Stop at the first fallen worker (the default, respawn, would train on).
 ABORT = px.Recovery(mode="abort")
 CASES = [(kind, rank, "forward") for kind in EXPECTED for rank in (0, 1)] + [
-    ("exception", 1, "backward"),
+    ("exception", 1, "backward"),  # in the middle of backward: the group is rebuilt to retry
+    ("exception", 0, "backward"),
     ("exception", 0, "data"),
+    ("exception", 0, "metrics"),
+    ("kill", 1, "backward"),
+    ("kill", 0, "sync"),
+    ("hang", 1, "backward"),
+    ("hang", 0, "data"),
 ]
 CASE_IDS = ["-".join(map(str, case)) for case in CASES]
 
@@ -231,6 +239,59 @@ def test_fault_is_named_within_seconds(
     assert doc["environment"]["devices"] == ["cpu:0", "cpu:1"]
     assert doc["environment"]["torch"] == torch.__version__
     assert len(doc["failures"]) == len(err.failures)
+
+
+PREFLIGHT = {
+    # name -> (fit arguments, the worker named, exception type, text in the first line)
+    "injected-exception": (
+        dict(faults=[px.Fault("exception", worker=1, step=0, phase="preflight")]),
+        1,
+        "InjectedFault",
+        "injected exception",
+    ),
+    "injected-oom": (
+        dict(faults=[px.Fault("oom", worker=0, step=0, phase="preflight")]),
+        0,
+        "OutOfMemoryError",
+        "injected out of memory",
+    ),
+    "shape-bug": (dict(step=wrong_shape_step), None, "RuntimeError", "cannot be multiplied"),
+    "missing-import": (
+        dict(model=model_needing_a_missing_package),
+        None,
+        "ModuleNotFoundError",
+        "phalanx_no_such_package",
+    ),
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", list(PREFLIGHT))
+def test_preflight_names_the_device_before_any_collective(case: str, tmp_path: Path) -> None:
+    """Each worker's first forward/backward alone: a bug in the model, the step or the
+    worker's environment is that device's preflight failure (PX205), with its own
+    exception and traceback, before any step or collective."""
+    args, worker, exc_type, text = PREFLIGHT[case]
+    fit_args = {k: v for k, v in args.items() if k not in ("step", "model")}
+    steps = StepTimes()
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(args.get("model", mlp), sgd, args.get("step", mse_step)).fit(
+            DATA, devices=TWO, strategy="ddp", run_dir=str(tmp_path / "run"), sinks=[steps],
+            **fit_args, **FIT,
+        )  # fmt: skip
+    err = info.value
+    root = err.root_cause
+    assert err.code == "PX205"
+    assert root.phase == "preflight"
+    assert root.exception_type == exc_type, root
+    assert root.kind == ("oom" if exc_type == "OutOfMemoryError" else "exception")
+    assert root.traceback is not None and exc_type in root.traceback
+    if worker is not None:
+        assert (root.worker, root.device) == (worker, f"cpu:{worker}")
+    first = str(err).splitlines()[0]
+    assert f"device cpu:{root.worker}" in first and "(preflight)" in first and text in first
+    assert steps.ended == {}  # no step ran
+    assert all(f.phase == "preflight" and f.action == "aborted" for f in err.failures)
 
 
 # -- 3. a transient fault is retried and changes nothing -------------------------------------

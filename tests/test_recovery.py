@@ -29,8 +29,10 @@ from torch import nn
 import phalanx as px
 from phalanx.events import Event, Notice, StepEnded, WorkerFailed
 from phalanx.plan import Plan, split
+from phalanx.report import is_secondary
 from procs import alive, child_env, children, is_resource_tracker
 from recovery_helpers import (
+    DeadlySample,
     linear,
     make_data,
     mse_step,
@@ -454,6 +456,72 @@ def test_poison_batch_aborts(mode: str, tmp_path: Path) -> None:
     assert not [f for f in err.failures if f.action in ("respawned", "shrunk")]
     assert rec.generations() == []
     assert max(e.global_step for e in rec.steps()) == 5
+
+
+POISON_STEP = 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("how", "mode"), [("kill", "respawn"), ("kill", "shrink"), ("hang", "respawn")]
+)
+def test_a_sample_that_kills_every_worker_is_a_poison_batch(
+    how: str, mode: str, tmp_path: Path
+) -> None:
+    """Reading one sample kills (or hangs) the worker that reads it. The survivors retry the
+    step with a new split, so another worker reads it and falls too: the second fall of the
+    same step is a poison batch, not one more worker to replace."""
+    bad = Plan(len(DATA), FIT["batch_size"], FIT["seed"]).global_batch(0, POISON_STEP)[7]
+    started = time.time()
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(linear, sgd, mse_step).fit(
+            DeadlySample(len(DATA), bad, how),
+            devices=THREE,
+            strategy="ddp",
+            on_failure=px.Recovery(mode=mode),
+            hang_timeout=HANG_TIMEOUT,
+            sinks=[],
+            **FIT,
+        )
+    took = time.time() - started
+    err = info.value
+    kind = "crash" if how == "kill" else "hang"
+    fallen = [f for f in err.failures if f.kind == kind]
+    assert [(f.step, f.phase) for f in fallen] == [(POISON_STEP, "data")] * 2, err.failures
+    assert [f.action for f in fallen] == ["respawned" if mode == "respawn" else "shrunk", "aborted"]
+    assert fallen[0].worker != fallen[1].worker  # the retry's split gave it to another
+    assert err.code == "PX204"
+    assert err.root_cause is fallen[0]
+    assert err.root_cause.epoch == 0
+    assert err.root_cause.sample_indices is not None and bad in err.root_cause.sample_indices
+    assert "poison batch" in str(err)
+    assert (
+        str(err)
+        .splitlines()[0]
+        .startswith(f"training worker on device cpu:{fallen[0].worker} (rank {fallen[0].worker}")
+    )
+    assert took < 40 + 2 * HANG_TIMEOUT.total_seconds(), f"{took:.0f}s to the report"
+
+
+@pytest.mark.timeout(120)
+def test_a_retry_in_a_new_generation_that_fails_again_is_a_poison_batch(tmp_path: Path) -> None:
+    """Worker 1 dies at step 4 while worker 0 raises there; the new generation retries step
+    4 and worker 0 raises again: the step failed in two attempts (the new generation's loop
+    counts afresh, the supervisor does not)."""
+    faults = [
+        px.Fault("kill", worker=1, step=POISON_STEP),
+        px.Fault("exception", worker=0, step=POISON_STEP, times=2),
+    ]
+    with pytest.raises(px.TrainingFailed) as info:
+        fit(tmp_path, faults, px.Recovery(mode="respawn"))
+    err = info.value
+    assert err.code == "PX204"
+    raised = [f for f in err.failures if f.worker == 0 and f.kind == "exception"]
+    assert [f.action for f in raised] == ["retried", "aborted"]
+    crash = next(f for f in err.failures if f.kind == "crash")
+    assert (crash.worker, crash.step, crash.action) == (1, POISON_STEP, "respawned")
+    assert err.root_cause in (crash, raised[0])  # the first attempt's, whichever came first
+    assert all(f.step == POISON_STEP for f in err.failures if not is_secondary(f))
 
 
 # -- 5. out of memory on one worker: split, never a restart --------------------------------------

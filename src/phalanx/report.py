@@ -63,7 +63,7 @@ def code_for(root: WorkerFailure, poison: bool) -> str:
         return own[root.exception_type]
     if root.phase == "preflight":
         return "PX205"
-    if poison and root.kind == "exception":
+    if poison and root.kind in ("exception", "crash", "hang"):
         return "PX204"
     return KIND_CODES.get(root.kind, "PX200")
 
@@ -78,7 +78,7 @@ def build(failures: list[WorkerFailure], poison: bool = False) -> TrainingFailed
     if poison:
         lines.append(
             f"The same step failed on both attempts: a poison batch "
-            f"(samples {_short(root.sample_indices)})."
+            f"(samples {_short(root.sample_indices)} on worker {root.worker})."
         )
     if root.exit_code is not None or root.signal is not None:
         lines.append(f"exit code {root.exit_code}, signal {root.signal}")

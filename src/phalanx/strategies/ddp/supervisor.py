@@ -63,6 +63,9 @@ STACK_WAIT = 0.5
 STARTUP_TIMEOUT = 120.0  # spawning and importing torch is not a hang
 PREFLIGHT_TIMEOUT = 30.0
 IDLE_PHASES = ("start", "regroup", "joining")  # bounded by their own timeouts, not hangs
+# Phases in which a worker computes its share of a step's global batch: a failure there is a
+# failed attempt of that step (two make a poison batch, whatever their kinds).
+STEP_PHASES = ("data", "forward", "backward", "metrics", "sync")
 ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted"}
 
 
@@ -114,7 +117,10 @@ class Supervisor:
         self.waiting: list[int] = []  # replacements ready to be let in
         self.recovering: list[WorkerFailure] = []  # failures waiting for a committed step
         self.broke: list[tuple[float, Broke]] = []  # received, not yet settled
-        self.broke_in: dict[int, int] = {}  # id of a settled Broke failure -> its generation
+        # id of a recorded failure -> (the generation it happened in, whether a vote carried
+        # it): which attempt of its step it failed (see _second_attempt)
+        self.attempt_of: dict[int, tuple[int, bool]] = {}
+        self.gen_members: dict[int, list[int]] = {}
         cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
         self.threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
@@ -161,6 +167,7 @@ class Supervisor:
         """Generation n+1: written before the counter moves, so a reader sees it whole."""
         self.generation += 1
         self.members = list(members)
+        self.gen_members[self.generation] = self.members
         now = time.time()
         for slot in self.members:  # a fresh hang window to form the new group in
             self.slots[slot].changed = now
@@ -245,8 +252,7 @@ class Supervisor:
                 self.slots[message.failure.worker].finished = True
                 self._fallen(message.failure)
             else:
-                out.failures.append(message.failure)
-                self.emit(WorkerFailed(message.failure, message.failure.action or ""))
+                self._voted(message.failure)
         elif isinstance(message, Broke):
             self.broke.append((time.time(), message))
         elif isinstance(message, Aborted):
@@ -282,6 +288,7 @@ class Supervisor:
                 message += " (SIGKILL: possibly the kernel's out-of-memory killer; check dmesg)"
         else:
             message = f"worker process exited with code {code} without a report"
+        epoch, samples = self._share(slot, state)
         return WorkerFailure(
             worker=slot,
             rank=self._rank(slot),
@@ -290,10 +297,23 @@ class Supervisor:
             message=message,
             phase=state.phase,
             step=state.step,
+            epoch=epoch,
             pid=state.process.pid,
             exit_code=code if sig is None else None,
             signal=sig,
+            sample_indices=samples,
         )
+
+    def _share(self, slot: int, state: SlotState) -> tuple[int | None, list[int] | None]:
+        """The epoch of the step the worker was in, and the samples it was computing there
+        (None outside a step's phases): the plan knows them, the supervisor need not ask."""
+        steps = self.plan.steps
+        epoch = state.step // steps if steps else None
+        members = self.gen_members.get(state.generation, [])
+        if state.phase not in STEP_PHASES or slot not in members or epoch is None:
+            return epoch, None
+        share = self.plan.local_batch(epoch, state.step % steps, members.index(slot), len(members))
+        return epoch, share
 
     def _check_hang(self) -> None:
         watched = {
@@ -328,6 +348,7 @@ class Supervisor:
         return max(limit, PREFLIGHT_TIMEOUT) if state.phase == "preflight" else limit
 
     def _hang(self, slot: int, state: SlotState, stalled: float, stacks: str) -> WorkerFailure:
+        epoch, samples = self._share(slot, state)
         return WorkerFailure(
             worker=slot,
             rank=self._rank(slot),
@@ -337,8 +358,10 @@ class Supervisor:
             f"{state.step} (hang_timeout {self.config.hang_timeout.total_seconds():g}s)",
             phase=state.phase,
             step=state.step,
+            epoch=epoch,
             pid=state.process.pid,
             stacks=stacks,
+            sample_indices=samples,
         )
 
     def _dump_stacks(self, slot: int, state: SlotState) -> str:
@@ -374,11 +397,14 @@ class Supervisor:
             return
         if slot in self.waiting:
             self.waiting.remove(slot)
+        generation = self.slots[slot].generation
+        if self._second_attempt(failure, generation, voted=False):
+            self._poison(failure, generation, voted=False)
+            return
         survivors = [m for m in self.members if m != slot and not self.slots[m].finished]
         action = recover(self.config.recovery, failure, out.failures, len(survivors))
         failure.action = ACTIONS[action]
-        out.failures.append(failure)
-        self.emit(WorkerFailed(failure, failure.action))
+        self._record(failure, generation, voted=False)
         if action == "abort":
             out.fatal = True
             return
@@ -406,28 +432,68 @@ class Supervisor:
         on since the worker's generation; a poison batch when the step had already failed
         in an earlier attempt (out-of-memory splits do not count)."""
         failure, generation, out = message.failure, message.generation, self.outcome
-        earlier = [
-            f
-            for f in out.failures
-            if f.step == failure.step
-            and f.action == "retried"
-            and self.broke_in.get(id(f)) != generation  # not the same attempt's
-        ]
         if out.done is not None or self._decided():
             failure.action = "ignored" if out.done is not None else "aborted"
-        elif earlier and not message.splittable:
-            failure.action = "aborted"
-            out.poison = True
-            out.aborted.add(failure.worker)
-        else:
-            failure.action = "split" if message.splittable else "retried"
-            self.broke_in[id(failure)] = generation
-            if generation == self.generation:
-                self.recovering.append(failure)
-                cause = f"worker {failure.worker} {failure.kind} in {failure.phase}: rebuilt"
-                self._announce(self.members, cause, rebuild=True)
-        out.failures.append(failure)
-        self.emit(WorkerFailed(failure, failure.action))
+            out.failures.append(failure)
+            return
+        if not message.splittable and self._second_attempt(failure, generation, voted=False):
+            self._poison(failure, generation, voted=False)
+            return
+        failure.action = "split" if message.splittable else "retried"
+        self._record(failure, generation, voted=False)
+        if generation == self.generation:
+            self.recovering.append(failure)
+            cause = f"worker {failure.worker} {failure.kind} in {failure.phase}: rebuilt"
+            self._announce(self.members, cause, rebuild=True)
+
+    def _voted(self, failure: WorkerFailure) -> None:
+        """A failure a vote carried (the loop chose its action: retried, split, aborted).
+        A retry is the step's second attempt when the step already failed in an earlier
+        generation: the new generation's loop counts attempts afresh, so the supervisor
+        calls the poison batch."""
+        generation = self.slots[failure.worker].generation
+        if failure.action == "retried" and self._second_attempt(failure, generation, True):
+            self._poison(failure, generation, voted=True)
+            return
+        self._record(failure, generation, voted=True)
+        if failure.action in ("retried", "split"):
+            self.recovering.append(failure)
+
+    def _second_attempt(self, failure: WorkerFailure, generation: int, voted: bool) -> bool:
+        """Whether ``failure`` fails an attempt of its step after an earlier attempt failed:
+        an earlier failure of the same step happened in an earlier generation, or a vote
+        carried it (that attempt ended with the vote; a failure no vote carries comes
+        later). Two failures no vote carried in one generation fail one attempt together
+        (two workers killed at once); two carried by one generation's votes are the loop's
+        to judge. Out-of-memory splits and survivors' secondary errors do not count."""
+        if failure.phase not in STEP_PHASES or report.is_secondary(failure):
+            return False
+        for earlier in self.outcome.failures:
+            if (
+                earlier.step != failure.step
+                or earlier.action in ("split", "ignored")
+                or earlier.phase not in STEP_PHASES
+                or report.is_secondary(earlier)
+                or id(earlier) not in self.attempt_of
+            ):
+                continue
+            when, by_vote = self.attempt_of[id(earlier)]
+            if when < generation or (by_vote and not voted):
+                return True
+        return False
+
+    def _poison(self, failure: WorkerFailure, generation: int, voted: bool) -> None:
+        """The same step failed in two attempts: a poison batch. The run stops; the report
+        names the step's first failure as the root cause."""
+        failure.action = "aborted"
+        self._record(failure, generation, voted)
+        self.outcome.poison = True
+        self.outcome.aborted.add(failure.worker)
+
+    def _record(self, failure: WorkerFailure, generation: int, voted: bool) -> None:
+        self.attempt_of[id(failure)] = (generation, voted)
+        self.outcome.failures.append(failure)
+        self.emit(WorkerFailed(failure, failure.action or ""))
 
     def _dismiss_waiting(self) -> None:
         """The run is over: workers that have not joined the last generation (replacements

@@ -23,9 +23,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,7 @@ from phalanx.strategies.ddp.protocol import (
 )
 from phalanx.trainable import Trainable
 
+T = TypeVar("T")
 WATCH_INTERVAL = 0.1
 EXIT_TOLD = 3  # exited because the supervisor said so (not a failure)
 ANNOUNCE_WAIT = 10.0  # after a broken collective: how long to wait for the next generation
@@ -206,10 +208,24 @@ class Worker:
         )
         return Member(self.a.slot, trainable, replica, faults, self.device)
 
+    def before_training(self, build: Callable[[], T]) -> T:
+        """``build()``; an exception there (the model factory raised, the model does not
+        fit on the device) is this worker's failure in phase ``preflight``, with its
+        traceback: nothing has trained yet, and any worker would fail the same way."""
+        try:
+            return build()
+        except FailedHere:
+            raise
+        except Exception as exc:
+            raise FailedHere(self.failure(exc, "preflight")) from None
+
     def preflight(self) -> None:
         """One forward and backward on this worker's first slice, alone, gradients dropped."""
-        cfg, plan, slot = self.a.config, self.a.plan, self.a.slot
         self.on_phase(0, "preflight")
+        self.before_training(self._preflight)
+
+    def _preflight(self) -> None:
+        cfg, plan, slot = self.a.config, self.a.plan, self.a.slot
         trainable = Trainable(self.a.spec, self.device, cfg.seed)
         # Only preflight faults fire here: the others belong to the real steps.
         faults = FaultInjector([f for f in cfg.faults if f.phase == "preflight"], slot)
@@ -246,7 +262,7 @@ class Worker:
         try:
             if cfg.preflight and not a.replacement:
                 self.preflight()
-            member = self.build_member()
+            member = self.before_training(self.build_member)
             if a.replacement:
                 self.send(Ready(a.slot))
             # A replacement waits until it is let in or dismissed (the supervisor decides).
@@ -362,7 +378,7 @@ class Worker:
                 a.plan,
                 self.emit,
                 lambda: self.stop_reason,
-                a.valid is not None,
+                a.valid_size if a.valid is not None else None,
                 None,
                 on_failure=lambda f: self.send(Failed(f, fatal=False)),
             )
