@@ -25,9 +25,10 @@ from phalanx.errors import (
     EpochTooShortError,
     InvalidSettingError,
     NoDevicesError,
+    RunDirInUseError,
     UnknownStrategyError,
 )
-from phalanx.events import Event, Notice, StepEnded
+from phalanx.events import Event, Notice, StepEnded, ValidationStarted
 from phalanx.plan import Plan
 
 N = 40
@@ -177,6 +178,35 @@ def test_dataset_without_len() -> None:
 
     with pytest.raises(InvalidSettingError, match="map-style torch Dataset"):
         learner().fit(Stream(), sinks=[])
+
+
+def test_a_fresh_run_among_old_checkpoints_is_refused_and_touches_nothing(tmp_path: Any) -> None:
+    run_dir = tmp_path / "run"
+    first = learner().fit(dataset(), batch_size=8, epochs=2, run_dir=str(run_dir), sinks=[])
+    folder = run_dir / "checkpoints"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert any(name.startswith("ckpt-") for name in before)
+    events = Recorder()
+    with pytest.raises(RunDirInUseError) as info:
+        learner().fit(dataset(), batch_size=8, epochs=3, run_dir=str(run_dir), sinks=[events])
+    err = info.value
+    assert err.code == "PX118"
+    assert "resume=True" in err.message and "new run_dir" in err.message
+    assert f"step {first.steps}" in err.message
+    assert events.events == []  # nothing started
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    # Resuming is what the message says to do, and it continues the earlier run.
+    resumed = learner().fit(
+        dataset(), batch_size=8, epochs=3, run_dir=str(run_dir), resume=True, sinks=[]
+    )
+    assert resumed.steps == first.steps * 3 // 2
+
+
+def test_validation_announces_its_global_batch_count() -> None:
+    events = Recorder()
+    learner().fit(dataset(), valid=dataset(10), batch_size=4, epochs=2, sinks=[events])
+    started = [e for e in events.events if isinstance(e, ValidationStarted)]
+    assert [(e.epoch, e.batches) for e in started] == [(0, 3), (1, 3)]  # 10 samples, 4 a batch
 
 
 # --- errors that show up in a step -------------------------------------------------------

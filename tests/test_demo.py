@@ -55,6 +55,30 @@ def test_demo_reaches_95_percent_and_prints_progress_and_summary(tmp_path: Path)
     assert list((tmp_path / "run").glob("checkpoints/*"))
 
 
+@pytest.mark.timeout(180)
+def test_demo_resumes_and_a_new_demo_run_starts_over(tmp_path: Path) -> None:
+    """--resume continues the last demo run; without it the demo starts over in its run
+    dir (fit alone would refuse to mix two runs there: PX118)."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+
+    def newest() -> int:
+        return max(int(p.stem.split("-")[1]) for p in checkpoints.glob("ckpt-*.pt"))
+
+    first = demo(tmp_path, "--epochs", "2", timeout=110)
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]  # below 95%
+    assert newest() == 46  # 23 steps an epoch
+    resumed = demo(tmp_path, "--epochs", "8", "--resume", timeout=110)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert re.search(r"resumed from \S+ckpt-000000046\.pt", resumed.stdout), resumed.stdout[:2000]
+    assert "starting over" not in resumed.stdout
+    assert final_accuracy(resumed.stdout) >= 0.95
+    assert newest() == 184
+    again = demo(tmp_path, "--epochs", "1", timeout=110)
+    assert "starting over in" in again.stdout, again.stdout[:2000]
+    assert "resumed from" not in again.stdout
+    assert newest() == 23  # the new run's own checkpoints only
+
+
 @pytest.mark.timeout(240)
 def test_chaos_demo_survives_three_failures_with_the_clean_accuracy(tmp_path: Path) -> None:
     run = demo(

@@ -179,6 +179,9 @@ def test_sigterm_checkpoints_exits_zero_and_resume_completes(tmp_path: Path) -> 
     ended = [r for r in read_events(events_path) if r["event"] == "RunEnded"]
     assert ended[-1]["interrupted"] == "Training interrupted: received SIGTERM"
     assert not ended[-1]["failed"]
+    shown = (tmp_path / "first.stdout").read_text(errors="replace")  # the default sinks
+    assert shown.count("Training interrupted") == 1, shown[-2000:]
+    assert "Training interrupted: received SIGTERM" in shown
     first_events = len(read_events(events_path))
 
     # 2. The same script with resume=True (and no sleep) continues from that step.

@@ -8,7 +8,7 @@ from phalanx.failures import WorkerFailure
 from phalanx.faults import Fault
 from phalanx.learner import FitResult, Learner
 from phalanx.policy import Recovery
-from phalanx.step import StepOutput
+from phalanx.step import StepOutput, cross_entropy_step, mse_step
 
 __all__ = [
     "Checkpoints",
@@ -22,7 +22,9 @@ __all__ = [
     "StepOutput",
     "TrainingFailed",
     "WorkerFailure",
+    "cross_entropy_step",
     "faults",
     "metrics",
+    "mse_step",
 ]
 __version__ = "0.1.0"

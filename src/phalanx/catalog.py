@@ -131,14 +131,15 @@ _ENTRIES = [
         code="PX105",
         title="epoch too short",
         meaning="An epoch would not contain one complete optimizer step: the training set is "
-        "smaller than one global batch (times grad_accumulation when accumulating).",
+        "smaller than one global batch (batch_size is the global batch; grad_accumulation "
+        "cuts each device's share into micro-batches and does not change it).",
         when="Before training, when phalanx plans the epoch's global batches.",
         causes=[
             "A tiny (debug) dataset with a production batch size.",
-            "grad_accumulation multiplying the samples one step needs past the dataset size.",
+            "A filter or split that left far fewer training samples than expected.",
         ],
         fixes=[
-            "Lower batch_size (and/or grad_accumulation) below the number of train samples.",
+            "Lower batch_size to at most the number of train samples.",
             "Use more training data.",
         ],
         example="# before: 100 samples\nlearner.fit(train, valid, batch_size=256)\n"
@@ -354,6 +355,27 @@ _ENTRIES = [
         "# after\ndevices = 'cuda:1,cuda:2'",
     ),
     Explanation(
+        code="PX118",
+        title="run_dir holds an earlier run's checkpoints",
+        meaning="fit() was asked to start a fresh run (resume=False) in a run_dir whose "
+        "checkpoints/ folder already holds checkpoints. Training there would mix two runs: "
+        "retention would delete the older run's files or the new run's own, and a later "
+        "resume=True could pick up either. phalanx refuses and touches nothing.",
+        when="Before anything starts, in the caller's process.",
+        causes=[
+            "Running the same script twice with the same run_dir after a finished, "
+            "interrupted or failed run.",
+            "Forgetting resume=True when restarting a preempted job.",
+        ],
+        fixes=[
+            "Continue the earlier run: pass resume=True (phalanx demo --resume).",
+            "Start a new run in a new run_dir, e.g. one named after the date or experiment.",
+            "Start over in the same run_dir: delete its checkpoints/ folder first.",
+        ],
+        example="# before\nlearner.fit(train, run_dir='runs/exp1')   # runs/exp1 has checkpoints\n"
+        "# after\nlearner.fit(train, run_dir='runs/exp1', resume=True)  # or run_dir='runs/exp2'",
+    ),
+    Explanation(
         code="PX120",
         title="checkpoint cannot be used",
         meaning="Resume found no checkpoint it can use, or the checkpoint does not fit the "
@@ -479,21 +501,29 @@ _ENTRIES = [
             "Use more devices: the global batch is split across them.",
             "Free the device (nvidia-smi) or set min_free_memory to check before launch.",
         ],
-        example="# before\nlearner.fit(train, valid, batch_size=512)\n"
-        "# after: same global batch, 4 micro-batches\n"
-        "learner.fit(train, valid, batch_size=512, grad_accumulation=4)",
+        example="# before\n"
+        "px.Learner(make_model, make_optimizer, step).fit(train, batch_size=512)\n"
+        "# after: same global batch, each device's share in 4 micro-batches\n"
+        "px.Learner(make_model, make_optimizer, step, grad_accumulation=4).fit(\n"
+        "    train, batch_size=512)",
     ),
     Explanation(
         code="PX204",
         title="poison batch",
         meaning="The same step failed twice: once, then again on retry. A failure that repeats "
         "on the same global batch is not transient, so phalanx stops rather than kill "
-        "healthy workers one by one. The first failure is the root cause.",
-        when="During training, when the retry of a failed step fails again.",
+        "healthy workers one by one. The first failure is the root cause. Any failure in "
+        "the step counts, whatever its kind: a worker that raises, dies or hangs while "
+        "computing its share, then another (or the same) on the retry, whichever worker the "
+        "new split gives the bad samples to.",
+        when="During training, when the retry of a failed step fails again (under ddp also "
+        "when the retry runs in a new generation, after a worker fell).",
         causes=[
             "A bug in the step function that this batch triggers.",
             "A bad sample: NaN/inf values, a wrong shape, a label out of range.",
             "A deterministic error in the data pipeline for these indices.",
+            "A sample that crashes the process (a segfault in a decoder or custom op) or "
+            "needs more host memory than there is (the kernel's OOM killer).",
         ],
         fixes=[
             "Read the first failure in the report: its traceback is the bug.",

@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices", default="cpu", help='e.g. "cpu", "cpu:0,cpu:1", "cuda:0,cuda:1", "auto"'
     )
     demo.add_argument("--strategy", default="single", help="single, threads or ddp")
-    demo.add_argument("--run-dir", default="runs/demo", help="checkpoints and logs go here")
+    demo.add_argument(
+        "--run-dir",
+        default="runs/demo",
+        help="checkpoints and logs go here; without --resume, its checkpoints are replaced",
+    )
     demo.add_argument("--resume", action="store_true", help="resume from --run-dir")
     demo.add_argument(
         "--fault",

@@ -9,6 +9,7 @@ them to worker processes.
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -93,6 +94,8 @@ def run_demo(args: argparse.Namespace) -> int:
         steps = -(-len(train) // args.batch_size) * args.epochs
         workers = len(args.devices.split(","))
         faults += px.faults.chaos(chaos, workers, steps, seed=args.seed)
+    if not args.resume:
+        start_over(args.run_dir)
     try:
         result = _fit(args, train, valid, faults)
         clean = _fit(args, train, valid, [], quiet=True) if chaos else None
@@ -114,6 +117,18 @@ def run_demo(args: argparse.Namespace) -> int:
         f"epoch: {result.ledger_ok}"
     )
     return 0 if accuracy >= PASS_ACCURACY else 1
+
+
+def start_over(run_dir: str) -> None:
+    """The demo without --resume starts a new run: an earlier demo run's checkpoints in
+    ``run_dir`` are removed first (fit itself refuses to mix two runs: PX118)."""
+    from phalanx.checkpoint.io import list_checkpoints
+    from phalanx.runner import checkpoint_dir
+
+    folder = checkpoint_dir(run_dir)
+    if list_checkpoints(folder):
+        shutil.rmtree(folder)
+        print(f"phalanx demo: starting over in {run_dir} (--resume continues the last run)")
 
 
 def print_timeline(result: px.FitResult) -> None:

@@ -107,6 +107,13 @@ class DeviceBusyError(ConfigError):
     code = "PX117"
 
 
+class RunDirInUseError(ConfigError):
+    """A fresh run (``resume=False``) in a ``run_dir`` that holds an earlier run's
+    checkpoints: refused, so that neither run's checkpoints are mixed up or deleted."""
+
+    code = "PX118"
+
+
 class CheckpointError(PhalanxError):
     code = "PX120"
 

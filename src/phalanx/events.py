@@ -119,7 +119,7 @@ class RunEnded(Event):
     history: list[dict[str, Any]]
     steps: int
     epochs: int
-    interrupted: str | None
+    interrupted: str | None  # as FitResult.interrupted: "Training interrupted: <reason>"
     seconds: float
     failed: bool = False
 

@@ -197,7 +197,7 @@ class Learner:
             plan,
             emit,
             self._stop_reason,
-            valid is not None,
+            valid_size if valid is not None else None,
             checkpointer,
         )
         try:

@@ -141,6 +141,7 @@ class LoopSettings:
     loop_metrics: list[LoopMetric]
     seed: int
     has_valid: bool = False
+    valid_batches: int = 0  # global batches of one validation pass
 
 
 @dataclass
@@ -296,7 +297,7 @@ class TrainLoop:
         results = {f"train/{k}": v for k, v in train.items()}
         results["train/lr"] = self.engine.lr()
         if self.s.has_valid:
-            self.emit(ValidationStarted(st.epoch, 0))
+            self.emit(ValidationStarted(st.epoch, self.s.valid_batches))
             sums = self.engine.evaluate()
             with self._fails_as("metrics"):
                 valid = compute_all(self.s.metrics, sums)

@@ -46,17 +46,19 @@ def build_loop(
     plan: Plan,
     emit: Emit,
     stop_requested: Callable[[], str | None],
-    has_valid: bool,
+    valid_size: int | None,
     checkpointer: Checkpointer | None,
     on_failure: Callable[[WorkerFailure], None] | None = None,
 ) -> TrainLoop:
+    """The loop of one member; ``valid_size`` is None without a validation set."""
     settings = LoopSettings(
         plan=plan,
         epochs=config.epochs,
         metrics=spec.summed_metrics(),
         loop_metrics=spec.loop_metrics(),
         seed=config.seed,
-        has_valid=has_valid,
+        has_valid=valid_size is not None,
+        valid_batches=-(-(valid_size or 0) // config.batch_size),
     )
     stopping = copy.deepcopy(config.early_stopping)
     return TrainLoop(engine, settings, emit, checkpointer, stopping, stop_requested, on_failure)

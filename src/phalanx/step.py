@@ -39,3 +39,24 @@ def as_step_output(value: object) -> StepOutput:
             "the local batch: reduce it with loss.mean() (or use reduction='mean')"
         )
     return out
+
+
+# -- ready-made steps for a batch of (inputs, targets) ------------------------------------
+# Module-level functions, so strategy="ddp" can send them to its worker processes.
+
+
+def cross_entropy_step(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> StepOutput:
+    """Classification: ``model(x)`` gives logits, the loss is their cross-entropy with the
+    integer labels ``y``; the logits and labels go to the metrics (Accuracy, F1, ...)."""
+    x, y = batch
+    logits = model(x)
+    return StepOutput(torch.nn.functional.cross_entropy(logits, y), logits, y)
+
+
+def mse_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> StepOutput:
+    """Regression: the mean squared error between ``model(x)`` and ``y``."""
+    x, y = batch
+    prediction = model(x)
+    return StepOutput(torch.nn.functional.mse_loss(prediction, y), prediction, y)

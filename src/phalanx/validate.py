@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from typing import Any
@@ -17,6 +18,7 @@ from phalanx.errors import (
     LambdaStepError,
     MissingMainGuardError,
     NotPicklableError,
+    RunDirInUseError,
     UnknownStrategyError,
 )
 from phalanx.spec import FitConfig, TrainSpec
@@ -38,6 +40,7 @@ def validate_fit(
     spec: TrainSpec, config: FitConfig, train_size: int, has_valid: bool = False
 ) -> None:
     _validate_numbers(spec, config)
+    _validate_run_dir(config)
     _validate_data(config, train_size)
     _validate_strategy(config)
     _validate_faults(config)
@@ -63,6 +66,25 @@ def _validate_numbers(spec: TrainSpec, config: FitConfig) -> None:
         raise InvalidSettingError("hang_timeout must be a positive timedelta")
     if config.resume and not config.run_dir:
         raise CheckpointError("resume=True needs run_dir= (where the checkpoints are)")
+
+
+def _validate_run_dir(config: FitConfig) -> None:
+    """A fresh run must not start among an earlier run's checkpoints (PX118)."""
+    from phalanx.checkpoint.io import list_checkpoints
+    from phalanx.runner import checkpoint_dir
+
+    if config.resume or not config.run_dir:
+        return
+    folder = checkpoint_dir(config.run_dir)
+    found = list_checkpoints(folder)
+    if found:
+        newest, step = found[-1]
+        raise RunDirInUseError(
+            f"run_dir {config.run_dir!r} already holds {len(found)} checkpoint(s) of an "
+            f"earlier run (newest: {os.path.basename(newest)}, step {step}); pass "
+            "resume=True to continue that run, use a new run_dir, or delete "
+            f"{folder} to start over"
+        )
 
 
 def _validate_data(config: FitConfig, n: int) -> None:

@@ -102,8 +102,9 @@ def format_duration(seconds: float) -> str:
 class SummarySink:
     """Prints the summary table and the run's end on :class:`RunEnded`; ignores the rest.
 
-    The end line gives steps, epochs and time; an interrupted run adds
-    ``Training interrupted: <reason>``; a failed run adds ``Training failed``.
+    The end line gives steps, epochs and time; an interrupted run adds its
+    ``interrupted`` line (``Training interrupted: <reason>``, as ``FitResult`` has it); a
+    failed run adds ``Training failed``.
     """
 
     def __init__(self, console: Console | None = None) -> None:
@@ -119,7 +120,7 @@ class SummarySink:
             highlight=False,
         )
         if event.interrupted:
-            self.console.print(Text(f"Training interrupted: {event.interrupted}", style="yellow"))
+            self.console.print(Text(event.interrupted, style="yellow"))
         if event.failed:
             self.console.print(Text("Training failed (see the report above).", style="bold red"))
 
