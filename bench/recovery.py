@@ -13,11 +13,17 @@ SIGKILL when it reaches step ``--kill-at``. Measured in one run, side by side:
   again after it (torchrun restarts from the last checkpoint, written every ``--every``
   steps; phalanx goes on from the last step all members agreed on);
 - peak RSS per worker (VmHWM), phalanx ddp against plain torch DDP (torchrun's workers).
+
+torchrun runs twice: as launched by default, and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+the opt-out (named in pytorch/pytorch#135712) of the store sharing that breaks its restarts
+(see NO_SHARED_STORE).
+``--torchrun-logs DIR`` keeps what the agent and its workers print.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +33,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -168,13 +175,25 @@ TORCHRUN_SCRIPT = textwrap.dedent(
             os.replace(ckpt + ".tmp", ckpt)
     with open(f"/proc/{{os.getpid()}}/status") as fh:
         hwm = [l for l in fh if l.startswith("VmHWM")][0].split()[1]
-    log.write(json.dumps({{"peak_rss_kb": int(hwm)}}) + "\\n")
+    log.write(json.dumps({{"peak_rss_kb": int(hwm)}}) + "\\n"); log.flush()
     dist.destroy_process_group()
     """
 )
 
 
-def torchrun_run(args: argparse.Namespace, kill: bool = True) -> dict[str, Any]:
+# torchrun's c10d rendezvous (what --standalone uses) hands its own TCPStore to the workers,
+# and (torch 2.13) keeps that one store for every restart of the group: the restarted
+# workers' Gloo rendezvous keys (default_pg/0//cpu//0/<rank>, each rank's listening address)
+# are the same names the dead group wrote, so a restarted rank can read its peer's old
+# address before the peer has written its new one and connect to a port nobody listens on.
+# pytorch/pytorch#135712 reports it (with NCCL) and names the opt-out, which gives each
+# rendezvous round a fresh store hosted by the new rank 0.
+NO_SHARED_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_run(
+    args: argparse.Namespace, kill: bool = True, env_extra: dict[str, str] | None = None
+) -> dict[str, Any]:
     """One torchrun trial: recovered, failed (exit code) or hung (killed after a bound)."""
     with tempfile.TemporaryDirectory() as out:
         script = Path(out) / "train.py"
@@ -196,20 +215,27 @@ def torchrun_run(args: argparse.Namespace, kill: bool = True) -> dict[str, Any]:
             "--max-restarts=1",
             str(script),
         ]
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            code: int | str = proc.wait(timeout=args.torchrun_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
-            proc.wait()
-            code = f"hung (killed after {args.torchrun_timeout:.0f} s)"
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env_extra or {})}
+        console = Path(out, "console.log")  # the agent's and the workers' stdout and stderr
+        with console.open("w") as fh:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                code: int | str = proc.wait(timeout=args.torchrun_timeout)
+            except subprocess.TimeoutExpired:
+                # torchrun starts each worker in a session of its own: kill them by pid
+                for pid in [proc.pid, *descendants(proc.pid)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                proc.wait()
+                code = f"hung (killed after {args.torchrun_timeout:.0f} s)"
+        text = console.read_text(errors="replace")
+        if args.torchrun_logs:
+            keep = Path(args.torchrun_logs)
+            keep.mkdir(parents=True, exist_ok=True)
+            n = len(list(keep.glob("torchrun-*.log")))
+            (keep / f"torchrun-{n + 1}.log").write_text(text)
         records = _read_log(Path(out, "rank0.log"))
         rank1 = _read_log(Path(out, "rank1.log"))
     fault = next((r["fault"] for r in rank1 if "fault" in r), float("nan"))
@@ -218,14 +244,46 @@ def torchrun_run(args: argparse.Namespace, kill: bool = True) -> dict[str, Any]:
     before = [r["step"] for r in records if "step" in r and r["t"] <= restart]
     lost = (max(before) - (after[0]["step"] - 1)) if after and before else float("nan")
     rss = [r["peak_rss_kb"] for r in records + rank1 if "peak_rss_kb" in r]
+    finished = any(r.get("step") == args.steps for r in records)
     return {
-        "outcome": "recovered" if code == 0 else f"failed: {code}",
+        "outcome": "recovered" if code == 0 else _why(code, text, finished),
         "fault_to_report": restart - fault,
         "fault_to_step": after[0]["t"] - fault if after else float("nan"),
         "steps_lost": lost,
         "ledger_ok": None,
         "peak_rss_mb": max(rss) / 1024 if rss else float("nan"),
     }
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of a process's children, their children and so on."""
+    parent: dict[int, int] = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        parent[int(p)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, todo = [], [pid]
+    while todo:
+        here = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == here]
+        out += kids
+        todo += kids
+    return out
+
+
+def _why(code: int | str, console: str, finished: bool) -> str:
+    """A short name for a torchrun trial that did not end with exit code 0."""
+    if isinstance(code, str):
+        why = code
+    elif "connectFullMesh failed" in console:
+        why = "failed: restarted Gloo rendezvous, connection refused"
+    elif "terminate called" in console:
+        why = "failed: a worker aborted (SIGABRT)"
+    else:
+        why = f"failed: exit code {code}"
+    return why + (", after the last step" if finished else "")
 
 
 def _read_log(path: Path) -> list[dict[str, Any]]:
@@ -242,11 +300,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=10, help="torchrun checkpoint interval")
     parser.add_argument("--trials", type=int, default=3, help="trials of each run")
     parser.add_argument("--torchrun-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--torchrun-logs", help="keep each torchrun run's console output in this folder"
+    )
     args = parser.parse_args(argv)
     runs = {
         "phalanx shrink": lambda: phalanx_run("shrink", args),
         "phalanx respawn": lambda: phalanx_run("respawn", args),
         f"torchrun --max-restarts 1, checkpoint every {args.every}": lambda: torchrun_run(args),
+        f"torchrun --max-restarts 1, checkpoint every {args.every}, "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1": lambda: torchrun_run(
+            args, env_extra=NO_SHARED_STORE
+        ),
         "plain DDP under torchrun, no fault (memory baseline)": lambda: torchrun_run(args, False),
     }
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
@@ -264,13 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, trials in results.items():
         ok = [r for r in trials if r.get("outcome", "recovered") == "recovered"]
-        other = sorted({r["outcome"] for r in trials if r not in ok})
-        note = f" ({'; '.join(other)})" if other else ""
+        other = Counter(r["outcome"] for r in trials if r not in ok)
+        note = "; ".join(f"{n} {why}" for why, n in sorted(other.items()))
+        note = f" ({note})" if note else ""
         print(
             f"| {name} | {len(ok)}/{len(trials)}{note}"
-            f" | {_median(ok, 'fault_to_report'):.2f} s | {_median(ok, 'fault_to_step'):.2f} s"
-            f" | {_median(ok, 'steps_lost'):g} | {_all(ok, 'ledger_ok')} | "
-            f"{_median(trials, 'peak_rss_mb'):.0f} MB |"
+            f" | {_cell(ok, 'fault_to_report', '{:.2f} s')}"
+            f" | {_cell(ok, 'fault_to_step', '{:.2f} s')}"
+            f" | {_cell(ok, 'steps_lost', '{:g}')} | {_all(ok, 'ledger_ok')}"
+            f" | {_cell(trials, 'peak_rss_mb', '{:.0f} MB')} |"
         )
     return 0
 
@@ -278,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
 def _median(rows: list[dict[str, Any]], key: str) -> float:
     values = [r[key] for r in rows if r[key] == r[key]]  # NaN != NaN
     return statistics.median(values) if values else float("nan")
+
+
+def _cell(rows: list[dict[str, Any]], key: str, fmt: str) -> str:
+    value = _median(rows, key)
+    return "-" if value != value else fmt.format(value)
 
 
 def _all(rows: list[dict[str, Any]], key: str) -> str:

@@ -47,7 +47,10 @@ def test_demo_reaches_95_percent_and_prints_progress_and_summary(tmp_path: Path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout
     assert final_accuracy(out) >= 0.95
-    assert re.search(r"epoch 1/8 step \d+/23 \(global \d+\): loss [\d.]+", out)  # progress
+    # progress: 1437 training images in global batches of 64
+    assert re.search(
+        r"epoch 1/8 step \d+/23 \(global \d+\): [\d,]+/1,437 samples  loss [\d.]+", out
+    )
     assert "Learner Summary" in out
     for metric in ("accuracy", "f1", "loss"):
         assert re.search(rf"│ valid │ {metric} +│", out), metric

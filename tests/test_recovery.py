@@ -290,6 +290,30 @@ def test_failures_during_recovery(
     assert wall < 40 + hang_timeout.total_seconds(), f"the fit took {wall:.0f}s"
 
 
+@pytest.mark.timeout(150)
+def test_a_replacement_that_dies_is_replaced_too(
+    clean: list[torch.Tensor], tmp_path: Path, record_property: Any
+) -> None:
+    """Worker 1 is killed at step 5; its replacement joins, and is killed at the first step
+    it runs from step 30 on (faults after its predecessor's fall are its own). It is
+    replaced again; the run ends with the clean model."""
+    faults = [px.Fault("kill", worker=1, step=5), px.Fault("kill", worker=1, step=30)]
+    result, rec = fit(tmp_path, faults, px.Recovery(mode="respawn"), step=slow_step)
+    crashes = [f for f in result.failures if f.kind == "crash"]
+    assert [(f.worker, f.action) for f in crashes] == [(1, "respawned"), (1, "respawned")]
+    first, second = crashes
+    assert first.step == 5 and second.step is not None and second.step >= 30
+    assert first.pid != second.pid  # the second death is the replacement's
+    causes = [g.cause for g in rec.generations()]
+    assert causes[:3] == [
+        "worker 1 crash: respawned",
+        "workers [1] rejoin",
+        "worker 1 crash: respawned",
+    ]
+    assert_same_run(result, rec, clean)
+    assert_recovered_quickly(result, record_property)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kill_phase", ["forward", "sync"])
 def test_own_failure_in_the_step_a_peer_dies_is_kept(

@@ -85,7 +85,7 @@ def full_run() -> list[Event]:
             epochs=2,
             steps_per_epoch=4,
             batch_size=64,
-            train_samples=256,
+            train_samples=250,  # the last global batch of an epoch has 58
             valid_samples=64,
         ),
     ]
@@ -258,7 +258,10 @@ def test_progress_plain_mode_writes_plain_lines_without_ansi() -> None:
     lines = out.splitlines()
     step_lines = [x for x in lines if " step " in x and "global" in x]
     assert len(step_lines) == 4  # 8 global steps, every 2
-    assert "epoch 1/2 step 2/4 (global 2): loss 0.5000  lr 1.00e-03  1,234 samples/s" in lines
+    assert (
+        "epoch 1/2 step 2/4 (global 2): 128/250 samples  loss 0.5000  lr 1.00e-03  1,234 samples/s"
+    ) in lines
+    assert any(x.startswith("epoch 2/2 step 4/4 (global 8): 250/250 samples  loss") for x in lines)
     assert any(x.startswith("epoch 2/2 done in 1.5s: train/loss 0.6000") for x in lines)
     assert "checkpoint skipped: runs/x/ckpt-3.pt: bad checksum" in lines
     assert (

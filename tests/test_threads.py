@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 import phalanx as px
 from ddp_helpers import make_data, mlp, mse_step, sgd
+from phalanx.events import Event, StepEnded
 from phalanx.metrics import Metric
 from phalanx.step import StepOutput
 
@@ -73,11 +74,26 @@ def test_threads_matches_single(devices: str, single_run: px.FitResult) -> None:
 def test_uneven_split_with_short_last_batch() -> None:
     """Global batch 50 over 3 devices (17/17/16); 230 samples leave a last batch of 30."""
     data = make_data(230, seed=5)
-    fit: dict[str, Any] = dict(batch_size=50, epochs=10, seed=7, sinks=[])
-    ref = learner().fit(data, devices="cpu", strategy="single", **fit)
-    got = learner().fit(data, devices=THREE, strategy="threads", **fit)
+    fit: dict[str, Any] = dict(batch_size=50, epochs=10, seed=7)
+    ref = learner().fit(data, devices="cpu", strategy="single", sinks=[], **fit)
+    steps: list[StepEnded] = []
+    got = learner().fit(data, devices=THREE, strategy="threads", sinks=[Steps(steps)], **fit)
     assert got.steps == ref.steps == 50
     assert rel_diff(params(got.model), params(ref.model)) <= 1e-5
+    # Progress counts the samples of all devices together: each global batch whole.
+    assert [e.samples for e in steps[:5]] == [50, 50, 50, 50, 30]
+
+
+class Steps:
+    def __init__(self, into: list[StepEnded]) -> None:
+        self.into = into
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, StepEnded):
+            self.into.append(event)
+
+    def close(self) -> None:
+        pass
 
 
 def mlp64() -> nn.Module:
@@ -127,6 +143,7 @@ def test_transient_exception_is_retried_and_changes_nothing(worker: int) -> None
     where = (failure.worker, failure.device, failure.step, failure.phase)
     assert where == (worker, f"cpu:{worker}", 3, "forward")
     assert "injected exception" in failure.message
+    assert failure.recovery_seconds is not None and 0.0 <= failure.recovery_seconds < 5.0
 
 
 @pytest.mark.timeout(60)

@@ -235,6 +235,7 @@ class TrainLoop:
         st = self.state
         started = time.perf_counter()
         attempt = 0
+        absorbed: list[WorkerFailure] = []  # this step's failures that a retry or split absorbed
         while True:
             torch.manual_seed(step_seed(self.s.seed, st.global_step, self.engine.rank))
             reason = self.stop_requested()
@@ -244,6 +245,7 @@ class TrainLoop:
                 failure.action = _ACTION_NAMES.get(action, action)
                 self.failures.append(failure)
                 self.on_failure(failure)
+            absorbed += vote.failures
             if action == "commit":
                 break
             self.engine.discard()
@@ -252,6 +254,8 @@ class TrainLoop:
             if action == "retry":
                 attempt += 1
         self.engine.commit()
+        for failure in absorbed:  # (ddp: the supervisor sets its own copy's, the same way)
+            failure.recovery_seconds = max(0.0, time.time() - failure.time)
         st.ledger.append([st.epoch, st.step, st.global_step, *vote.ledger])
         assert st.epoch_sums is not None
         st.epoch_sums += vote.sums

@@ -68,6 +68,8 @@ class ProgressSink:
         self.live = self.console.is_terminal
         self.epochs: int | None = None
         self._epoch: int | None = None  # the epoch the step bar shows
+        self._batch: int | None = None  # global batch and samples of an epoch (RunStarted)
+        self._epoch_samples = 0
         self._progress: Progress | None = None
         self._epoch_task = TaskID(0)
         self._step_task = TaskID(0)
@@ -137,8 +139,18 @@ class ProgressSink:
 
     # -- handlers --------------------------------------------------------------------------
 
+    def _samples_done(self, e: StepEnded) -> str:
+        """Samples of the epoch processed so far, of all devices together (every global
+        batch is full but an epoch's last)."""
+        if self._batch is None:
+            return ""
+        done = min((e.step + 1) * self._batch, self._epoch_samples)
+        return f"{done:,}/{self._epoch_samples:,} samples  "
+
     def _run_started(self, e: RunStarted) -> None:
         self.epochs = e.epochs
+        self._batch = e.batch_size
+        self._epoch_samples = min(e.steps_per_epoch * e.batch_size, e.train_samples)
         self._say(
             f"Training {e.epochs} epoch(s) on {', '.join(e.devices)} (strategy {e.strategy}): "
             f"global batch {e.batch_size}, {e.steps_per_epoch} steps/epoch, "
@@ -157,13 +169,16 @@ class ProgressSink:
             if e.global_step % self.every == 0:
                 self._say(
                     f"{self._epoch_label(e.epoch)} step {e.step + 1}/{e.steps_in_epoch} "
-                    f"(global {e.global_step}): {_step_info(e)}"
+                    f"(global {e.global_step}): {self._samples_done(e)}{_step_info(e)}"
                 )
             return
         if self._epoch != e.epoch:
             self._show_epoch(e.epoch, e.steps_in_epoch, e.step)
         self._bars().update(
-            self._step_task, completed=e.step + 1, total=e.steps_in_epoch, info=_step_info(e)
+            self._step_task,
+            completed=e.step + 1,
+            total=e.steps_in_epoch,
+            info=self._samples_done(e) + _step_info(e),
         )
 
     def _validation_started(self, e: ValidationStarted) -> None:

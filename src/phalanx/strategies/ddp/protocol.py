@@ -13,7 +13,8 @@ STOP_KEY = "control/stop"  # value: the reason; workers stop after the current s
 ABORT_KEY = "control/abort"  # value: why; workers exit at once
 GEN_LATEST = "gen/latest"  # counter: the newest generation announced
 GEN_PREFIX = "gen/"  # gen/<n>: JSON {"members": [slots in rank order], "cause": "...",
-# "rebuild": true when the same members form a new group because the old one broke}
+# "rebuild": true when the same members form a new group because the old one broke,
+# "replacing": the slot whose replacement process was started, or null}
 
 
 @dataclass

@@ -163,15 +163,20 @@ class Supervisor:
         writer.close()  # the worker holds the only write end: EOF means it is gone
         self.slots[slot] = SlotState(proc, reader, phase="joining" if replacement else "start")
 
-    def _announce(self, members: list[int], cause: str, rebuild: bool = False) -> None:
-        """Generation n+1: written before the counter moves, so a reader sees it whole."""
+    def _announce(
+        self, members: list[int], cause: str, rebuild: bool = False, replacing: int | None = None
+    ) -> None:
+        """Generation n+1: written before the counter moves, so a reader sees it whole.
+        ``replacing``: the slot whose replacement process was started (it joins later)."""
         self.generation += 1
         self.members = list(members)
         self.gen_members[self.generation] = self.members
         now = time.time()
         for slot in self.members:  # a fresh hang window to form the new group in
             self.slots[slot].changed = now
-        doc = json.dumps({"members": self.members, "cause": cause, "rebuild": rebuild})
+        doc = json.dumps(
+            {"members": self.members, "cause": cause, "rebuild": rebuild, "replacing": replacing}
+        )
         self.store.set(f"{GEN_PREFIX}{self.generation}", doc)
         self.store.add(GEN_LATEST, 1 if self.generation > 0 else 0)
         if self.generation > 0:
@@ -412,7 +417,9 @@ class Supervisor:
         if action == "respawn":
             self._spawn(slot, replaces=failure)
         if slot in self.members:
-            self._announce(survivors, f"worker {slot} {failure.kind}: {failure.action}")
+            replacing = slot if action == "respawn" else None
+            cause = f"worker {slot} {failure.kind}: {failure.action}"
+            self._announce(survivors, cause, replacing=replacing)
 
     def _settle_broke(self, everything: bool = False) -> None:
         """Decide on :class:`Broke` reports once they are ``BROKE_SETTLE`` old: a peer that

@@ -1,0 +1,69 @@
+"""The data ledger's check, on hand-made entries: an exact run passes; a step committed
+twice, a step never committed, and a member that computed the wrong slice are each named."""
+
+from __future__ import annotations
+
+from phalanx import ledger
+from phalanx.plan import Plan, split
+from phalanx.replica import ledger_sums
+
+PLAN = Plan(samples=23, batch_size=5, seed=1)  # 5 steps an epoch, the last of 3 samples
+
+
+def entry(epoch: int, step: int, computed: list[int]) -> list[float]:
+    return [epoch, step, epoch * PLAN.steps + step, *ledger_sums(computed)]
+
+
+def exact(epochs: int) -> list[list[float]]:
+    """What members split any way report: the union of their slices is the global batch."""
+    out = []
+    for e in range(epochs):
+        for s in range(PLAN.steps):
+            parts = split(PLAN.global_batch(e, s), 1 + s % 3)  # membership changes: no matter
+            out.append(entry(e, s, [i for part in parts for i in part]))
+    return out
+
+
+def test_an_exact_run_has_no_problem() -> None:
+    assert ledger.check(PLAN, exact(2), epochs_done=2) == []
+
+
+def test_a_step_committed_twice_is_named() -> None:
+    entries = exact(1)
+    entries.insert(3, entries[2])
+    problems = ledger.check(PLAN, entries, epochs_done=1)
+    assert problems == ["epoch 0 step 2 committed twice (global steps 2 and 2)"]
+
+
+def test_a_step_never_committed_is_named() -> None:
+    entries = [e for e in exact(2) if (e[0], e[1]) != (1, 4)]
+    assert ledger.check(PLAN, entries, epochs_done=2) == ["epoch 1: steps [4] were never committed"]
+    assert ledger.check(PLAN, entries, epochs_done=1) == []  # epoch 1 did not finish
+
+
+def test_a_member_computing_a_stale_slice_is_named() -> None:
+    """After a shrink from three members to two, one member computes its part of the old
+    three-way split: a sample is missed and the count is short."""
+    batch = PLAN.global_batch(0, 1)
+    new = split(batch, 2)
+    old = split(batch, 3)
+    wrong = new[0] + old[2]  # member 1 computed its old share
+    entries = exact(1)
+    entries[1] = entry(0, 1, wrong)
+    problems = ledger.check(PLAN, entries, epochs_done=1)
+    assert len(problems) == 1 and problems[0].startswith("epoch 0 step 1: computed")
+    assert f"the plan's global batch has {len(batch)}" in problems[0]
+
+
+def test_the_same_count_and_sum_with_other_samples_is_named() -> None:
+    """Swapping samples for others with the same count and sum is caught by the squares."""
+    batch = PLAN.global_batch(0, 0)
+    a, b = batch[0], batch[1]
+    others = [i for i in range(PLAN.samples) if i not in batch]
+    pair = next(
+        (x, y) for x in others for y in others if x < y and x + y == a + b and {x, y} != {a, b}
+    )
+    swapped = [*pair, *batch[2:]]
+    entries = exact(1)
+    entries[0] = entry(0, 0, swapped)
+    assert len(ledger.check(PLAN, entries, epochs_done=1)) == 1
