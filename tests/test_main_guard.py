@@ -52,6 +52,15 @@ def test_unguarded_script_is_named_before_launch(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_unguarded_script_that_uses_dunder_name_is_named_too(tmp_path: Path) -> None:
+    """``logging.getLogger(__name__)`` mentions __name__ but guards nothing."""
+    proc = _run(tmp_path, "\nimport logging\nlog = logging.getLogger(__name__)\ntrain()\n")
+    assert proc.returncode != 0
+    assert "PX116" in proc.stderr
+    assert "bootstrapping phase" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
 def test_guarded_script_trains(tmp_path: Path) -> None:
     proc = _run(tmp_path, '\nif __name__ == "__main__":\n    train()\n')
     assert proc.returncode == 0, proc.stderr

@@ -452,7 +452,8 @@ _ENTRIES = [
         ],
         fixes=[
             "For SIGKILL, check dmesg / journalctl -k for 'Out of memory: Killed process'.",
-            "Lower host memory use: fewer DataLoader workers, no whole dataset per worker.",
+            "Lower host memory use: a smaller batch_size, fewer DataLoader workers, no "
+            "whole dataset per worker.",
             "For SIGSEGV, reproduce with strategy='single' and run python -X faulthandler.",
             "Let the run go on: max_restarts respawns a worker, min_workers lets it shrink.",
         ],

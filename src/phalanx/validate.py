@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import pickle
 import sys
@@ -183,7 +184,7 @@ def _validate_main_guard() -> None:
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
             source = _read(path)
-            if source is not None and "__name__" not in source:
+            if source is not None and not _has_main_guard(source):
                 raise MissingMainGuardError(
                     f'{path} calls fit(strategy="ddp") at top level without an '
                     '`if __name__ == "__main__":` guard; worker processes re-import this file. '
@@ -191,6 +192,24 @@ def _validate_main_guard() -> None:
                 )
             return
         frame = frame.f_back  # type: ignore[assignment]
+
+
+def _has_main_guard(source: str) -> bool:
+    """Whether the module compares ``__name__`` with ``"__main__"`` somewhere (an
+    ``if __name__ == "__main__":``, either way round); unparsable source gets the benefit
+    of the doubt."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and len(node.comparators) == 1:
+            sides = [node.left, node.comparators[0]]
+            names = [n.id for n in sides if isinstance(n, ast.Name)]
+            values = [n.value for n in sides if isinstance(n, ast.Constant)]
+            if names == ["__name__"] and values == ["__main__"]:
+                return True
+    return False
 
 
 def _read(path: str) -> str | None:
