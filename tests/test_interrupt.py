@@ -249,3 +249,42 @@ def test_first_stop_reason_wins() -> None:
     interrupter.stop("first")
     interrupter.stop("second")
     assert interrupter.reason == "first"
+
+
+class StopWhenRead(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Asks ``learner`` to stop when sample ``index`` is loaded: a stop that arrives in
+    the middle of a step, as a signal does."""
+
+    def __init__(self, learner: Any, index: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(SAMPLES, 4, generator=g)
+        self.y = torch.randint(0, 2, (SAMPLES,), generator=g)
+        self.learner, self.index = learner, index
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.index:
+            self.learner.stop("asked mid-step")
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize("strategy", ["single", "threads"])
+def test_a_stop_during_a_step_ends_the_run_after_that_step(strategy: str, tmp_path: Path) -> None:
+    import phalanx as px
+    from phalanx.plan import Plan
+
+    learner = px.Learner(
+        lambda: torch.nn.Linear(4, 2), torch.optim.SGD, px.cross_entropy_step
+    )  # in-process strategies need no pickling
+    step = 9  # the stop comes while this step's samples load
+    index = Plan(SAMPLES, BATCH, seed=3).global_batch(0, step)[1]
+    devices = "cpu:0,cpu:1" if strategy == "threads" else "cpu"
+    result = learner.fit(
+        StopWhenRead(learner, index), epochs=EPOCHS, batch_size=BATCH, seed=3,
+        strategy=strategy, devices=devices, run_dir=str(tmp_path / "run"), sinks=[],
+    )  # fmt: skip
+    assert result.interrupted == "Training interrupted: asked mid-step"
+    assert result.steps == step + 1  # that step finished, no other began
+    assert (tmp_path / "run" / "checkpoints" / f"ckpt-{step + 1:09d}.pt").is_file()

@@ -69,7 +69,9 @@ class Engine(Protocol):
 
     def begin_epoch(self, epoch: int, start_step: int) -> None: ...
 
-    def attempt(self, epoch: int, step: int, global_step: int, stop: bool) -> Vote: ...
+    def attempt(
+        self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]
+    ) -> Vote: ...
 
     def commit(self) -> None: ...
 
@@ -238,8 +240,9 @@ class TrainLoop:
         absorbed: list[WorkerFailure] = []  # this step's failures that a retry or split absorbed
         while True:
             torch.manual_seed(step_seed(self.s.seed, st.global_step, self.engine.rank))
-            reason = self.stop_requested()
-            vote = self.engine.attempt(st.epoch, st.step, st.global_step, reason is not None)
+            # Read when the vote is built, after the local work: a stop asked for during
+            # this step ends the run after this step.
+            vote = self.engine.attempt(st.epoch, st.step, st.global_step, self._stopping)
             action = decide(attempt, vote.failed, vote.splittable)
             for failure in vote.failures:
                 failure.action = _ACTION_NAMES.get(action, action)
@@ -270,6 +273,9 @@ class TrainLoop:
             raise Interrupted(self.stop_requested() or "stop requested by another worker")
         if vote.regroup:
             raise Regroup()
+
+    def _stopping(self) -> bool:
+        return self.stop_requested() is not None
 
     def _emit_step(self, vote: Vote, samples: int, seconds: float) -> None:
         st = self.state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ class SingleEngine:
             self.train, self.plan, epoch, start_step, 0, 1, self.config.num_workers
         )
 
-    def attempt(self, epoch: int, step: int, global_step: int, stop: bool) -> Vote:
+    def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
         assert self.batches is not None
         self.step = global_step
         res = self.replica.run(
@@ -73,7 +74,7 @@ class SingleEngine:
         failures = [res.failure] if res.failure else []
         return Vote(
             failed=len(failures),
-            stop=stop,
+            stop=stop(),
             sums=res.sums,
             failures=failures,
             splittable=int(res.splittable),

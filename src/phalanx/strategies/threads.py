@@ -186,7 +186,7 @@ class ThreadsEngine:
             for i in range(n)
         ]
 
-    def attempt(self, epoch: int, step: int, global_step: int, stop: bool) -> Vote:
+    def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
         assert self.batches, "begin_epoch was not called"
         self.step = global_step
         seed = torch.initial_seed()  # the loop's seed for this step attempt
@@ -220,7 +220,7 @@ class ThreadsEngine:
         ledger = (head[2].item(), head[3].item(), head[4].item())
         return Vote(
             failed=len(failures),
-            stop=stop,
+            stop=stop(),
             sums=sums,
             failures=failures,
             splittable=int(head[1].item()),

@@ -93,7 +93,7 @@ class DdpEngine:
             self.train, self.plan, epoch, start_step, self.rank, self.world, self.config.num_workers
         )
 
-    def attempt(self, epoch: int, step: int, global_step: int, stop: bool) -> Vote:
+    def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
         assert self.batches is not None
         self.step = global_step
         res = self.m.replica.run(
@@ -112,7 +112,7 @@ class DdpEngine:
             res.ledger = (0.0, 0.0, 0.0)
             self.m.replica.unvoted = res.failure
         failed, splittable, *ledger = res.vote_head()
-        head = [failed, float(stop), float(self.regroup_requested()), splittable, *ledger]
+        head = [failed, float(stop()), float(self.regroup_requested()), splittable, *ledger]
         vote = torch.cat([torch.tensor(head, dtype=torch.float64), res.sums]).to(self.device)
         dist.all_reduce(vote)
         self.m.replica.unvoted = None  # the vote carries it from here
