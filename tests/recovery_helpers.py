@@ -69,3 +69,13 @@ class DeadlySample(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
             while True:
                 time.sleep(1)
         return self.data[i]
+
+
+def linear_except_in_a_replacement() -> nn.Module:
+    """The model factory fails in a replacement process (the device that just lost a
+    worker is in a bad state, say): a replacement that cannot even build its model."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name.endswith("-replacement"):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+    return linear()

@@ -82,6 +82,22 @@ def test_demo_resumes_and_a_new_demo_run_starts_over(tmp_path: Path) -> None:
     assert newest() == 23  # the new run's own checkpoints only
 
 
+@pytest.mark.timeout(120)
+def test_demo_without_a_run_dir_deletes_nothing(tmp_path: Path) -> None:
+    """--run-dir "" trains without checkpoints; a checkpoints/ folder in the current
+    directory is not the demo's to clear."""
+    mine = tmp_path / "checkpoints" / "ckpt-000000007.pt"
+    mine.parent.mkdir()
+    mine.write_bytes(b"someone else's")
+    run = subprocess.run(
+        [sys.executable, "-m", "phalanx", "demo", "--run-dir", "", "--epochs", "1"],
+        capture_output=True, text=True, env=child_env(), timeout=110, cwd=tmp_path,
+    )  # fmt: skip
+    assert "final validation accuracy" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    assert mine.read_bytes() == b"someone else's"
+    assert "starting over" not in run.stdout
+
+
 @pytest.mark.timeout(240)
 def test_chaos_demo_survives_three_failures_with_the_clean_accuracy(tmp_path: Path) -> None:
     run = demo(

@@ -34,6 +34,7 @@ from procs import alive, child_env, children, is_resource_tracker
 from recovery_helpers import (
     DeadlySample,
     linear,
+    linear_except_in_a_replacement,
     make_data,
     mse_step,
     sgd,
@@ -312,6 +313,29 @@ def test_a_replacement_that_dies_is_replaced_too(
     ]
     assert_same_run(result, rec, clean)
     assert_recovered_quickly(result, record_property)
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_that_cannot_build_its_model_is_one_more_fall(
+    clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Not a preflight failure (which would stop the run): the policy decides, here with
+    no restart left, to go on without it."""
+    rec = Recorder()
+    # The slow step keeps the run going while the replacement starts (seconds, under load).
+    result = px.Learner(linear_except_in_a_replacement, sgd, slow_step).fit(
+        DATA, devices=THREE, strategy="ddp", faults=[px.Fault("kill", worker=1, step=5)],
+        on_failure=px.Recovery(mode="respawn", max_restarts=1), hang_timeout=HANG_TIMEOUT,
+        run_dir=str(tmp_path / "run"), sinks=[rec], **FIT,
+    )  # fmt: skip
+    assert [(f.worker, f.kind, f.phase, f.action) for f in result.failures] == [
+        (1, "crash", "forward", "respawned"),
+        (1, "exception", "joining", "shrunk"),
+    ]
+    assert "illegal memory access" in result.failures[1].message
+    assert result.failures[1].traceback is not None
+    assert [g.members for g in rec.generations()] == [[0, 2]]
+    assert_same_run(result, rec, clean)
 
 
 @pytest.mark.timeout(120)

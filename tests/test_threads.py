@@ -287,6 +287,42 @@ def test_hang_is_reported_within_bound_with_stacks() -> None:
     assert "device cpu:1" in str(err).splitlines()[0] and "hung" in str(err).splitlines()[0]
 
 
+class BlockInBackward(torch.autograd.Function):
+    """Identity forward; its backward waits for ``release`` on device cpu:1's thread."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, release: threading.Event) -> torch.Tensor:
+        ctx.release = release
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if threading.current_thread().name.endswith("cpu:1"):
+            wait_for_release_forever(ctx.release)
+        return grad, None
+
+
+def backward_blocking_step(release: threading.Event, model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(BlockInBackward.apply(model(x), release), y)
+
+
+@pytest.mark.timeout(30)
+def test_a_hang_in_backward_is_named_in_backward() -> None:
+    release = threading.Event()
+    try:
+        with pytest.raises(px.TrainingFailed) as info:
+            learner(step=partial(backward_blocking_step, release)).fit(
+                DATA, devices=TWO, strategy="threads", batch_size=45, sinks=[],
+                hang_timeout=timedelta(seconds=2),
+            )  # fmt: skip
+    finally:
+        release.set()
+    root = info.value.root_cause
+    assert (root.kind, root.device, root.phase) == ("hang", "cpu:1", "backward")
+    assert root.stacks is not None and "wait_for_release_forever" in root.stacks
+
+
 SCRIPT = textwrap.dedent(
     """
     import threading, time

@@ -94,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
         steps = -(-len(train) // args.batch_size) * args.epochs
         workers = len(args.devices.split(","))
         faults += px.faults.chaos(chaos, workers, steps, seed=args.seed)
-    if not args.resume:
+    if args.run_dir and not args.resume:
         start_over(args.run_dir)
     try:
         result = _fit(args, train, valid, faults)

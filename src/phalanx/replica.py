@@ -168,7 +168,7 @@ class Replica:
         """
         sums = torch.zeros(self.size, dtype=torch.float64)
         self.step = step
-        self.unvoted = None
+        self.unvoted, self.unvoted_splittable = None, False
         tracker = _PhaseTracker(step, self.on_phase)
         try:
             with tracker.enter("data"):

@@ -34,6 +34,7 @@ and the member index, so CUDA randomness is reproducible and differs between rep
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import sys
@@ -50,7 +51,7 @@ from torch.utils.data import Dataset
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.failures import FailedHere, WorkerFailure
-from phalanx.faults import Fault, FaultInjector
+from phalanx.faults import FaultInjector
 from phalanx.loop import Vote
 from phalanx.plan import Plan
 from phalanx.replica import Identity, LocalResult, Replica
@@ -59,21 +60,6 @@ from phalanx.strategies.base import evaluate_local, failure_of, guarded_commit
 from phalanx.trainable import Trainable
 
 T = TypeVar("T")
-
-
-class _PhaseFaults(FaultInjector):
-    """A fault injector that also remembers the last phase its replica entered.
-
-    :class:`~phalanx.replica.Replica` checks for faults on entering each phase, so this is
-    where a hung thread was last seen (read by the main thread when it reports a hang)."""
-
-    def __init__(self, faults: list[Fault], worker: int) -> None:
-        super().__init__(faults, worker)
-        self.phase = "forward"
-
-    def check(self, step: int, phase: str) -> None:
-        self.phase = phase
-        super().check(step, phase)
 
 
 class _DeviceThread:
@@ -158,9 +144,18 @@ class ThreadsEngine:
         self.identities = [
             Identity(worker=i, rank=i, device=label) for i, label in enumerate(self.labels)
         ]
-        self.faults = [_PhaseFaults(config.faults, i) for i in range(len(self.labels))]
+        self.faults = [FaultInjector(config.faults, i) for i in range(len(self.labels))]
+        # The phase each replica last entered: where a hung thread was last seen.
+        self.phases = ["data"] * len(self.labels)
         self.replicas = [
-            Replica(t.module, device, who, spec.summed_metrics(), faults)
+            Replica(
+                t.module,
+                device,
+                who,
+                spec.summed_metrics(),
+                faults,
+                on_phase=functools.partial(self._entered, who.worker),
+            )
             for t, device, who, faults in zip(
                 self.trainables, self.devices, self.identities, self.faults, strict=True
             )
@@ -176,6 +171,9 @@ class ThreadsEngine:
     @property
     def main(self) -> Trainable:
         return self.trainables[0]
+
+    def _entered(self, worker: int, step: int, phase: str) -> None:
+        self.phases[worker] = phase
 
     # -- steps --------------------------------------------------------------------------
     def begin_epoch(self, epoch: int, start_step: int) -> None:
@@ -201,7 +199,7 @@ class ThreadsEngine:
                     self._failure(
                         outcome,
                         i,
-                        self.faults[i].phase,
+                        self.phases[i],
                         global_step,
                         epoch,
                         self.batches[i].indices(step),
@@ -230,11 +228,11 @@ class ThreadsEngine:
     def _task(
         self, i: int, step: int, global_step: int, epoch: int, seed: int
     ) -> Callable[[], LocalResult]:
-        batches, replica, faults = self.batches[i], self.replicas[i], self.faults[i]
+        batches, replica = self.batches[i], self.replicas[i]
         device = self.devices[i]
 
         def run() -> LocalResult:
-            faults.phase = "data"
+            self.phases[i] = "data"
             if device.type == "cuda":
                 torch.cuda.manual_seed(_member_seed(seed, i))
             result = replica.run(
@@ -246,8 +244,9 @@ class ThreadsEngine:
                 self.micro,
             )
             if result.failure is None:
+                self.phases[i] = "sync"
                 try:
-                    faults.check(global_step, "sync")
+                    self.faults[i].check(global_step, "sync")
                 except Exception as exc:
                     failure = self._failure(
                         exc, i, "sync", global_step, epoch, batches.indices(step)
@@ -288,7 +287,7 @@ class ThreadsEngine:
             device=who.device,
             kind="hang",
             message=message,
-            phase=self.faults[i].phase,
+            phase=self.phases[i],
             step=step,
             epoch=epoch,
             pid=os.getpid(),
@@ -352,8 +351,7 @@ class ThreadsEngine:
     # -- validation ---------------------------------------------------------------------
     def evaluate(self) -> torch.Tensor:
         n = len(self.replicas)
-        for f in self.faults:
-            f.phase = "validation"
+        self.phases = ["validation"] * n
 
         def part(i: int) -> Callable[[], torch.Tensor]:
             return lambda: evaluate_local(

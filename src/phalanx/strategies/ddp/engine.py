@@ -108,9 +108,10 @@ class DdpEngine:
         try:
             self.m.faults.check(global_step, "sync")
         except Exception as exc:  # before the vote: this rank just votes failed
-            res.failure = res.failure or self._failure(exc, "sync")
             res.ledger = (0.0, 0.0, 0.0)
-            self.m.replica.unvoted = res.failure
+            if res.failure is None:  # (else the step's own failure is already the unvoted one)
+                res.failure, res.splittable = self._failure(exc, "sync"), False
+                self.m.replica.unvoted, self.m.replica.unvoted_splittable = res.failure, False
         failed, splittable, *ledger = res.vote_head()
         head = [failed, float(stop()), float(self.regroup_requested()), splittable, *ledger]
         vote = torch.cat([torch.tensor(head, dtype=torch.float64), res.sums]).to(self.device)

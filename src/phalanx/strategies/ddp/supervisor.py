@@ -121,6 +121,7 @@ class Supervisor:
         # it): which attempt of its step it failed (see _second_attempt)
         self.attempt_of: dict[int, tuple[int, bool]] = {}
         self.gen_members: dict[int, list[int]] = {}
+        self.rebuilds: set[int] = set()  # generations that rebuild the same members' group
         cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
         self.threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
@@ -171,6 +172,8 @@ class Supervisor:
         self.generation += 1
         self.members = list(members)
         self.gen_members[self.generation] = self.members
+        if rebuild:
+            self.rebuilds.add(self.generation)
         now = time.time()
         for slot in self.members:  # a fresh hang window to form the new group in
             self.slots[slot].changed = now
@@ -448,10 +451,21 @@ class Supervisor:
             return
         failure.action = "split" if message.splittable else "retried"
         self._record(failure, generation, voted=False)
-        if generation == self.generation:
-            self.recovering.append(failure)
+        self.recovering.append(failure)
+        if not self._group_left(generation):
             cause = f"worker {failure.worker} {failure.kind} in {failure.phase}: rebuilt"
             self._announce(self.members, cause, rebuild=True)
+
+    def _group_left(self, generation: int) -> bool:
+        """Whether a generation after ``generation`` already makes its members leave its
+        group (one that drops a member, or a rebuild): then that one carries the retry.
+        Generations that only add a replacement are joined at a step boundary, which a
+        broken step never reaches (NCCL peers would stay blocked in it)."""
+        for later in range(generation + 1, self.generation + 1):
+            before, after = self.gen_members[later - 1], self.gen_members[later]
+            if set(before) - set(after) or later in self.rebuilds:
+                return True
+        return False
 
     def _voted(self, failure: WorkerFailure) -> None:
         """A failure a vote carried (the loop chose its action: retried, split, aborted).

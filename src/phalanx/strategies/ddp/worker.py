@@ -210,14 +210,18 @@ class Worker:
 
     def before_training(self, build: Callable[[], T]) -> T:
         """``build()``; an exception there (the model factory raised, the model does not
-        fit on the device) is this worker's failure in phase ``preflight``, with its
-        traceback: nothing has trained yet, and any worker would fail the same way."""
+        fit on the device) is this worker's failure, with its traceback. At the start of the
+        run it is in phase ``preflight``: nothing has trained yet and any worker would fail
+        the same way, so the run stops. A replacement's is in phase ``joining``: the device
+        that just lost a worker may still be in a bad state, and the recovery policy decides
+        (another replacement, or going on without it)."""
         try:
             return build()
         except FailedHere:
             raise
         except Exception as exc:
-            raise FailedHere(self.failure(exc, "preflight")) from None
+            phase = "joining" if self.a.replacement else "preflight"
+            raise FailedHere(self.failure(exc, phase)) from None
 
     def preflight(self) -> None:
         """One forward and backward on this worker's first slice, alone, gradients dropped."""
