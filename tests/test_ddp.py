@@ -465,6 +465,13 @@ def _nested_optimizer() -> Any:
     return adam
 
 
+def _nested_step() -> Any:
+    def step(model: nn.Module, batch: Any) -> torch.Tensor:
+        return mse_step(model, batch)
+
+    return step
+
+
 CONFIG_ERRORS = {
     "model-lambda": (
         lambda: px.Learner(lambda: mlp(), sgd, mse_step),
@@ -483,6 +490,12 @@ CONFIG_ERRORS = {
         {},
         "PX115",
         "module level",
+    ),
+    "step-nested": (
+        lambda: px.Learner(mlp, sgd, _nested_step()),
+        {},
+        "PX115",
+        "_nested_step.<locals>.step) is a local function",
     ),
     "batch-smaller-than-devices": (
         lambda: px.Learner(mlp, sgd, mse_step),

@@ -155,10 +155,12 @@ def _validate_early_stopping(spec: TrainSpec, config: FitConfig, has_valid: bool
 
 def _validate_picklable(spec: TrainSpec) -> None:
     step = spec.step
-    if getattr(step, "__name__", "") == "<lambda>":
+    qualname = getattr(step, "__qualname__", "")
+    if getattr(step, "__name__", "") == "<lambda>" or "<locals>" in qualname:
+        kind = "a lambda" if getattr(step, "__name__", "") == "<lambda>" else "a local function"
         raise LambdaStepError(
-            'the step function is a lambda, which strategy="ddp" cannot send to worker '
-            "processes; define it with def at module level"
+            f'the step function ({qualname}) is {kind}, which strategy="ddp" cannot send '
+            "to worker processes; define it with def at module level"
         )
     for name in ("model", "optimizer", "step", "lr_scheduler", "metrics"):
         value = getattr(spec, name)
