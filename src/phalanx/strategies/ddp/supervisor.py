@@ -444,7 +444,7 @@ class Supervisor:
         failure, generation, out = message.failure, message.generation, self.outcome
         if out.done is not None or self._decided():
             failure.action = "ignored" if out.done is not None else "aborted"
-            out.failures.append(failure)
+            self._record(failure, generation, voted=False)
             return
         if not message.splittable and self._second_attempt(failure, generation, voted=False):
             self._poison(failure, generation, voted=False)
