@@ -1,17 +1,17 @@
 """The data ledger's check, on hand-made entries: an exact run passes; a step committed
-twice, a step never committed, and a member that computed the wrong slice are each named."""
+twice, a step never committed, a member that computed the wrong slice, and other samples
+with the same count, sum and sum of squares are each named."""
 
 from __future__ import annotations
 
 from phalanx import ledger
 from phalanx.plan import Plan, split
-from phalanx.replica import ledger_sums
 
 PLAN = Plan(samples=23, batch_size=5, seed=1)  # 5 steps an epoch, the last of 3 samples
 
 
 def entry(epoch: int, step: int, computed: list[int]) -> list[float]:
-    return [epoch, step, epoch * PLAN.steps + step, *ledger_sums(computed)]
+    return [epoch, step, epoch * PLAN.steps + step, *ledger.fingerprint(computed)]
 
 
 def exact(epochs: int) -> list[list[float]]:
@@ -66,4 +66,37 @@ def test_the_same_count_and_sum_with_other_samples_is_named() -> None:
     swapped = [*pair, *batch[2:]]
     entries = exact(1)
     entries[0] = entry(0, 0, swapped)
+    assert len(ledger.check(PLAN, entries, epochs_done=1)) == 1
+
+
+def test_other_samples_with_the_same_sums_of_powers_are_named() -> None:
+    """{1, 5, 6} and {2, 3, 7} have the same count, sum and sum of squares: only the hash
+    term tells them apart."""
+    plan = Plan(samples=12, batch_size=3, seed=0)
+    for epoch in range(50):
+        for step in range(plan.steps):
+            if sorted(plan.global_batch(epoch, step)) == [1, 5, 6]:
+                break
+        else:
+            continue
+        break
+    else:
+        raise AssertionError("no step of the first 50 epochs takes {1, 5, 6}")
+    right, wrong = ledger.fingerprint([1, 5, 6]), ledger.fingerprint([2, 3, 7])
+    assert right[:3] == wrong[:3] and right[3] != wrong[3]
+    entries = [
+        [epoch, s, s, *ledger.fingerprint(plan.global_batch(epoch, s))] for s in range(plan.steps)
+    ]
+    entries[step] = [epoch, step, step, *wrong]
+    problems = ledger.check(plan, entries, epochs_done=epoch + 1)
+    assert [p for p in problems if "computed" in p] == [
+        f"epoch {epoch} step {step}: computed 3 samples (fingerprint [12, 62, {int(wrong[3])}]), "
+        f"the plan's global batch has 3 (fingerprint [12, 62, {int(right[3])}])"
+    ]
+
+
+def test_an_entry_of_an_older_checkpoint_is_checked_on_its_three_terms() -> None:
+    entries = [e[:6] for e in exact(1)]
+    assert ledger.check(PLAN, entries, epochs_done=1) == []
+    entries[2][3] += 1
     assert len(ledger.check(PLAN, entries, epochs_done=1)) == 1

@@ -30,6 +30,7 @@ import phalanx as px
 from phalanx.events import Event, Notice, StepEnded, WorkerFailed
 from phalanx.plan import Plan, split
 from phalanx.report import is_secondary
+from phalanx.strategies.ddp import supervisor
 from procs import alive, child_env, children, is_resource_tracker
 from recovery_helpers import (
     DeadlySample,
@@ -552,10 +553,17 @@ def test_a_sample_that_kills_every_worker_is_a_poison_batch(
 
 
 @pytest.mark.timeout(120)
-def test_a_retry_in_a_new_generation_that_fails_again_is_a_poison_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("settle", [None, 30.0])
+def test_a_retry_in_a_new_generation_that_fails_again_is_a_poison_batch(
+    settle: float | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Worker 1 dies at step 4 while worker 0 raises there; the new generation retries step
     4 and worker 0 raises again: the step failed in two attempts (the new generation's loop
-    counts afresh, the supervisor does not)."""
+    counts afresh, the supervisor does not). With a long settle time, worker 0's first
+    report (a Broke: no vote carried it) is still waiting when its retry fails: the first
+    attempt still counts first (this race once failed CI)."""
+    if settle is not None:
+        monkeypatch.setattr(supervisor, "BROKE_SETTLE", settle)
     faults = [
         px.Fault("kill", worker=1, step=POISON_STEP),
         px.Fault("exception", worker=0, step=POISON_STEP, times=2),

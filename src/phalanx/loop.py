@@ -37,6 +37,7 @@ from phalanx.events import (
     WorkerFailed,
 )
 from phalanx.failures import FailedHere, Who, WorkerFailure, failure_of
+from phalanx.ledger import EMPTY, Fingerprint
 from phalanx.metrics import LoopMetric, LoopStats, Metric, compute_all
 from phalanx.plan import Plan
 from phalanx.policy import decide
@@ -52,8 +53,8 @@ class Vote:
     failures: list[WorkerFailure] = field(default_factory=list)  # the ones seen locally
     splittable: int = 0  # failed members that ran out of memory and can split further
     regroup: bool = False  # a new generation waits: leave the group after this step
-    ledger: tuple[float, float, float] = (0.0, 0.0, 0.0)  # samples, sum and sum of squares
     # of the sample indices actually computed, over all members
+    ledger: Fingerprint = EMPTY
 
 
 class Engine(Protocol):
@@ -96,7 +97,7 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)
     epoch_sums: torch.Tensor | None = None  # train metric sums of the epoch so far
     epoch_samples: int = 0
-    # One entry per committed step: [epoch, step, global_step, samples, sum, sum of squares]
+    # One entry per committed step: [epoch, step, global_step, *ledger.fingerprint]
     ledger: list[list[float]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from torch import nn
 from phalanx.errors import NonFiniteLossError
 from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
+from phalanx.ledger import EMPTY, Fingerprint, fingerprint
 from phalanx.metrics import Metric, pack_states, total_size
 from phalanx.plan import bounds
 from phalanx.step import StepOutput, as_step_output
@@ -96,17 +97,11 @@ class LocalResult:
     sums: torch.Tensor  # packed metric states (loss first), float64 CPU
     failure: WorkerFailure | None = None
     splittable: bool = False  # out of memory, and the share can be cut smaller: try again
-    ledger: tuple[float, float, float] = (0.0, 0.0, 0.0)  # samples, sum, sum of squares
+    ledger: Fingerprint = EMPTY  # of the samples computed
 
     def vote_head(self) -> list[float]:
         """This member's part of the vote beside the metric sums."""
         return [float(self.failure is not None), float(self.splittable), *self.ledger]
-
-
-def ledger_sums(samples: list[int]) -> tuple[float, float, float]:
-    """Count, sum and sum of squares of sample indices: the fingerprint of the samples a
-    step computed, compared with the plan's global batch by :mod:`phalanx.ledger`."""
-    return (float(len(samples)), float(sum(samples)), float(sum(i * i for i in samples)))
 
 
 class Replica:
@@ -196,7 +191,7 @@ class Replica:
             return LocalResult(torch.zeros(self.size, dtype=torch.float64), failure, splittable)
         if not tracker.synced:
             self.zero_pass()
-        return LocalResult(sums, ledger=ledger_sums(samples))
+        return LocalResult(sums, ledger=fingerprint(samples))
 
     def _split_after(self, failure: WorkerFailure, local: int, micro_batches: int) -> bool:
         """After an out-of-memory error, double the split if micro-batches can still shrink."""

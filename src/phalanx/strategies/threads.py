@@ -42,12 +42,13 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from phalanx import ledger
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.failures import FailedHere, WorkerFailure
@@ -192,7 +193,7 @@ class ThreadsEngine:
         results = self._gather(tasks, global_step, epoch)
         failures: list[WorkerFailure] = []
         sums = torch.zeros(self.replicas[0].size, dtype=torch.float64)
-        head = torch.zeros(5, dtype=torch.float64)  # failed, splittable, ledger (3)
+        head = torch.zeros(2 + ledger.WIDTH, dtype=torch.float64)  # failed, splittable, ledger
         for i, outcome in enumerate(results):
             if isinstance(outcome, BaseException):  # Replica.run itself raised (zero pass)
                 failures.append(
@@ -215,14 +216,14 @@ class ThreadsEngine:
                 self._reduce_grads()
             except Exception as exc:
                 failures.append(self._failure(exc, 0, "sync", global_step, epoch, None))
-        ledger = (head[2].item(), head[3].item(), head[4].item())
+        fingerprint = cast(ledger.Fingerprint, tuple(head[2:].tolist()))
         return Vote(
             failed=len(failures),
             stop=stop(),
             sums=sums,
             failures=failures,
             splittable=int(head[1].item()),
-            ledger=ledger,
+            ledger=fingerprint,
         )
 
     def _task(

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
+from phalanx import ledger
 from phalanx.data import LocalBatches
 from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
@@ -24,7 +25,7 @@ from phalanx.strategies.base import evaluate_local, guarded_commit
 from phalanx.trainable import Trainable
 
 PhaseHook = Callable[[int, str], None]
-HEAD = 7  # failed, stop, regroup, splittable, ledger (samples, sum, sum of squares)
+HEAD = 4 + ledger.WIDTH  # failed, stop, regroup, splittable, ledger fingerprint
 
 
 @dataclass
@@ -108,12 +109,12 @@ class DdpEngine:
         try:
             self.m.faults.check(global_step, "sync")
         except Exception as exc:  # before the vote: this rank just votes failed
-            res.ledger = (0.0, 0.0, 0.0)
+            res.ledger = ledger.EMPTY
             if res.failure is None:  # (else the step's own failure is already the unvoted one)
                 res.failure, res.splittable = self._failure(exc, "sync"), False
                 self.m.replica.unvoted, self.m.replica.unvoted_splittable = res.failure, False
-        failed, splittable, *ledger = res.vote_head()
-        head = [failed, float(stop()), float(self.regroup_requested()), splittable, *ledger]
+        failed, splittable, *computed = res.vote_head()
+        head = [failed, float(stop()), float(self.regroup_requested()), splittable, *computed]
         vote = torch.cat([torch.tensor(head, dtype=torch.float64), res.sums]).to(self.device)
         dist.all_reduce(vote)
         self.m.replica.unvoted = None  # the vote carries it from here
@@ -123,7 +124,7 @@ class DdpEngine:
             stop=bool(v[1].item() > 0),
             regroup=bool(v[2].item() > 0),
             splittable=int(v[3].item()),
-            ledger=(v[4].item(), v[5].item(), v[6].item()),
+            ledger=cast(ledger.Fingerprint, tuple(v[4:HEAD].tolist())),
             sums=v[HEAD:],
             failures=[res.failure] if res.failure else [],
         )

@@ -395,6 +395,8 @@ class Supervisor:
         """A worker is out. Decide with the recovery policy, and act."""
         out = self.outcome
         slot = failure.worker
+        generation = self.slots[slot].generation
+        self._settle_broke(before=generation)
         if out.done is not None:  # the run has its result: nothing left to recover
             failure.action = "ignored"
             out.failures.append(failure)
@@ -405,7 +407,6 @@ class Supervisor:
             return
         if slot in self.waiting:
             self.waiting.remove(slot)
-        generation = self.slots[slot].generation
         if self._second_attempt(failure, generation, voted=False):
             self._poison(failure, generation, voted=False)
             return
@@ -424,14 +425,17 @@ class Supervisor:
             cause = f"worker {slot} {failure.kind}: {failure.action}"
             self._announce(survivors, cause, replacing=replacing)
 
-    def _settle_broke(self, everything: bool = False) -> None:
+    def _settle_broke(self, everything: bool = False, before: int | None = None) -> None:
         """Decide on :class:`Broke` reports once they are ``BROKE_SETTLE`` old: a peer that
         died in the same step (what broke the group) is seen first, so its generation, not
-        a rebuild, carries the retry."""
+        a rebuild, carries the retry. ``before``: also settle at once every report from a
+        generation older than that one (a failure of a later generation is decided next,
+        and the older attempt's failure must count first)."""
         now = time.time()
         waiting, self.broke = self.broke, []
         for received, message in waiting:
-            if everything or now - received >= BROKE_SETTLE:
+            older = before is not None and message.generation < before
+            if everything or older or now - received >= BROKE_SETTLE:
                 self._broke(message)
             else:
                 self.broke.append((received, message))
@@ -473,6 +477,7 @@ class Supervisor:
         generation: the new generation's loop counts attempts afresh, so the supervisor
         calls the poison batch."""
         generation = self.slots[failure.worker].generation
+        self._settle_broke(before=generation)
         if failure.action == "retried" and self._second_attempt(failure, generation, True):
             self._poison(failure, generation, voted=True)
             return
