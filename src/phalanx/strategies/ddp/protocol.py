@@ -12,6 +12,8 @@ from phalanx.failures import WorkerFailure
 STOP_KEY = "control/stop"  # value: the reason; workers stop after the current step
 ABORT_KEY = "control/abort"  # value: why; workers exit at once
 GEN_LATEST = "gen/latest"  # counter: the newest generation announced
+CONTROL_KEY = "control/version"  # counter: bumped after each write of the keys above, so a
+# worker's watch thread reads one key per tick and the others only when it moved
 GEN_PREFIX = "gen/"  # gen/<n>: JSON {"members": [slots in rank order], "cause": "...",
 # "rebuild": true when the same members form a new group because the old one broke,
 # "replacing": the slot whose replacement process was started, or null}

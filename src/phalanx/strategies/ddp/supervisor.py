@@ -43,6 +43,7 @@ from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp import worker as worker_mod
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
+    CONTROL_KEY,
     GEN_LATEST,
     GEN_PREFIX,
     STOP_KEY,
@@ -182,6 +183,7 @@ class Supervisor:
         )
         self.store.set(f"{GEN_PREFIX}{self.generation}", doc)
         self.store.add(GEN_LATEST, 1 if self.generation > 0 else 0)
+        self.store.add(CONTROL_KEY, 1)
         if self.generation > 0:
             self.emit(Notice(f"generation {self.generation}: workers {self.members} ({cause})"))
 
@@ -199,6 +201,7 @@ class Supervisor:
             if self._decided() and decided_at is None:
                 decided_at = time.time()
                 self.store.set(ABORT_KEY, "run decided")
+                self.store.add(CONTROL_KEY, 1)
             if all(not s.process.is_alive() for s in self.slots.values()):
                 for state in self.slots.values():
                     if not state.conn.closed:
@@ -551,6 +554,7 @@ class Supervisor:
     def _forward_stop(self) -> None:
         if self.interrupter.should_stop() and not self.stop_sent:
             self.store.set(STOP_KEY, self.interrupter.reason or "stop requested")
+            self.store.add(CONTROL_KEY, 1)
             self.stop_sent = True
 
     def _stack_file(self, slot: int) -> str:

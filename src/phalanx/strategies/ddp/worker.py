@@ -46,6 +46,7 @@ from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.engine import DdpEngine, Member, hand_over
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
+    CONTROL_KEY,
     GEN_LATEST,
     GEN_PREFIX,
     STOP_KEY,
@@ -138,11 +139,20 @@ class Worker:
 
     # -- the watch thread: parent gone, abort, stop or a new generation ---------------------
     def watch(self, store: dist.TCPStore) -> None:
+        """One store read a tick (the control counter); the keys only when it moved, or while
+        a CUDA worker is behind the newest generation (its abort may have to wait for the
+        group to exist)."""
+        seen = 0
         while True:
             time.sleep(WATCH_INTERVAL)
             if os.getppid() != self.a.parent_pid:
                 os._exit(1)  # the supervisor died: no orphans
             try:
+                version = int(store.add(CONTROL_KEY, 0))
+                pending = self.device.type == "cuda" and self.latest > self.generation
+                if version == seen and not pending:  # (NCCL: try the abort again each tick)
+                    continue
+                seen = version
                 present = [k for k in (ABORT_KEY, STOP_KEY) if store.check([k])]
                 self.latest = int(store.add(GEN_LATEST, 0))
                 if STOP_KEY in present and self.stop_reason is None:
