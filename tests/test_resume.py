@@ -280,3 +280,59 @@ def test_resume_with_empty_run_dir_starts_fresh_with_a_notice(
     assert result.history == straight.history
     assert_bitwise_equal(result.model, straight.model)
     assert os.path.isfile(ckpt(run_dir, TOTAL_STEPS))
+
+
+def linear_model() -> nn.Module:
+    return nn.Linear(4, 3)
+
+
+def adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def learner_with(model: Any, optimizer: Any) -> px.Learner:
+    return px.Learner(
+        model, optimizer, train_step, metrics=[px.metrics.Accuracy()], lr_scheduler=make_scheduler
+    )
+
+
+@pytest.mark.parametrize(
+    ("writer", "reader", "detail"),
+    [
+        ((make_model, make_optimizer), (linear_model, make_optimizer), "Missing key(s)"),
+        ((make_model, make_optimizer), (make_model, adam), "KeyError"),
+        ((make_model, adam), (make_model, make_optimizer), "group 0 has no dampening, momentum"),
+    ],
+    ids=["Sequential into Linear", "SGD into Adam", "Adam into SGD"],
+)
+def test_resume_into_another_model_or_optimizer_names_the_file_and_the_fix(
+    tmp_path: Path, writer: Any, reader: Any, detail: str
+) -> None:
+    """A checkpoint resumed with another model or optimizer: one CheckpointMismatchError
+    before any step (Adam's state loads into SGD without complaint, but SGD would fail at
+    its first step), and the checkpoints stay as they were: the writer's learner resumes
+    from them afterwards."""
+    from phalanx.errors import CheckpointMismatchError
+
+    lrn = learner_with(*writer)
+    first = fit(lrn, tmp_path, [StopAt(lrn, STOP_AT)])
+    assert first.interrupted
+    before = snapshot_files(tmp_path / "checkpoints")
+    rec = Recorder()
+    with pytest.raises(CheckpointMismatchError) as info:
+        fit(learner_with(*reader), tmp_path, [rec], resume=True)
+
+    err = info.value
+    assert isinstance(err, CheckpointError)
+    assert err.code == "PX122"
+    assert str(ckpt(tmp_path, first.steps)) in err.message
+    assert "resume with the same model and optimizer as the run that wrote it" in err.message
+    assert "or use a new run_dir" in err.message
+    assert detail in err.message, err.message
+    assert not rec.of(StepEnded) and not rec.of(Resumed)
+    assert snapshot_files(tmp_path / "checkpoints") == before
+
+    rec = Recorder()
+    second = fit(learner_with(*writer), tmp_path, [rec], resume=True)
+    assert rec.of(Resumed)[0].global_step == first.steps
+    assert second.steps == TOTAL_STEPS

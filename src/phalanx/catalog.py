@@ -377,23 +377,30 @@ _ENTRIES = [
     ),
     Explanation(
         code="PX120",
-        title="checkpoint cannot be used",
-        meaning="Resume found no checkpoint it can use, or the checkpoint does not fit the "
-        "run: different model shapes, optimizer or settings. Checkpoints that are truncated "
-        "or fail their checksum are skipped (and named); this error means none was left.",
-        when="At the start of fit(resume=True), before training continues.",
+        title="checkpoint cannot be used or saved",
+        meaning="A checkpoint could not be used or written: resume=True without a run_dir, "
+        "a resume whose newest valid checkpoint was written with another plan (dataset "
+        "size, batch_size, seed, shuffle, drop_last), or a checkpoint write that failed "
+        "during training. Checkpoints that are truncated or fail their checksum are skipped "
+        "(and named); when none is left, the run starts from scratch with a warning instead.",
+        when="Before anything starts (resume=True without run_dir), at the start of "
+        "fit(resume=True) (another plan), or during training when a checkpoint is written "
+        "(the run stops with this code, phase checkpoint).",
         causes=[
-            "resume=True with an empty or wrong run_dir.",
-            "Every checkpoint truncated (e.g. disk full while saving).",
-            "The model or optimizer changed since the checkpoint was written.",
+            "resume=True with no run_dir.",
+            "Resuming with another batch_size, dataset, seed, shuffle or drop_last.",
+            "A full disk or a read-only run_dir; state that cannot be pickled.",
         ],
         fixes=[
-            "Check run_dir and list its checkpoints; drop resume=True to start fresh.",
-            "Resume with the same model, optimizer and settings that wrote the checkpoint.",
-            "Free disk space; phalanx writes checkpoints atomically, so older ones survive.",
+            "Pass the run_dir of the run to continue; drop resume=True to start fresh.",
+            "Resume with the same dataset, batch_size, seed, shuffle and drop_last, or use "
+            "a new run_dir.",
+            "Free disk space or fix run_dir's permissions; phalanx writes checkpoints "
+            "atomically, so older ones survive.",
         ],
-        example="# before\nlearner.fit(train, valid, run_dir='runs/exp2', resume=True)\n"
-        "# after\nlearner.fit(train, valid, run_dir='runs/exp1', resume=True)",
+        example="# before\nlearner.fit(train, valid, batch_size=64, run_dir='runs/exp1', "
+        "resume=True)\n# after (runs/exp1 was trained with batch_size=32)\n"
+        "learner.fit(train, valid, batch_size=32, run_dir='runs/exp1', resume=True)",
     ),
     Explanation(
         code="PX121",
@@ -417,6 +424,29 @@ _ENTRIES = [
         "    def compute(self, state):\n        return state[0].item() / state[1].item()\n"
         "# after\nclass MeanTarget(px.metrics.Metric):\n"
         "    def compute(self, state):\n        return state[0].item() / max(state[1].item(), 1)",
+    ),
+    Explanation(
+        code="PX122",
+        title="checkpoint does not fit the model or optimizer",
+        meaning="fit(resume=True) found a valid checkpoint, but its model or optimizer state "
+        "does not fit this run's: other layers or shapes, another optimizer, or another "
+        "number of parameter groups. The error names the checkpoint file and what did not "
+        "fit; nothing was trained and the checkpoint is left as it was.",
+        when="At the start of fit(resume=True), before the first step.",
+        causes=[
+            "The model changed since the checkpoint was written (a layer added, a width "
+            "changed, another architecture).",
+            "Another optimizer (e.g. Adam instead of SGD) or other parameter groups.",
+            "A run_dir that belongs to another experiment.",
+        ],
+        fixes=[
+            "Resume with the same model and optimizer as the run that wrote the checkpoint.",
+            "Train the changed model in a new run_dir (or without resume=True).",
+        ],
+        example="# before (runs/exp1 was trained with torch.optim.SGD)\n"
+        "px.Learner(make_model, adam, step).fit(train, run_dir='runs/exp1', resume=True)\n"
+        "# after\npx.Learner(make_model, sgd, step).fit(train, run_dir='runs/exp1', "
+        "resume=True)\n# or: .fit(train, run_dir='runs/exp2')",
     ),
     Explanation(
         code="PX200",

@@ -7,7 +7,9 @@ what it means, when it happens, common causes and fixes (see :mod:`phalanx.catal
   Raised in the caller's process, before any worker process or thread is started.
 - :class:`TrainingFailed`: a worker failed during training and the run stopped.
   Its first line names the root cause (worker, device, step, phase, original message).
-- :class:`CheckpointError`: nothing to resume from, or a checkpoint that does not fit.
+- :class:`CheckpointError`: a checkpoint that cannot be used (written for another plan,
+  resume=True without run_dir) or saved; :class:`CheckpointMismatchError`: the checkpoint
+  does not fit this run's model or optimizer.
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ class RunDirInUseError(ConfigError):
 
 class CheckpointError(PhalanxError):
     code = "PX120"
+
+
+class CheckpointMismatchError(CheckpointError):
+    """Resume found a valid checkpoint whose model or optimizer state does not fit this run's
+    model or optimizer; nothing was trained and the checkpoint is left as it was."""
+
+    code = "PX122"
 
 
 class MetricError(PhalanxError):

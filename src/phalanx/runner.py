@@ -11,9 +11,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from phalanx.checkpoint import Checkpointer, Checkpoints
-from phalanx.errors import CheckpointError
+from phalanx.errors import CheckpointError, CheckpointMismatchError
 from phalanx.events import Emit, Resumed, RunStarted
 from phalanx.failures import WorkerFailure
 from phalanx.loop import Engine, LoopResult, LoopSettings, TrainLoop
@@ -66,7 +67,9 @@ def build_loop(
 
 def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
     """Restore the newest valid checkpoint in ``run_dir`` (checksums verified; a corrupt
-    one is skipped with a CheckpointSkipped event). Nothing to resume from: start fresh."""
+    one is skipped with a CheckpointSkipped event). Nothing to resume from: start fresh.
+    A checkpoint of another plan raises CheckpointError; one that does not fit the model or
+    optimizer, CheckpointMismatchError."""
     from phalanx.events import Notice
 
     assert config.run_dir
@@ -92,9 +95,62 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
             "resume with the same dataset, batch_size, seed, shuffle and drop_last, or use "
             "a new run_dir"
         )
-    loop.restore(snap)
+    restore_fitting(loop, snap, info.path)
     st = loop.state
     emit(Resumed(info.path, st.epoch, st.step, st.global_step))
+
+
+def restore_fitting(loop: TrainLoop, snap: dict[str, Any], path: str) -> None:
+    """``loop.restore(snap)``, or CheckpointMismatchError naming ``path`` when the snapshot
+    does not fit the loop's model or optimizer (the file itself is never touched)."""
+    before = _group_keys(loop.engine.state_dict())
+    try:
+        loop.restore(snap)
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        raise _mismatch(path, f"{type(exc).__name__}: {exc}") from exc
+    problem = _lost_settings(before, _group_keys(loop.engine.state_dict()))
+    if problem:
+        raise _mismatch(path, problem)
+
+
+def _mismatch(path: str, detail: str) -> CheckpointMismatchError:
+    detail = " ".join(detail.split())  # load_state_dict's messages span lines
+    if len(detail) > _DETAIL:
+        detail = detail[: _DETAIL - 3] + "..."
+    return CheckpointMismatchError(
+        f"{path} does not fit this run's model or optimizer: resume with the same model and "
+        f"optimizer as the run that wrote it, or use a new run_dir ({detail})"
+    )
+
+
+_DETAIL = 400  # characters of the original error quoted in a CheckpointMismatchError
+# Added to the optimizer's groups by an LR scheduler, not by the optimizer itself.
+_SCHEDULER_KEYS = frozenset({"initial_lr"})
+
+
+def _group_keys(engine_state: dict[str, Any]) -> list[set[str]] | None:
+    """The setting names of each optimizer parameter group (None if not the usual shape)."""
+    try:
+        groups = engine_state["optimizer"]["param_groups"]
+        return [set(g) - {"params"} - _SCHEDULER_KEYS for g in groups]
+    except (KeyError, TypeError):
+        return None
+
+
+def _lost_settings(before: list[set[str]] | None, after: list[set[str]] | None) -> str | None:
+    """Loading another optimizer's state (SGD's into Adam) succeeds, but leaves out settings
+    the optimizer needs at its first step (Adam's betas): say so now instead. (Settings a
+    newer torch added are filled in by the optimizer's own load_state_dict.)"""
+    if before is None or after is None:
+        return None
+    for i, (wanted, loaded) in enumerate(zip(before, after, strict=False)):
+        missing = sorted(wanted - loaded)
+        if missing:
+            return (
+                f"the optimizer's parameter group {i} has no {', '.join(missing)} after "
+                "loading: the checkpoint was written with another optimizer"
+            )
+    return None
 
 
 def start_run(
