@@ -60,27 +60,45 @@ class StepModule(nn.Module):
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors nested in tuples, lists and dicts to ``device``."""
+    """Move tensors nested in tuples (named tuples too), lists and dicts to ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, tuple | list):
-        return type(batch)(to_device(v, device) for v in batch)
+        return _rebuild(batch, [to_device(v, device) for v in batch])
     return batch
 
 
 def slice_batch(batch: Any, start: int, end: int) -> Any:
-    """Rows ``start:end`` of a collated batch (tensors and lists sliced on their first axis)."""
+    """Rows ``start:end`` of a collated batch (tensors and lists sliced on their first axis).
+
+    A list of tensors, lists, dicts or named tuples is a structure (``default_collate``
+    turns a sample's tuple into a list); any other list holds one entry per row."""
     if isinstance(batch, torch.Tensor) or (
-        isinstance(batch, list) and batch and not isinstance(batch[0], torch.Tensor | list | dict)
+        isinstance(batch, list)
+        and batch
+        and not isinstance(batch[0], torch.Tensor | list | dict)
+        and not _is_namedtuple(batch[0])
     ):
         return batch[start:end]
     if isinstance(batch, dict):
         return {k: slice_batch(v, start, end) for k, v in batch.items()}
     if isinstance(batch, tuple | list):
-        return type(batch)(slice_batch(v, start, end) for v in batch)
+        return _rebuild(batch, [slice_batch(v, start, end) for v in batch])
     return batch
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def _rebuild(batch: tuple[Any, ...] | list[Any], values: list[Any]) -> Any:
+    """A tuple or list of the same type as ``batch`` holding ``values`` (a named tuple's
+    constructor takes its fields as arguments, other sequences one iterable)."""
+    if _is_namedtuple(batch):
+        return type(batch)(*values)
+    return type(batch)(values)
 
 
 @dataclass
