@@ -18,6 +18,7 @@ from phalanx.events import (
     EpochEnded,
     EpochStarted,
     Event,
+    Fanout,
     Notice,
     Resumed,
     RunEnded,
@@ -331,3 +332,92 @@ def test_default_sinks_with_and_without_run_dir(tmp_path: Path) -> None:
         "valid/accuracy",
     ]
     assert "Learner Summary" in console.file.getvalue()  # type: ignore[attr-defined]
+
+
+# -- a sink that raises -------------------------------------------------------------------------
+
+
+class Recording:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.closed = False
+
+    def handle(self, event: Event) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class RaisesOnStep(Recording):
+    """Raises on every StepEnded: it must be called once for it, then never again."""
+
+    def handle(self, event: Event) -> None:
+        super().handle(event)
+        if isinstance(event, StepEnded):
+            raise RuntimeError("display gone")
+
+
+def test_a_sink_that_raises_is_named_once_to_the_others_and_switched_off() -> None:
+    first, broken, last = Recording(), RaisesOnStep(), Recording()
+    emit = Fanout([first, broken, last])
+    events = full_run()
+    for e in events:
+        emit(e)
+    emit.close()
+
+    steps = [i for i, e in enumerate(events) if isinstance(e, StepEnded)]
+    assert broken.events == events[: steps[0] + 1]  # nothing after the event that raised
+    assert not broken.closed
+    for sink in (first, last):
+        notices = [e for e in sink.events if isinstance(e, Notice) and "sink" in e.text]
+        assert len(notices) == 1, sink.events
+        assert notices[0].level == "warning"
+        assert "sink RaisesOnStep raised RuntimeError: display gone" in notices[0].text
+        assert "on a StepEnded event" in notices[0].text
+        assert "switched off" in notices[0].text
+        at = sink.events.index(notices[0])
+        assert sink.events[at - 1] is events[steps[0]]  # right after the event that raised
+        assert [e for e in sink.events if e is not notices[0]] == events
+        assert sink.closed
+    assert [(s, type(x)) for s, x in emit.broken] == [(broken, RuntimeError)]
+
+
+def test_a_sink_that_raises_during_fit_does_not_stop_training() -> None:
+    import torch
+    from torch import nn
+
+    import phalanx as px
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+    good, broken = Recording(), RaisesOnStep()
+    learner = px.Learner(lambda: nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1), px.mse_step)
+    result = learner.fit(data, epochs=2, batch_size=4, sinks=[broken, good])
+    assert result.steps == 8
+    notices = [e for e in good.events if isinstance(e, Notice)]
+    assert [n.text.split(";")[0] for n in notices] == [
+        "sink RaisesOnStep raised RuntimeError: display gone on a StepEnded event"
+    ]
+    assert len([e for e in good.events if isinstance(e, StepEnded)]) == 8
+    assert len([e for e in broken.events if isinstance(e, StepEnded)]) == 1
+
+
+def test_fit_with_an_empty_run_dir_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_dir="" is no run_dir: the default sinks write no events.jsonl or metrics.csv into
+    the current directory, and no checkpoints or ledger go there either."""
+    import torch
+    from torch import nn
+
+    import phalanx as px
+
+    monkeypatch.chdir(tmp_path)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+    learner = px.Learner(lambda: nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1), px.mse_step)
+    result = learner.fit(
+        data, epochs=1, batch_size=4, run_dir="", checkpoint=px.Checkpoints(every_steps=1)
+    )
+    assert result.steps == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert result.run_dir is None

@@ -143,20 +143,35 @@ def to_record(event: Event) -> dict[str, Any]:
 
 
 class Fanout:
-    """Sends each event to every sink. A sink that raises is dropped (and named once),
-    so a broken display never stops training."""
+    """Sends each event to every sink. A sink that raises is switched off and named once, in
+    a warning :class:`Notice` to the remaining sinks (which sink, its exception), so a broken
+    display never stops training. ``broken`` keeps each failed sink with its exception (also
+    those whose ``close()`` raised, when there is nobody left to tell)."""
 
     def __init__(self, sinks: list[Sink]) -> None:
         self.sinks = list(sinks)
         self.broken: list[tuple[Sink, BaseException]] = []
 
     def __call__(self, event: Event) -> None:
+        failed: list[tuple[Sink, Exception]] = []
         for sink in list(self.sinks):
             try:
                 sink.handle(event)
             except Exception as exc:  # a sink must not kill training
-                self.sinks.remove(sink)
+                try:
+                    self.sinks.remove(sink)
+                except ValueError:  # another thread's event switched it off first
+                    continue
                 self.broken.append((sink, exc))
+                failed.append((sink, exc))
+        for sink, exc in failed:  # after the event: every remaining sink has had it
+            self(
+                Notice(
+                    f"sink {type(sink).__name__} raised {type(exc).__name__}: {exc} on a "
+                    f"{type(event).__name__} event; it is switched off for the rest of the run",
+                    level="warning",
+                )
+            )
 
     def close(self) -> None:
         for sink in self.sinks:

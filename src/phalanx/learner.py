@@ -104,7 +104,9 @@ class Learner:
         anything starts when the configuration is wrong, and TrainingFailed when a worker
         failed and the run could not go on. Interrupts (SIGINT, SIGTERM, :meth:`stop`) are
         not failures: the run checkpoints and returns with ``interrupted`` set.
+        ``run_dir=""`` is the same as None: nothing is written.
         """
+        run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
         labels = parse_devices(devices)
         config = FitConfig(
             epochs,
