@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -282,6 +283,51 @@ def test_early_stopping_on_an_unknown_metric_is_raised_before_training() -> None
     assert steps == [], f"raised only after {len(steps)} training steps"
 
 
+@pytest.mark.parametrize(
+    ("keep_best", "with_valid"),
+    [("valid/acurracy", True), ("valid/accuracy", False), ("accuracy", True)],
+    ids=["typo", "valid key without valid=", "no prefix"],
+)
+def test_keep_best_on_an_unknown_key_is_raised_before_training(
+    tmp_path: Path, keep_best: str, with_valid: bool
+) -> None:
+    """Checkpoints(keep_best=...) is checked like EarlyStopping's metric: same class and
+    code, the known keys in the message, before any step or checkpoint."""
+    rec = Recorder()
+    lrn = px.Learner(make_model, make_optimizer, classify_step, metrics=[px.metrics.Accuracy()])
+    with pytest.raises(InvalidSettingError) as info:
+        lrn.fit(
+            dataset(),
+            dataset(16) if with_valid else None,
+            batch_size=8,
+            run_dir=str(tmp_path / "run"),
+            checkpoint=px.Checkpoints(every_steps=1, keep_best=keep_best),
+            sinks=[rec],
+        )
+    err = info.value
+    assert err.code == "PX108"
+    assert f"keep_best {keep_best!r} is not in the epoch results" in err.message
+    known = "train/accuracy, train/loss, train/lr"
+    if with_valid:
+        known += ", valid/accuracy, valid/loss"
+    assert f"epoch results ({known})" in err.message  # the known keys
+    assert "add valid= to fit()" in err.message
+    assert not rec.events
+    assert not (tmp_path / "run").exists()
+
+
+def test_keep_best_on_a_known_key_trains() -> None:
+    lrn = px.Learner(make_model, make_optimizer, classify_step, metrics=[px.metrics.Accuracy()])
+    result = lrn.fit(
+        dataset(),
+        dataset(16),
+        batch_size=8,
+        checkpoint=px.Checkpoints(keep_best="valid/accuracy"),
+        sinks=[],
+    )
+    assert result.steps == N // 8
+
+
 def test_early_stopping_on_a_valid_metric_without_valid_names_the_fix() -> None:
     es = px.EarlyStopping("valid/loss")
     with pytest.raises(InvalidSettingError, match=r"add valid= to fit\(\)") as info:
@@ -390,8 +436,9 @@ def test_state_dict_round_trip() -> None:
 
 
 def test_early_stop_end_to_end() -> None:
-    """lr=0: the validation loss never improves, so with patience 2 the run stops after
-    epoch 2 of 10, with a Notice, not as an interruption."""
+    """lr=0: the validation loss never improves, so with patience 2 the run stops after 3
+    of 10 epochs (epoch 0 sets the best, epochs 1 and 2 use up the patience), with a Notice,
+    not as an interruption."""
     es = px.EarlyStopping("valid/loss", patience=2)
     rec = Recorder()
     lrn = px.Learner(make_model, frozen_optimizer, classify_step, metrics=[px.metrics.Accuracy()])

@@ -46,6 +46,7 @@ def validate_fit(
     _validate_strategy(config)
     _validate_faults(config)
     _validate_early_stopping(spec, config, has_valid)
+    _validate_keep_best(spec, config, has_valid)
     if config.strategy == "ddp":
         _validate_picklable(spec)
         _validate_main_guard()
@@ -138,18 +139,26 @@ def _validate_faults(config: FitConfig) -> None:
 def _validate_early_stopping(spec: TrainSpec, config: FitConfig, has_valid: bool) -> None:
     """The metric must be a key of the epoch results: ``train/<metric>``, ``train/lr`` and,
     with a validation set, ``valid/<metric>`` (the same keys the loop's history gets)."""
-    stopping = config.early_stopping
-    if stopping is None:
-        return
+    if config.early_stopping is not None:
+        _check_history_key("EarlyStopping metric", config.early_stopping.metric, spec, has_valid)
+
+
+def _validate_keep_best(spec: TrainSpec, config: FitConfig, has_valid: bool) -> None:
+    """``Checkpoints(keep_best=...)`` names an epoch result too, checked the same way."""
+    keep_best = config.checkpoint.keep_best if config.checkpoint is not None else None
+    if keep_best is not None:
+        _check_history_key("Checkpoints keep_best", keep_best, spec, has_valid)
+
+
+def _check_history_key(what: str, key: str, spec: TrainSpec, has_valid: bool) -> None:
     names = [m.name for m in spec.summed_metrics()]
     known = [f"train/{n}" for n in names] + ["train/lr"]
     if has_valid:
         known += [f"valid/{n}" for n in names]
-    if stopping.metric not in known:
+    if key not in known:
         raise InvalidSettingError(
-            f"EarlyStopping metric {stopping.metric!r} is not in the epoch results "
-            f"({', '.join(sorted(known))}); pass one of those (add valid= to fit() for "
-            "valid/ metrics)"
+            f"{what} {key!r} is not in the epoch results ({', '.join(sorted(known))}); pass "
+            "one of those (add valid= to fit() for valid/ metrics)"
         )
 
 
