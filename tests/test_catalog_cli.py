@@ -158,3 +158,26 @@ def test_python_dash_m_phalanx_explain() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("PX204: poison batch")
     assert catalog.CATALOG["PX204"].title in result.stdout
+
+
+def test_cli_demo_without_scikit_learn_names_the_install_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for name in [n for n in sys.modules if n == "sklearn" or n.startswith("sklearn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # any import of it now fails
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--run-dir", str(tmp_path / "run"), "--epochs", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1, captured.err
+    assert "scikit-learn" in captured.err
+    assert "pip install 'phalanx[demo]'" in captured.err
+    assert "demo" in extras_in_pyproject()  # the extra the message names exists
+    assert list(tmp_path.iterdir()) == []
+
+
+def extras_in_pyproject() -> list[str]:
+    text = (SRC.parent / "pyproject.toml").read_text()
+    block = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return re.findall(r"^(\w+) = ", block, flags=re.M)

@@ -35,6 +35,15 @@ def _demo(args: argparse.Namespace) -> int:
     except PhalanxError as exc:
         print(str(exc), file=sys.stderr)
         return 1
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] != "sklearn":
+            raise
+        print(
+            "phalanx demo needs scikit-learn (its digits data set), which is not installed: "
+            "pip install 'phalanx[demo]'",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print("phalanx demo: interrupted", file=sys.stderr)
         return 130
