@@ -97,6 +97,7 @@ CASES: list[tuple[str, type[ConfigError], str, dict[str, Any], str]] = [
     ("batch-neg", BatchSizeError, "PX102", {"batch_size": -3}, r"it must be >= 1"),
     ("strategy", UnknownStrategyError, "PX103", {"strategy": "magic"}, r"use one of single"),
     ("gpu:x", DeviceSpecError, "PX104", {"devices": "gpu:x"}, r"write e\.g\. cpu, cpu:1, cuda:0"),
+    ("meta", DeviceSpecError, "PX104", {"devices": "meta"}, r"use one of cpu, cuda, mps, xpu"),
     (
         "too-small",
         EpochTooShortError,
@@ -341,6 +342,8 @@ def test_early_stopping_settings(kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidSettingError, match="patience >= 1, min_delta >= 0") as info:
         px.EarlyStopping(**kwargs)
     assert info.value.code == "PX108"
+    ((name, value),) = kwargs.items()
+    assert info.value.message.startswith(f"EarlyStopping({name}={value!r}):")  # the wrong one
 
 
 @pytest.mark.parametrize(

@@ -342,6 +342,14 @@ class _Broken(Accuracy):
         return super().state(output, samples)
 
 
+class _ThirdClass(Accuracy):
+    name = "third"
+
+    def state(self, output: StepOutput, samples: int) -> torch.Tensor:
+        assert output.outputs is not None
+        return output.outputs[:, 2].sum().view(1).double()  # IndexError for 2 classes
+
+
 def test_a_metric_that_raises_is_named_with_its_method_and_the_original_error() -> None:
     from phalanx.errors import MetricError
 
@@ -350,6 +358,15 @@ def test_a_metric_that_raises_is_named_with_its_method_and_the_original_error() 
         pack_states(metrics, StepOutput(torch.tensor(1.0)), 2)
     assert "metric 'broken' (_Broken.state) raised KeyError: 'outputs'" in str(info.value)
     assert info.value.code == "PX121"
+    # the fix: what the step returned, and the StepOutput a metric of outputs needs
+    assert "check 'broken' against the step's outputs and targets (outputs None, targets None)" in (
+        info.value.message
+    )
+    assert "px.StepOutput(loss=..., outputs=..., targets=...)" in info.value.message
+    two_classes = StepOutput(torch.tensor(1.0), torch.zeros(4, 2), torch.zeros(4))
+    with pytest.raises(MetricError, match=r"\(outputs \(4, 2\), targets \(4,\)\)"):
+        pack_states([_ThirdClass()], two_classes, 4)
     output = StepOutput(torch.tensor(1.0), torch.eye(2), torch.tensor([0, 1]))
-    with pytest.raises(MetricError, match=r"metric 'broken' \(_Broken.compute\) raised"):
+    with pytest.raises(MetricError, match=r"metric 'broken' \(_Broken.compute\) raised") as info:
         compute_all(metrics, pack_states(metrics, output, 2))
+    assert "check 'broken''s compute() against the summed state" in info.value.message

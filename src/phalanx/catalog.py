@@ -406,8 +406,9 @@ _ENTRIES = [
         code="PX121",
         title="a metric raised",
         meaning="A metric's state() (run on every batch) or compute() (run on the summed "
-        "state) raised. The report names the metric and quotes its exception; training "
-        "stops, since the same metric would fail on any worker.",
+        "state) raised. The report names the metric, quotes its exception and gives the "
+        "shapes of the step's outputs and targets to check it against; training stops, "
+        "since the same metric would fail on any worker.",
         when="During training (phase metrics) or at the end of an epoch, when metric values "
         "are computed for the progress display and the history.",
         causes=[

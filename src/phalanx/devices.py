@@ -19,6 +19,7 @@ from phalanx.errors import (
 )
 
 DeviceSpec = str | torch.device | Sequence[str | torch.device]
+SUPPORTED_TYPES = ("cpu", "cuda", "mps", "xpu")  # torch device types a label may name
 
 
 def parse_devices(spec: DeviceSpec) -> list[str]:
@@ -61,8 +62,11 @@ def _canonical(item: str | torch.device) -> str:
         raise DeviceSpecError(
             f"cannot read device {str(item)!r} ({exc}); write e.g. cpu, cpu:1, cuda:0 or auto"
         ) from None
-    if dev.type not in ("cpu", "cuda", "mps", "xpu"):
-        raise DeviceSpecError(f"device type {dev.type!r} is not supported; use cpu or cuda")
+    if dev.type not in SUPPORTED_TYPES:
+        raise DeviceSpecError(
+            f"device type {dev.type!r} is not supported; use one of {', '.join(SUPPORTED_TYPES)} "
+            "(e.g. cpu, cpu:1, cuda:0) or auto"
+        )
     if dev.type == "cuda" and dev.index is None:
         return "cuda:0"
     return text if dev.index is not None else dev.type

@@ -24,9 +24,19 @@ class EarlyStopping:
     bad_epochs: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if self.patience < 1 or self.min_delta < 0 or self.warmup < 0:
+        wrong = [
+            f"{name}={value!r}"
+            for name, value, ok in (
+                ("patience", self.patience, self.patience >= 1),
+                ("min_delta", self.min_delta, self.min_delta >= 0),
+                ("warmup", self.warmup, self.warmup >= 0),
+            )
+            if not ok
+        ]
+        if wrong:
             raise InvalidSettingError(
-                "EarlyStopping needs patience >= 1, min_delta >= 0 and warmup >= 0"
+                f"EarlyStopping({', '.join(wrong)}): it needs patience >= 1, min_delta >= 0 "
+                "and warmup >= 0"
             )
 
     def direction(self) -> str:

@@ -50,7 +50,7 @@ def pack_states(metrics: list[Metric], output: StepOutput, samples: int) -> torc
     """
     parts: list[torch.Tensor] = []
     for m in metrics:
-        with _named(m, "state"):
+        with _named(m, "state", output):
             s = m.state(output, samples)
         if s.ndim != 1 or s.numel() != m.size():
             raise InvalidSettingError(
@@ -87,14 +87,40 @@ def compute_all(metrics: list[Metric], state: torch.Tensor) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _named(metric: Metric, method: str) -> Iterator[None]:
-    """An exception in a metric's method becomes a MetricError that names the metric."""
+def _named(metric: Metric, method: str, output: StepOutput | None = None) -> Iterator[None]:
+    """An exception in a metric's method becomes a MetricError that names the metric and
+    what to check: for ``state``, what the step returned (``output``)."""
     try:
         yield
     except (PhalanxError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
+        if method == "state":
+            hint = (
+                f"check {metric.name!r} against the step's outputs and targets "
+                f"({_shapes(output)}); a metric that needs them requires the step to return "
+                "px.StepOutput(loss=..., outputs=..., targets=...)"
+            )
+        else:
+            hint = (
+                f"check {metric.name!r}'s compute() against the summed state its state() "
+                "builds from the step's outputs and targets (e.g. an epoch with no samples)"
+            )
         raise MetricError(
             f"metric {metric.name!r} ({type(metric).__name__}.{method}) raised "
-            f"{type(exc).__name__}: {exc}"
+            f"{type(exc).__name__}: {exc}; {hint}"
         ) from exc
+
+
+def _shapes(output: StepOutput | None) -> str:
+    """``outputs (8, 10), targets (8,)``; None for what the step did not return."""
+    if output is None:
+        return "not known"
+    parts = []
+    for name in ("outputs", "targets"):
+        value = getattr(output, name)
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{name} {tuple(value.shape)}")
+        else:
+            parts.append(f"{name} {'None' if value is None else type(value).__name__}")
+    return ", ".join(parts)
