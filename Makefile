@@ -1,6 +1,7 @@
 # Development entry points. Every target that runs code creates .venv on first use:
-# torch pinned first (a CPU build where the machine has one), then this package with its
-# dev extras. The stamp file makes later runs skip the install until pyproject.toml changes.
+# torch pinned first (the torch==2.13.0 build that pip finds: a local CPU build where pip is
+# configured with one, as on the development machine), then this package with its dev
+# extras. The stamp file makes later runs skip the install until pyproject.toml changes.
 
 PYTHON ?= python3
 VENV := .venv

@@ -164,10 +164,10 @@ class Fanout:
                     continue
                 self.broken.append((sink, exc))
                 failed.append((sink, exc))
-        for sink, exc in failed:  # after the event: every remaining sink has had it
+        for sink, error in failed:  # after the event: every remaining sink has had it
             self(
                 Notice(
-                    f"sink {type(sink).__name__} raised {type(exc).__name__}: {exc} on a "
+                    f"sink {type(sink).__name__} raised {type(error).__name__}: {error} on a "
                     f"{type(event).__name__} event; it is switched off for the rest of the run",
                     level="warning",
                 )
