@@ -4,11 +4,14 @@ fix, raised in the caller's process before any step runs. Plus early stopping.""
 from __future__ import annotations
 
 import math
+import multiprocessing
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -16,15 +19,20 @@ from torch.utils.data import TensorDataset
 
 import phalanx as px
 from phalanx.catalog import lookup
+from phalanx.devices import check_free_memory
 from phalanx.errors import (
     BatchSizeError,
+    BatchSmallerThanWorkersError,
     ConfigError,
+    DatasetNotPicklableError,
+    DeviceBusyError,
     DeviceSpecError,
     DeviceUnavailableError,
     DuplicateDeviceError,
     EmptyDatasetError,
     EpochTooShortError,
     InvalidSettingError,
+    MixedDeviceTypesError,
     NoDevicesError,
     RunDirInUseError,
     UnknownStrategyError,
@@ -87,6 +95,58 @@ def learner(step: Callable[[nn.Module, Any], Any] = train_step) -> px.Learner:
     return px.Learner(make_model, make_optimizer, step)
 
 
+class LockedDataset(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A module-level dataset holding a lock (as one holding an open file or a connection
+    would): it cannot be pickled, so no ddp worker could get a copy."""
+
+    def __init__(self, n: int = N) -> None:
+        self.data = dataset(n)
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i]
+
+
+def local_class_dataset() -> torch.utils.data.Dataset[Any]:
+    """A dataset whose class is defined inside a function: pickle cannot name it."""
+
+    class Local(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, i: int) -> Any:
+            return torch.zeros(4), 0
+
+    return Local()
+
+
+@pytest.fixture
+def process_starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of the processes fit() tried to start (through the spawn context ddp
+    uses); a start is refused, so a check that comes too late fails the test at once."""
+    started: list[str] = []
+    before = multiprocessing.active_children()
+
+    def start(self: Any) -> None:
+        started.append(self.name)
+        raise RuntimeError(f"process {self.name} started before the configuration error")
+
+    monkeypatch.setattr(torch.multiprocessing.get_context("spawn").Process, "start", start)
+    yield started
+    assert multiprocessing.active_children() == before
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch sees two CUDA devices, whatever this machine has: the device checks before
+    launch only ask torch.cuda.is_available() and torch.cuda.device_count()."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
 # --- ConfigErrors before anything starts -------------------------------------------------
 
 
@@ -135,16 +195,72 @@ CASES: list[tuple[str, type[ConfigError], str, dict[str, Any], str]] = [
         r"pass epochs >= 1",
     ),
 ]
+# The same mistakes under ddp (where a late check would start worker processes), except
+# those about the strategy itself; and the ddp-only ones.
+DDP = {"strategy": "ddp"}
+DDP_CASES = [
+    (f"ddp-{name}", cls, code, {**DDP, **kwargs}, fix)
+    for name, cls, code, kwargs, fix in CASES
+    if name not in ("strategy", "single-two-devices")
+] + [
+    (
+        "ddp-batch-smaller-than-devices",
+        BatchSmallerThanWorkersError,
+        "PX113",
+        {**DDP, "devices": "cpu:0,cpu:1,cpu:2", "batch_size": 2},
+        r"GLOBAL batch: raise it to at least 3",
+    ),
+    (
+        "ddp-preflight-fault-without-preflight",
+        InvalidSettingError,
+        "PX108",
+        {
+            **DDP,
+            "devices": "cpu:0,cpu:1",
+            "preflight": False,
+            "faults": [px.Fault("kill", worker=1, step=0, phase="preflight")],
+        },
+        r'preflight fault needs strategy="ddp" and preflight=True',
+    ),
+    (
+        "ddp-train-not-picklable",
+        DatasetNotPicklableError,
+        "PX119",
+        {**DDP, "devices": "cpu:0,cpu:1", "train": LockedDataset()},
+        r"the training dataset \(LockedDataset\) cannot be pickled .*_thread\.lock.*"
+        r"Define the Dataset class at module level, keep tensors",
+    ),
+    (
+        "ddp-valid-not-picklable",
+        DatasetNotPicklableError,
+        "PX119",
+        {**DDP, "devices": "cpu:0,cpu:1", "valid": LockedDataset(8)},
+        r"the validation dataset \(LockedDataset\) cannot be pickled",
+    ),
+    (
+        "ddp-dataset-class-in-a-function",
+        DatasetNotPicklableError,
+        "PX119",
+        {**DDP, "train": local_class_dataset()},
+        r"\(local_class_dataset\.<locals>\.Local\) cannot be pickled.*Can't pickle local "
+        r"object.*module level",
+    ),
+]
+ALL_CASES = CASES + DDP_CASES
 
 
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
-    ("cls", "code", "kwargs", "fix"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+    ("cls", "code", "kwargs", "fix"), [c[1:] for c in ALL_CASES], ids=[c[0] for c in ALL_CASES]
 )
 def test_config_error_before_anything_starts(
-    cls: type[ConfigError], code: str, kwargs: dict[str, Any], fix: str
+    cls: type[ConfigError],
+    code: str,
+    kwargs: dict[str, Any],
+    fix: str,
+    process_starts: list[str],
 ) -> None:
-    rec = Recorder()
-    args = {"batch_size": 8, "sinks": [rec], **kwargs}
+    args = {"batch_size": 8, "sinks": [], **kwargs}
     train = args.pop("train", dataset())
     with pytest.raises(cls) as info:
         learner().fit(train, **args)
@@ -156,7 +272,94 @@ def test_config_error_before_anything_starts(
     assert text.startswith(f"[{code}] ")
     assert f"phalanx explain {code}" in text
     assert lookup(code).fixes  # `phalanx explain` has something to say
-    assert rec.events == []  # raised before any event, step, thread or process
+    assert process_starts == []  # raised before any worker process was started
+
+
+def test_the_ddp_dataset_check_does_not_copy_tensors_or_arrays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check pickles like spawn but skips tensors and numeric arrays (they always
+    pickle): 64 MiB of each cost a few bytes, not a copy, and the tensors are not moved to
+    shared memory by the check (as spawn's own pickling would do)."""
+    from phalanx import validate
+
+    written: list[int] = []
+
+    def write(self: Any, data: bytes) -> int:
+        written.append(len(data))
+        return len(data)
+
+    monkeypatch.setattr(validate._Discard, "write", write)
+    tensors = TensorDataset(torch.zeros(2**22, 4))  # 64 MiB of float32
+    arrays = [np.zeros((2**20, 8))]  # 64 MiB of float64 (anything with a len() passes here)
+    validate._validate_datasets_picklable({"training": tensors, "validation": arrays})
+    assert 0 < sum(written) < 2**16
+    assert not tensors.tensors[0].is_shared()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("devices", ["cpu:0,cuda:0", "cuda:1,cpu:0,cuda:0"])
+def test_ddp_refuses_cuda_mixed_with_cpu(
+    devices: str, two_gpus: None, process_starts: list[str]
+) -> None:
+    with pytest.raises(MixedDeviceTypesError) as info:
+        learner().fit(dataset(), batch_size=8, devices=devices, strategy="ddp", sinks=[])
+    err = info.value
+    assert err.code == "PX123"
+    assert "would join the group over NCCL" in err.message
+    cuda = ",".join(d for d in devices.split(",") if d.startswith("cuda"))
+    assert f'list only CUDA devices (devices="{cuda}") or only CPU workers' in err.message
+    assert lookup("PX123").fixes
+    assert process_starts == []
+
+
+GiB = 2**30
+
+
+@pytest.mark.timeout(30)
+def test_a_busy_gpu_is_named_before_launch(
+    two_gpus: None, monkeypatch: pytest.MonkeyPatch, process_starts: list[str]
+) -> None:
+    """min_free_memory: a CUDA device with less free memory is named (PX117) with the fix,
+    before any worker starts; every device in the list is asked."""
+    asked: list[int | None] = []
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        index = torch.device(device).index
+        asked.append(index)
+        return (30 * GiB if index == 0 else 2 * GiB), 80 * GiB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    with pytest.raises(DeviceBusyError) as info:
+        learner().fit(
+            dataset(), batch_size=8, devices="cuda:0,cuda:1", strategy="ddp", sinks=[],
+            min_free_memory=10 * GiB,
+        )  # fmt: skip
+    err = info.value
+    assert err.code == "PX117"
+    assert "device cuda:1 has 2.0 GiB free of 80.0 GiB" in err.message
+    assert "less than min_free_memory=10.0 GiB" in err.message
+    assert "nvidia-smi" in err.message and "pick another device or free it" in err.message
+    assert "cuda:0" not in err.message  # the device with room is not blamed
+    assert asked == [0, 1]
+    assert process_starts == []
+
+
+def test_enough_free_memory_passes_and_cpu_devices_are_not_asked(
+    two_gpus: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[int | None] = []
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        asked.append(torch.device(device).index)
+        return 30 * GiB, 80 * GiB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    check_free_memory(["cuda:0", "cpu:1", "cuda:1"], 10 * GiB)  # raises nothing
+    assert asked == [0, 1]
+    check_free_memory(["cuda:0", "cuda:1"], None)  # min_free_memory not set: nothing asked
+    check_free_memory(["cuda:0", "cuda:1"], 0)
+    assert asked == [0, 1]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 7, reason="this machine has a cuda:7")

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import nn
 
 import phalanx as px
 from ddp_helpers import (
+    exit_on_sample,
     make_data,
     mlp,
     model_needing_a_missing_package,
@@ -35,6 +37,7 @@ from ddp_helpers import (
     wrong_shape_step,
 )
 from phalanx.events import CheckpointSkipped, Event, Resumed, StepEnded
+from phalanx.plan import Plan
 from phalanx.report import is_secondary
 from procs import alive, child_env, children, is_resource_tracker
 
@@ -177,10 +180,23 @@ EXPECTED = {
     # (doubling each time, 22 samples: 5 splits); one that still fails at one sample per
     # micro-batch is retried once, then it is a poison batch.
     "oom": ("oom", "PX203", 99),
+    # Not a px.Fault: the step calls os._exit(EXIT_CODE) (tests/ddp_helpers.exit_on_sample).
+    "exit": ("crash", "PX201", 1),
 }
+EXIT_CODE = 7
+
+
+class ShareMissing(AssertionError):
+    """A failure in a step phase whose sample_indices are not the worker's share of the
+    global batch (checked last, so that an expected failure of this check alone can be
+    marked xfail while every other check of the case still runs)."""
+
+
+# Phases of a step's local work and vote: the failed worker was computing its share.
+STEP_PHASES = ("data", "forward", "backward", "metrics", "sync")
 # Stop at the first fallen worker (the default, respawn, would train on).
 ABORT = px.Recovery(mode="abort")
-CASES = [(kind, rank, "forward") for kind in EXPECTED for rank in (0, 1)] + [
+CASES = [(kind, rank, "forward") for kind in EXPECTED if kind != "exit" for rank in (0, 1)] + [
     ("exception", 1, "backward"),  # in the middle of backward: the group is rebuilt to retry
     ("exception", 0, "backward"),
     ("exception", 0, "data"),
@@ -189,8 +205,42 @@ CASES = [(kind, rank, "forward") for kind in EXPECTED for rank in (0, 1)] + [
     ("kill", 0, "sync"),
     ("hang", 1, "backward"),
     ("hang", 0, "data"),
+    ("exception", 1, "optimizer"),  # outside the vote: not retried, the run stops at once
+    ("exception", 0, "validation"),  # in the validation after the epoch's last step
+    pytest.param(
+        "exception",
+        1,
+        "sync",
+        marks=pytest.mark.xfail(
+            strict=True,
+            raises=ShareMissing,
+            reason="an exception in phase sync carries no sample_indices (DdpEngine.attempt "
+            "builds it without the share; a kill or hang there gets it from the supervisor), "
+            "so a poison batch in sync reports 'samples none'",
+        ),
+    ),
+    ("oom", 0, "backward"),  # mid-backward: split down to one sample, retried, then poison
+    ("kill", 1, "data"),
+    ("hang", 0, "sync"),  # the peer waits in the vote, at the same step and phase
+    ("exit", 1, "forward"),  # an exit code without a signal
 ]
-CASE_IDS = ["-".join(map(str, case)) for case in CASES]
+CASE_IDS = ["-".join(map(str, getattr(case, "values", case))) for case in CASES]
+PLAN = Plan(len(DATA), FIT["batch_size"], FIT["seed"])  # the plan every fault case trains on
+
+
+def expected(kind: str, phase: str) -> tuple[str, str, int]:
+    """(root cause kind, code, times) of a fault case. An exception in the optimizer or in
+    validation is not a step's failed attempt: it fails the run at once (PX200)."""
+    if kind == "exception" and phase in ("optimizer", "validation"):
+        return "exception", "PX200", 1
+    return EXPECTED[kind]
+
+
+def expected_nccl() -> str | None:
+    """The NCCL version failures.json reports: torch's, where CUDA is available."""
+    if not torch.cuda.is_available():
+        return None
+    return ".".join(str(v) for v in torch.cuda.nccl.version())
 
 
 @pytest.mark.timeout(90)
@@ -198,17 +248,31 @@ CASE_IDS = ["-".join(map(str, case)) for case in CASES]
 def test_fault_is_named_within_seconds(
     kind: str, rank: int, phase: str, ddp2_run: tuple[px.FitResult, float], tmp_path: Path
 ) -> None:
-    root_kind, code, times = EXPECTED[kind]
-    fault = px.Fault(kind, worker=rank, step=FAULT_STEP, phase=phase, times=times)
+    root_kind, code, times = expected(kind, phase)
+    share = PLAN.local_batch(0, FAULT_STEP, rank, 2)  # epoch 0: the step is in the first epoch
+    if kind == "exit":
+        step: Any = partial(exit_on_sample, DATA[share[0]][0], EXIT_CODE)
+        faults = []
+    else:
+        step = mse_step
+        faults = [px.Fault(kind, worker=rank, step=FAULT_STEP, phase=phase, times=times)]
+    # A validation fault fires in the validation after the epoch's last step (the step it
+    # names has passed by then); every other case fails in step FAULT_STEP.
+    in_validation = phase == "validation"
+    last_good = PLAN.steps if in_validation else FAULT_STEP  # committed steps before the fault
+    # The optimizer phase comes after the step's vote: rank 0 (whose StepEnded the sinks
+    # get) commits the step when another rank's optimizer is the one that raises.
+    committed = last_good + (1 if phase == "optimizer" and rank != 0 else 0)
     steps = StepTimes()
     run_dir = tmp_path / "run"
     started = time.time()
     with pytest.raises(px.TrainingFailed) as info:
-        learner().fit(
+        learner(step).fit(
             DATA,
+            VALID if in_validation else None,
             devices=TWO,
             strategy="ddp",
-            faults=[fault],
+            faults=faults,
             hang_timeout=HANG_TIMEOUT,
             on_failure=ABORT,
             run_dir=str(run_dir),
@@ -222,14 +286,15 @@ def test_fault_is_named_within_seconds(
     # right after it) to the raised report; and the whole fit no slower than a clean run
     # plus that (the clean run trains 60 steps; startup varies by a few seconds).
     allowance = HANG_TIMEOUT.total_seconds() if kind == "hang" else 0.0
-    assert max(steps.ended) == FAULT_STEP
-    assert decided - steps.ended[FAULT_STEP] < allowance + DECISION_S
+    assert max(steps.ended) == committed
+    assert decided - steps.ended[last_good] < allowance + DECISION_S
     clean_wall = ddp2_run[1]
     assert decided - started < clean_wall + allowance + DECISION_S
 
     # One report whose first line names the root cause.
     first = str(err).splitlines()[0]
-    for part in (f"device cpu:{rank}", f"rank {rank}", f"step {FAULT_STEP}", f"({phase})"):
+    at = "in validation of epoch 0" if in_validation else f"step {FAULT_STEP}"
+    for part in (f"device cpu:{rank}", f"rank {rank}", at, f"({phase})"):
         assert part in first, (part, first)
     if kind == "exception":
         assert "InjectedFault: injected exception" in first
@@ -238,7 +303,7 @@ def test_fault_is_named_within_seconds(
     root = err.root_cause
     assert (root.kind, root.rank, root.worker) == (root_kind, rank, rank)
     assert root.device == f"cpu:{rank}"
-    assert (root.step, root.phase) == (FAULT_STEP, phase)
+    assert (root.step, root.phase) == (None if in_validation else FAULT_STEP, phase)
     assert err.code == code
     assert not is_secondary(root)
     assert "by peer" not in root.message.lower()
@@ -249,14 +314,9 @@ def test_fault_is_named_within_seconds(
         assert [f.action for f in mine] == ["split"] * splits + ["retried", "aborted"]
         assert root is mine[0]
         assert "poison batch" in str(err)
-    if kind == "kill":
-        assert root.signal == signal.SIGKILL
-        assert root.exit_code is None
-    if kind == "hang":
-        assert root.stacks is not None
-        assert "faults.py" in root.stacks
-        assert "in fire" in root.stacks
-        assert "Stacks of the hung worker" in str(err)
+    else:
+        assert root.action == "aborted"
+    _check_what_the_worker_left(kind, err)
     for other in err.failures:  # the survivor only ever saw the consequences
         if other.rank != rank:
             assert is_secondary(other), other
@@ -264,17 +324,46 @@ def test_fault_is_named_within_seconds(
     doc = json.loads((run_dir / "failures.json").read_text())
     assert doc["root_cause"]["rank"] == rank
     assert doc["root_cause"]["kind"] == root_kind
-    assert doc["root_cause"]["step"] == FAULT_STEP
+    assert doc["root_cause"]["step"] == root.step
+    assert doc["root_cause"]["sample_indices"] == root.sample_indices
     env = doc["environment"]
     assert env["devices"] == ["cpu:0", "cpu:1"]
     assert env["torch"] == torch.__version__
     assert env["python"] == platform.python_version()
-    assert (env["cuda"], env["nccl"]) == (torch.version.cuda, None)  # a CPU build here
+    assert (env["cuda"], env["nccl"]) == (torch.version.cuda, expected_nccl())
     assert socket.gethostname() in env["hosts"]
     assert root.host == socket.gethostname() and root.pid is not None and root.pid > 0
     assert f"host {root.host}, pid {root.pid})" in first
     assert root.epoch == 0 and root.time <= decided
     assert len(doc["failures"]) == len(err.failures)
+    if phase in STEP_PHASES and root.sample_indices != share:  # (last: see ShareMissing)
+        raise ShareMissing(f"{root.sample_indices} != the plan's share {share}")
+
+
+def _check_what_the_worker_left(kind: str, err: px.TrainingFailed) -> None:
+    """The root cause's record of how the worker ended: its exception and traceback, its
+    exit code or signal, or (hung) its stacks."""
+    root = err.root_cause
+    if kind in ("exception", "oom"):  # the worker's own exception, with its traceback
+        raised = "InjectedFault" if kind == "exception" else "OutOfMemoryError"
+        assert root.exception_type == raised
+        assert root.traceback is not None
+        assert 'faults.py", line' in root.traceback and "in fire" in root.traceback  # raised here
+        last = root.traceback.rstrip().splitlines()[-1]
+        assert last.startswith(("phalanx.faults.", "torch.")) and raised in last, last
+        assert root.exit_code is None and root.signal is None
+    if kind == "kill":
+        assert root.signal == signal.SIGKILL
+        assert root.exit_code is None
+    if kind == "exit":
+        assert (root.exit_code, root.signal) == (EXIT_CODE, None)
+        assert root.exception_type is None and root.traceback is None
+        assert f"exit code {EXIT_CODE}, signal None" in str(err)
+    if kind == "hang":
+        assert root.stacks is not None
+        assert "faults.py" in root.stacks
+        assert "in fire" in root.stacks
+        assert "Stacks of the hung worker" in str(err)
 
 
 PREFLIGHT = {
@@ -290,6 +379,12 @@ PREFLIGHT = {
         0,
         "OutOfMemoryError",
         "injected out of memory",
+    ),
+    "injected-kill": (  # a death, not an exception: no traceback, the signal instead
+        dict(faults=[px.Fault("kill", worker=1, step=0, phase="preflight")]),
+        1,
+        None,
+        "died from signal SIGKILL",
     ),
     "shape-bug": (dict(step=wrong_shape_step), None, "RuntimeError", "cannot be multiplied"),
     "missing-import": (
@@ -320,14 +415,39 @@ def test_preflight_names_the_device_before_any_collective(case: str, tmp_path: P
     assert err.code == "PX205"
     assert root.phase == "preflight"
     assert root.exception_type == exc_type, root
-    assert root.kind == ("oom" if exc_type == "OutOfMemoryError" else "exception")
-    assert root.traceback is not None and exc_type in root.traceback
+    if exc_type is None:  # the supervisor saw the process die
+        assert (root.kind, root.signal, root.traceback) == ("crash", signal.SIGKILL, None)
+    else:
+        assert root.kind == ("oom" if exc_type == "OutOfMemoryError" else "exception")
+        assert root.traceback is not None and exc_type in root.traceback
     if worker is not None:
         assert (root.worker, root.device) == (worker, f"cpu:{worker}")
     first = str(err).splitlines()[0]
     assert f"device cpu:{root.worker}" in first and "(preflight)" in first and text in first
     assert steps.ended == {}  # no step ran
     assert all(f.phase == "preflight" and f.action == "aborted" for f in err.failures)
+
+
+@pytest.mark.timeout(90)
+def test_without_preflight_a_model_bug_fails_in_step_0_forward() -> None:
+    """preflight=False: no lone forward/backward before the first group. The same shape bug
+    as above is then step 0's forward failure, on every worker (retried once: a poison
+    batch), not a preflight failure."""
+    steps = StepTimes()
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(mlp, sgd, wrong_shape_step).fit(
+            DATA, devices=TWO, strategy="ddp", preflight=False, sinks=[steps], **FIT
+        )
+    err = info.value
+    root = err.root_cause
+    assert (root.step, root.phase, root.exception_type) == (0, "forward", "RuntimeError")
+    assert err.code == "PX204"
+    first = str(err).splitlines()[0]
+    assert f"device cpu:{root.worker}" in first and "at step 0 (forward)" in first
+    assert "cannot be multiplied" in first
+    assert all(f.phase == "forward" and f.step == 0 for f in err.failures), err.failures
+    assert {f.worker for f in err.failures} == {0, 1}
+    assert steps.ended == {}
 
 
 # -- 3. a transient fault is retried and changes nothing -------------------------------------

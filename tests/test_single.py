@@ -5,6 +5,7 @@ equality test compares phalanx with itself; this one pins the loop to torch."""
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, NamedTuple
 
 import pytest
@@ -14,6 +15,7 @@ from torch.utils.data import Dataset
 
 import phalanx as px
 from ddp_helpers import make_data, mse_step
+from phalanx.plan import Plan
 
 DATA = make_data(230, seed=2)
 BATCH, EPOCHS, CLIP = 32, 3, 0.5  # 8 steps an epoch, the last of 6 samples
@@ -187,3 +189,23 @@ def test_structured_batches_reach_the_step_whole_in_every_micro_batch(kind: str)
     assert used == list(range(len(DATA)))
     for mine, ref in zip(result.model.parameters(), plain.model.parameters(), strict=True):
         assert torch.equal(mine, ref)
+
+
+def test_a_failed_run_writes_failures_json(tmp_path: Any) -> None:
+    """strategy="single" writes run_dir/failures.json as ddp and threads do."""
+    fault = px.Fault("exception", worker=0, step=2, phase="forward", times=2)
+    run_dir = tmp_path / "run"
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(model, momentum_sgd, mse_step).fit(
+            DATA, batch_size=BATCH, seed=4, faults=[fault], run_dir=str(run_dir), sinks=[]
+        )
+    err = info.value
+    doc = json.loads((run_dir / "failures.json").read_text())
+    root = doc["root_cause"]
+    assert (root["worker"], root["device"], root["step"], root["phase"]) == (0, "cpu", 2, "forward")
+    assert root["exception_type"] == "InjectedFault" and "injected exception" in root["message"]
+    assert root["sample_indices"] == Plan(len(DATA), BATCH, 4).global_batch(0, 2)
+    assert root == err.root_cause.to_dict()
+    assert [f["action"] for f in doc["failures"]] == ["retried", "aborted"]
+    assert doc["environment"]["devices"] == ["cpu"]
+    assert doc["environment"]["torch"] == torch.__version__

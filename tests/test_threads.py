@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import platform
 import subprocess
 import sys
 import textwrap
@@ -20,6 +22,7 @@ import phalanx as px
 from ddp_helpers import make_data, mlp, mse_step, sgd
 from phalanx.events import Event, StepEnded
 from phalanx.metrics import Metric
+from phalanx.plan import Plan
 from phalanx.step import StepOutput
 
 TWO = "cpu:0,cpu:1"
@@ -147,22 +150,40 @@ def test_transient_exception_is_retried_and_changes_nothing(worker: int) -> None
 
 
 @pytest.mark.timeout(60)
-def test_poison_batch_names_device_step_phase_and_message() -> None:
-    fault = px.Fault(kind="exception", worker=1, step=3, phase="backward", times=2)
+@pytest.mark.parametrize("worker", [1, 0, 2])  # a middle one, the main device, the last
+def test_poison_batch_names_device_step_phase_and_message(worker: int, tmp_path: Any) -> None:
+    fault = px.Fault(kind="exception", worker=worker, step=3, phase="backward", times=2)
+    run_dir = tmp_path / "run"
     with pytest.raises(px.TrainingFailed) as info:
         learner().fit(
-            DATA, devices=THREE, strategy="threads", batch_size=45, sinks=[], faults=[fault]
-        )
+            DATA, devices=THREE, strategy="threads", batch_size=45, sinks=[], faults=[fault],
+            run_dir=str(run_dir),
+        )  # fmt: skip
     err = info.value
     first = str(err).splitlines()[0]
-    assert "device cpu:1" in first
+    assert f"device cpu:{worker}" in first
     assert "step 3" in first
     assert "(backward)" in first
     assert "injected exception" in first
-    assert err.root_cause.worker == 1
-    assert err.root_cause.kind == "exception"
+    root = err.root_cause
+    assert root.worker == worker
+    assert root.kind == "exception"
     assert err.code == "PX204"
-    assert [f.worker for f in err.failures] == [1, 1]
+    assert [f.worker for f in err.failures] == [worker, worker]
+    share = Plan(len(DATA), 45).local_batch(0, 3, worker, 3)
+    assert root.sample_indices == share
+
+    # failures.json, as under ddp: every failure, the root cause, the environment.
+    doc = json.loads((run_dir / "failures.json").read_text())
+    assert doc["root_cause"]["worker"] == worker
+    assert doc["root_cause"]["device"] == f"cpu:{worker}"
+    assert (doc["root_cause"]["step"], doc["root_cause"]["phase"]) == (3, "backward")
+    assert doc["root_cause"]["exception_type"] == "InjectedFault"
+    assert doc["root_cause"]["sample_indices"] == share
+    assert [f["action"] for f in doc["failures"]] == ["retried", "aborted"]
+    env = doc["environment"]
+    assert env["devices"] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert (env["torch"], env["python"]) == (torch.__version__, platform.python_version())
 
 
 class Exploding(Metric):
@@ -243,8 +264,12 @@ def test_transient_sync_fault_is_retried() -> None:
     assert [(f.device, f.step, f.phase) for f in result.failures] == [("cpu:1", 4, "sync")]
 
 
-def blocking_step(release: threading.Event, model: nn.Module, batch: Any) -> torch.Tensor:
+def blocking_step(
+    release: threading.Event, entered: list[float], model: nn.Module, batch: Any
+) -> torch.Tensor:
+    """On device cpu:1's thread: note when it starts to hang (in ``entered``), then hang."""
     if threading.current_thread().name.endswith("cpu:1"):
+        entered.append(time.monotonic())
         wait_for_release_forever(release)
     return mse_step(model, batch)
 
@@ -256,22 +281,28 @@ def wait_for_release_forever(release: threading.Event) -> None:
 @pytest.mark.timeout(30)
 def test_hang_is_reported_within_bound_with_stacks() -> None:
     release = threading.Event()
+    entered: list[float] = []
+    hang_timeout = timedelta(seconds=2)
     try:
-        started = time.monotonic()
         with pytest.raises(px.TrainingFailed) as info:
-            learner(step=partial(blocking_step, release)).fit(
+            learner(step=partial(blocking_step, release, entered)).fit(
                 DATA,
                 devices=TWO,
                 strategy="threads",
                 batch_size=45,
                 sinks=[],
-                hang_timeout=timedelta(seconds=2),
+                hang_timeout=hang_timeout,
             )
-        elapsed = time.monotonic() - started
+        decided = time.monotonic()
     finally:
         release.set()
     err = info.value
-    assert 2.0 <= elapsed < 10.0
+    # From the moment the thread started to hang (not from the start of fit: building the
+    # replicas and threads is no part of the bound) to the report.
+    assert len(entered) == 1
+    elapsed = decided - entered[0]
+    bound = hang_timeout.total_seconds()
+    assert bound - 0.5 <= elapsed < bound + 5.0, elapsed
     root = err.root_cause
     assert (root.kind, root.device, root.worker, root.step, root.phase) == (
         "hang",

@@ -588,6 +588,55 @@ _ENTRIES = [
         "# after\nWEIGHTS = Path(__file__).parent / 'weights.pt'\n"
         "def make_model(): return torch.load(WEIGHTS)",
     ),
+    Explanation(
+        code="PX119",
+        title="dataset cannot be pickled",
+        meaning="With the ddp strategy each worker is a new process (spawn) and gets its own "
+        "copy of the training and validation datasets, pickled in the caller and unpickled in "
+        "the worker. The dataset named in the message cannot be pickled, so no worker could "
+        "receive it.",
+        when="Before any worker starts: fit(strategy='ddp') tries to pickle both datasets "
+        "first (tensors in them are not copied for this check).",
+        causes=[
+            "A Dataset class defined inside a function, a notebook cell or a test.",
+            "A dataset holding an open file, a database connection, a lock or a generator "
+            "(opened in __init__).",
+            "A lambda or nested function stored on the dataset (a transform, a filter).",
+        ],
+        fixes=[
+            "Define the Dataset class at module level, in a file the workers can import.",
+            "Keep tensors, arrays or file paths in the dataset; open files and connections "
+            "lazily in __getitem__ (once per worker), not in __init__.",
+            "Replace lambdas by module-level functions or functools.partial.",
+        ],
+        example="# before\ndef main():\n    class Frames(Dataset):\n"
+        "        def __init__(self): self.fh = open('frames.bin', 'rb')\n"
+        "# after: at module level, the file opened in the worker\nclass Frames(Dataset):\n"
+        "    def __init__(self, path): self.path, self.fh = path, None\n"
+        "    def __getitem__(self, i):\n"
+        "        self.fh = self.fh or open(self.path, 'rb')\n        ...",
+    ),
+    Explanation(
+        code="PX123",
+        title="ddp devices mix CUDA and CPU",
+        meaning="strategy='ddp' runs one process per device and joins them in one process "
+        "group, whose backend follows the device: NCCL for CUDA, gloo otherwise. A list that "
+        "mixes CUDA and other devices would make the workers pick different backends, and "
+        "they could never form one group.",
+        when="Before any worker starts, when fit(strategy='ddp') checks the device list.",
+        causes=[
+            "A device list such as 'cpu:0,cuda:0', e.g. to use the CPU as an extra worker.",
+            "A list built from several sources (a config file and a default).",
+        ],
+        fixes=[
+            "Use only CUDA devices (devices='cuda:0,cuda:1'), or only CPU workers "
+            "(devices='cpu:0,cpu:1').",
+            "Leave the CPU out: every step waits for its slowest worker, so a CPU worker "
+            "would hold the GPUs back anyway.",
+        ],
+        example="# before\nlearner.fit(train, strategy='ddp', devices='cpu:0,cuda:0')\n"
+        "# after\nlearner.fit(train, strategy='ddp', devices='cuda:0,cuda:1')",
+    ),
 ]
 
 CATALOG: dict[str, Explanation] = {e.code: e for e in _ENTRIES}

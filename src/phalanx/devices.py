@@ -15,6 +15,7 @@ from phalanx.errors import (
     DeviceSpecError,
     DeviceUnavailableError,
     DuplicateDeviceError,
+    MixedDeviceTypesError,
     NoDevicesError,
 )
 
@@ -104,6 +105,23 @@ def check_free_memory(labels: list[str], min_free_bytes: int | None) -> None:
                 f"less than min_free_memory={min_free_bytes / 2**30:.1f} GiB: another process "
                 "is using it (see nvidia-smi); pick another device or free it"
             )
+
+
+def check_one_backend(labels: list[str]) -> None:
+    """Under ddp every worker joins one process group whose backend follows its device
+    (NCCL for CUDA, gloo for the others): a list mixing CUDA and other devices cannot
+    form one group, so it is refused before launch."""
+    cuda = [label for label in labels if torch.device(label).type == "cuda"]
+    other = [label for label in labels if label not in cuda]
+    if cuda and other:
+        cpus = ",".join(f"cpu:{i}" for i in range(len(labels)))
+        raise MixedDeviceTypesError(
+            f'strategy="ddp" cannot mix CUDA and other devices in one run '
+            f"({', '.join(labels)}): {', '.join(cuda)} would join the group over NCCL and "
+            f"{', '.join(other)} over gloo, so the workers could never form one group; "
+            f'list only CUDA devices (devices="{",".join(cuda)}") or only CPU workers '
+            f'(devices="{cpus}")'
+        )
 
 
 def torch_device(label: str) -> torch.device:

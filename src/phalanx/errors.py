@@ -164,6 +164,20 @@ class TrainingFailed(PhalanxError):
         return (TrainingFailed, (self.message, self.root_cause, self.failures, self.code))
 
 
+class DatasetNotPicklableError(NotPicklableError):
+    """Under ``strategy="ddp"`` the training or validation dataset cannot be pickled, so it
+    cannot be sent to the worker processes. Raised before any process starts."""
+
+    code = "PX119"
+
+
+class MixedDeviceTypesError(ConfigError):
+    """A ddp device list mixes CUDA and non-CUDA devices: the workers would pick different
+    process-group backends (NCCL and gloo) and could never form one group."""
+
+    code = "PX123"
+
+
 def all_error_classes() -> list[type[PhalanxError]]:
     """Every error class defined here, base first (used by the catalog's consistency test)."""
     found: list[type[PhalanxError]] = []

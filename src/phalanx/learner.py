@@ -129,7 +129,9 @@ class Learner:
         )
         train_size = dataset_size(train, "training")
         valid_size = dataset_size(valid, "validation") if valid is not None else 0
-        validate_fit(self.spec, config, train_size, has_valid=valid is not None)
+        validate_fit(
+            self.spec, config, train_size, has_valid=valid is not None, train=train, valid=valid
+        )
         check_free_memory(labels, min_free_memory)
         plan = Plan(train_size, batch_size, seed, shuffle, drop_last)
         if sinks is None:

@@ -7,12 +7,18 @@ import ast
 import os
 import pickle
 import sys
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
+import torch
+
+from phalanx.devices import check_one_backend
 from phalanx.errors import (
     BatchSizeError,
     BatchSmallerThanWorkersError,
     CheckpointError,
+    DatasetNotPicklableError,
     EmptyDatasetError,
     EpochTooShortError,
     InvalidSettingError,
@@ -38,8 +44,15 @@ def dataset_size(dataset: Any, name: str) -> int:
 
 
 def validate_fit(
-    spec: TrainSpec, config: FitConfig, train_size: int, has_valid: bool = False
+    spec: TrainSpec,
+    config: FitConfig,
+    train_size: int,
+    has_valid: bool = False,
+    train: Any = None,
+    valid: Any = None,
 ) -> None:
+    """Every check before launch. ``train`` and ``valid`` (the datasets) are checked for
+    pickling under ddp when given."""
     _validate_numbers(spec, config)
     _validate_run_dir(config)
     _validate_data(config, train_size)
@@ -48,7 +61,9 @@ def validate_fit(
     _validate_early_stopping(spec, config, has_valid)
     _validate_keep_best(spec, config, has_valid)
     if config.strategy == "ddp":
+        check_one_backend(config.devices)
         _validate_picklable(spec)
+        _validate_datasets_picklable({"training": train, "validation": valid})
         _validate_main_guard()
 
 
@@ -180,6 +195,45 @@ def _validate_picklable(spec: TrainSpec) -> None:
                 f"the {name} argument ({_describe(value)}) cannot be pickled for "
                 f'strategy="ddp" ({type(exc).__name__}: {exc}); use a module-level function '
                 "or functools.partial of one instead of a lambda or a nested function"
+            ) from None
+
+
+class _Discard:
+    """A file that keeps nothing."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _ProbePickler(ForkingPickler):
+    """Pickles the way spawn sends a worker its arguments (multiprocessing's reducers), but
+    keeps nothing and skips tensors and numeric arrays: those always pickle, a large dataset
+    is not copied just to be checked, and its tensors are not moved to shared memory (as
+    torch's reducer for spawn would) before the run needs it."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor | torch.UntypedStorage | torch.TypedStorage):
+            return "tensor"
+        if isinstance(obj, np.ndarray) and obj.dtype != object:
+            return "array"
+        return None
+
+
+def _validate_datasets_picklable(datasets: dict[str, Any]) -> None:
+    """Each ddp worker gets its own copy of the datasets, pickled at spawn: a dataset that
+    cannot be pickled would fail there, inside process start, with a bare PicklingError."""
+    for name, dataset in datasets.items():
+        if dataset is None:
+            continue
+        try:
+            _ProbePickler(_Discard()).dump(dataset)
+        except Exception as exc:
+            raise DatasetNotPicklableError(
+                f"the {name} dataset ({type(dataset).__qualname__}) cannot be pickled for "
+                f'strategy="ddp" ({type(exc).__name__}: {exc}); every worker process gets '
+                "a copy of it. Define the Dataset class at module level, keep tensors (or "
+                "arrays, file paths) in it, and open files or connections in __getitem__, "
+                "not in __init__"
             ) from None
 
 
