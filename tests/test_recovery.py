@@ -580,6 +580,50 @@ def test_a_retry_in_a_new_generation_that_fails_again_is_a_poison_batch(
     assert all(f.step == POISON_STEP for f in err.failures if not is_secondary(f))
 
 
+@pytest.mark.timeout(120)
+def test_a_death_in_the_retry_is_a_poison_batch(tmp_path: Path) -> None:
+    """Worker 1 raises while loading step 4 (its vote says failed: the step is retried with
+    the same members), then dies in the retry's forward: the step failed in two attempts,
+    whatever the order in which the supervisor reads the vote's report and sees the death.
+    The report names the first attempt's failure; nothing is respawned."""
+    faults = [
+        px.Fault("exception", worker=1, step=POISON_STEP, phase="data"),
+        px.Fault("kill", worker=1, step=POISON_STEP, phase="forward"),
+    ]
+    with pytest.raises(px.TrainingFailed) as info:
+        fit(tmp_path, faults, px.Recovery(mode="respawn"))
+    err = info.value
+    assert err.code == "PX204"
+    mine = [f for f in err.failures if f.worker == 1]
+    assert [(f.kind, f.phase, f.attempt, f.action) for f in mine] == [
+        ("exception", "data", 0, "retried"),
+        ("crash", "forward", 1, "aborted"),
+    ]
+    assert err.root_cause is mine[0]
+    assert not [f for f in err.failures if f.action in ("respawned", "shrunk")]
+
+
+@pytest.mark.timeout(150)
+def test_a_death_after_the_retry_committed_is_not_a_poison_batch(
+    clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Step 4 fails once (retried) and its retry's vote comes back all ok; worker 2 then dies
+    in the optimizer phase. The step did not fail twice: the worker is replaced and the run
+    ends with the clean run's model."""
+    faults = [
+        px.Fault("exception", worker=0, step=POISON_STEP),
+        px.Fault("kill", worker=2, step=POISON_STEP, phase="optimizer"),
+    ]
+    result, rec = fit(tmp_path, faults, px.Recovery(mode="respawn"))
+    assert summary(result) == [
+        (0, "exception", POISON_STEP, "retried"),
+        (2, "crash", POISON_STEP, "respawned"),
+    ]
+    crash = result.failures[1]
+    assert (crash.phase, crash.attempt) == ("optimizer", None)
+    assert_same_run(result, rec, clean)
+
+
 # -- 5. out of memory on one worker: split, never a restart --------------------------------------
 
 

@@ -53,6 +53,10 @@ class WorkerFailure:
     time: float = field(default_factory=time.time)
     action: str | None = None  # what the run did: retried, split, shrunk, respawned, aborted
     recovery_seconds: float | None = None  # from the failure to the next committed step
+    # Which attempt of its step failed: 0 the first, 1 its retry. Attempts are counted over
+    # the whole run, across generations (out-of-memory splits are not new attempts). None
+    # outside a step.
+    attempt: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -176,6 +176,11 @@ class TrainLoop:
         self.on_failure = on_failure or (lambda f: self.emit(WorkerFailed(f, f.action or "")))
         self.state = TrainState()
         self.failures: list[WorkerFailure] = []
+        # Attempts of a step that already failed before this member's group formed (global
+        # step -> count): a ddp generation that computes a step again after a fallen worker
+        # broke it goes on counting there, so its next failure of that step is the retry's.
+        self.failed_before: dict[int, int] = {}
+        self.attempt = 0  # of the step in progress, counted over the run (see failed_before)
         self.epoch_started = time.time()
         self.saved_step = -1  # the global step of the last checkpoint this member saved
 
@@ -237,9 +242,10 @@ class TrainLoop:
     def _step(self) -> None:
         st = self.state
         started = time.perf_counter()
-        attempt = 0
+        attempt = self.failed_before.get(st.global_step, 0)
         absorbed: list[WorkerFailure] = []  # this step's failures that a retry or split absorbed
         while True:
+            self.attempt = attempt
             torch.manual_seed(step_seed(self.s.seed, st.global_step, self.engine.rank))
             # Read when the vote is built, after the local work: a stop asked for during
             # this step ends the run after this step.
@@ -247,6 +253,7 @@ class TrainLoop:
             action = decide(attempt, vote.failed, vote.splittable)
             for failure in vote.failures:
                 failure.action = _ACTION_NAMES.get(action, action)
+                failure.attempt = attempt
                 self.failures.append(failure)
                 self.on_failure(failure)
             absorbed += vote.failures

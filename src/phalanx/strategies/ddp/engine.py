@@ -119,6 +119,8 @@ class DdpEngine:
         dist.all_reduce(vote)
         self.m.replica.unvoted = None  # the vote carries it from here
         v = vote.cpu()
+        if v[0].item() == 0:  # every member commits: a death from here fails no attempt
+            self.on_phase(global_step, "optimizer")
         return Vote(
             failed=int(v[0].item()),
             stop=bool(v[1].item() > 0),
@@ -132,8 +134,8 @@ class DdpEngine:
     def commit(self) -> None:
         """Buffers first (a collective that can still fail with nothing changed), then the
         optimizer: once it has stepped, nothing here can fail because of a peer, so a step
-        is never applied on one member and then computed again after a regroup."""
-        self.on_phase(self.step, "optimizer")
+        is never applied on one member and then computed again after a regroup. (The
+        heartbeat for phase ``optimizer`` went when the vote came back all ok.)"""
         if self.has_buffers:
             for buf in self.trainable.model.buffers():
                 dist.broadcast(buf, src=0)
