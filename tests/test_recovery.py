@@ -38,6 +38,7 @@ from recovery_helpers import (
     linear_except_in_a_replacement,
     make_data,
     mse_step,
+    nan_loss_on_rank_1_at_step_3,
     sgd,
     slow_step,
 )
@@ -622,6 +623,24 @@ def test_a_death_after_the_retry_committed_is_not_a_poison_batch(
     crash = result.failures[1]
     assert (crash.phase, crash.attempt) == ("optimizer", None)
     assert_same_run(result, rec, clean)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["respawn", "shrink"])
+def test_a_nan_loss_on_one_worker_stops_the_run_at_once_in_every_mode(
+    mode: str, tmp_path: Path
+) -> None:
+    """A broken step contract (here a NaN loss on rank 1 at step 3) is the user's code to fix:
+    every member stops at that step's first attempt (the vote carries it), no worker is
+    replaced, and the error is a ConfigError naming rank 1's step and samples."""
+    with pytest.raises(px.InvalidStepError) as info:
+        fit(tmp_path, [], px.Recovery(mode=mode), devices=TWO, step=nan_loss_on_rank_1_at_step_3)
+    err = info.value
+    assert isinstance(err, px.ConfigError) and err.code == "PX107"
+    assert [(f.worker, f.step, f.attempt, f.action) for f in err.failures] == [(1, 3, 0, "aborted")]
+    share = Plan(len(DATA), FIT["batch_size"], FIT["seed"]).local_batch(0, 3, 1, 2)
+    assert err.root_cause.sample_indices == share
+    assert "the loss is nan at step 3" in str(err).splitlines()[0]
 
 
 # -- 5. out of memory on one worker: split, never a restart --------------------------------------

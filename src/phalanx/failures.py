@@ -28,6 +28,9 @@ Phase = Literal[
     "checkpoint",
 ]
 PHASES: tuple[str, ...] = get_args(Phase)
+# Errors raised when the step function breaks its contract (a loss that is not one finite
+# number, a wrong return type): a retry computes the same, so the run stops at once.
+STEP_CONTRACT_ERRORS = ("LossNotScalarError", "NonFiniteLossError", "StepOutputError")
 
 
 @dataclass
@@ -60,6 +63,11 @@ class WorkerFailure:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def breaks_step_contract(self) -> bool:
+        """The step function returned something the loop cannot train on (no retry helps)."""
+        return self.exception_type in STEP_CONTRACT_ERRORS
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -55,6 +55,9 @@ class Vote:
     regroup: bool = False  # a new generation waits: leave the group after this step
     # of the sample indices actually computed, over all members
     ledger: Fingerprint = EMPTY
+    # failed members whose step broke its contract (engines whose vote sees only the local
+    # failure count them all; the others leave 0 and the loop counts ``failures``)
+    contract: int = 0
 
 
 class Engine(Protocol):
@@ -250,7 +253,8 @@ class TrainLoop:
             # Read when the vote is built, after the local work: a stop asked for during
             # this step ends the run after this step.
             vote = self.engine.attempt(st.epoch, st.step, st.global_step, self._stopping)
-            action = decide(attempt, vote.failed, vote.splittable)
+            contract = max(vote.contract, sum(f.breaks_step_contract for f in vote.failures))
+            action = decide(attempt, vote.failed, vote.splittable, contract=contract)
             for failure in vote.failures:
                 failure.action = _ACTION_NAMES.get(action, action)
                 failure.attempt = attempt

@@ -26,18 +26,26 @@ MAX_RETRIES = 1
 
 
 def decide(
-    attempt: int, failed: int, splittable: int = 0, max_retries: int = MAX_RETRIES
+    attempt: int,
+    failed: int,
+    splittable: int = 0,
+    max_retries: int = MAX_RETRIES,
+    contract: int = 0,
 ) -> StepAction:
     """The commit rule of one step attempt, the same on every member.
 
     ``attempt`` counts the retries of this step so far; ``failed`` the members that voted
     failed; ``splittable`` those of them that ran out of memory and can still cut their share
-    into smaller micro-batches. When every failure is such an out-of-memory, the step is
-    tried again with the split ("split": no retry is used up, the global batch and the math
-    are unchanged). Otherwise a step is retried once, then the run aborts (poison batch).
+    into smaller micro-batches; ``contract`` those whose step function broke its contract (a
+    non-scalar or non-finite loss, a wrong return type: the same again on a retry, so the
+    run stops at once). When every failure is such an out-of-memory, the step is tried
+    again with the split ("split": no retry is used up, the global batch and the math are
+    unchanged). Otherwise a step is retried once, then the run aborts (poison batch).
     """
     if failed == 0:
         return "commit"
+    if contract:
+        return "abort"
     if splittable == failed:
         return "split"
     return "retry" if attempt < max_retries else "abort"

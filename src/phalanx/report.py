@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import TrainingFailed
+from phalanx.errors import InvalidStepError, TrainingFailed
 from phalanx.failures import WorkerFailure, headline
 
 # What a survivor's collective says when a peer fell (gloo's socket errors name its source
@@ -100,7 +100,8 @@ def build(failures: list[WorkerFailure], poison: bool = False) -> TrainingFailed
     entry = lookup(code)
     lines += ["", f"What to try ({code}: {entry.title}):"]
     lines += [f"  - {fix}" for fix in entry.fixes[:3]]
-    return TrainingFailed("\n".join(lines), root, failures, code)
+    cls = InvalidStepError if root.breaks_step_contract else TrainingFailed
+    return cls("\n".join(lines), root, failures, code)
 
 
 def write_json(

@@ -25,7 +25,7 @@ from phalanx.strategies.base import evaluate_local, guarded_commit
 from phalanx.trainable import Trainable
 
 PhaseHook = Callable[[int, str], None]
-HEAD = 4 + ledger.WIDTH  # failed, stop, regroup, splittable, ledger fingerprint
+HEAD = 5 + ledger.WIDTH  # failed, stop, regroup, splittable, contract, ledger fingerprint
 
 
 @dataclass
@@ -43,7 +43,8 @@ class DdpEngine:
     """Rank ``rank`` of ``world`` in one generation: its slice of each global batch, under a
     DDP module built over this generation's process group.
 
-    The vote is one all-reduce of ``[failed, stop, regroup, splittable, *ledger, *sums]``:
+    The vote is one all-reduce of
+    ``[failed, stop, regroup, splittable, contract, *ledger, *sums]``:
     a failed step costs nothing extra and metrics need no collective of their own.
     """
 
@@ -114,7 +115,9 @@ class DdpEngine:
                 res.failure, res.splittable = self._failure(exc, "sync"), False
                 self.m.replica.unvoted, self.m.replica.unvoted_splittable = res.failure, False
         failed, splittable, *computed = res.vote_head()
-        head = [failed, float(stop()), float(self.regroup_requested()), splittable, *computed]
+        contract = float(res.failure is not None and res.failure.breaks_step_contract)
+        regroup = float(self.regroup_requested())
+        head = [failed, float(stop()), regroup, splittable, contract, *computed]
         vote = torch.cat([torch.tensor(head, dtype=torch.float64), res.sums]).to(self.device)
         dist.all_reduce(vote)
         self.m.replica.unvoted = None  # the vote carries it from here
@@ -126,7 +129,8 @@ class DdpEngine:
             stop=bool(v[1].item() > 0),
             regroup=bool(v[2].item() > 0),
             splittable=int(v[3].item()),
-            ledger=cast(ledger.Fingerprint, tuple(v[4:HEAD].tolist())),
+            contract=int(v[4].item()),
+            ledger=cast(ledger.Fingerprint, tuple(v[5:HEAD].tolist())),
             sums=v[HEAD:],
             failures=[res.failure] if res.failure else [],
         )
