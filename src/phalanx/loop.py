@@ -185,6 +185,9 @@ class TrainLoop:
         self.failed_before: dict[int, int] = {}
         self.attempt = 0  # of the step in progress, counted over the run (see failed_before)
         self.epoch_started = time.time()
+        # (when, epoch samples then): where this process began training the epoch, for the
+        # epoch's throughput (a resume or a regroup begins a new window)
+        self.window = (time.time(), 0)
         self.saved_step = -1  # the global step of the last checkpoint this member saved
 
     def emit(self, event: Event) -> None:
@@ -236,6 +239,7 @@ class TrainLoop:
         self.emit(EpochStarted(st.epoch, steps, st.step))
         if st.step == 0:  # not when a regroup or a resume goes on mid-epoch
             self.epoch_started = time.time()
+        self.window = (time.time(), st.epoch_samples)
         self.engine.begin_epoch(st.epoch, st.step)
         if st.epoch_sums is None:
             st.epoch_sums = torch.zeros(_size(self.s.metrics), dtype=torch.float64)
@@ -318,6 +322,10 @@ class TrainLoop:
             train = compute_all(self.s.metrics, st.epoch_sums)
         results = {f"train/{k}": v for k, v in train.items()}
         results["train/lr"] = self.engine.lr()
+        since, samples_then = self.window
+        throughput = (st.epoch_samples - samples_then) / max(time.time() - since, 1e-9)
+        stats = LoopStats(lr=self.engine.lr(), samples_per_s=throughput)
+        results.update({f"train/{m.name}": m.read(stats) for m in self.s.loop_metrics})
         if self.s.has_valid:
             self.emit(ValidationStarted(st.epoch, self.s.valid_batches))
             sums = self.engine.evaluate()
