@@ -229,7 +229,8 @@ def test_same_model_through_failures(
     else:
         rejoined = [g for g in gens if "rejoin" in g.cause]
         assert rejoined, f"no replacement rejoined: {[g.cause for g in gens]}"
-        assert all(set(g.members) <= {0, 1, 2} for g in gens)
+        assert all(len(set(g.members)) == len(g.members) for g in gens), gens
+        assert sorted(gens[-1].members) == [0, 1, 2]  # both replacements are in at the end
 
     assert_same_run(result, rec, clean)
     assert_recovered_quickly(result, record_property)
@@ -291,6 +292,24 @@ def test_failures_during_recovery(
     assert_recovered_quickly(result, record_property)
     # No rendezvous waited out its timeout (2 * hang_timeout + 30 s).
     assert wall < 40 + hang_timeout.total_seconds(), f"the fit took {wall:.0f}s"
+
+
+@pytest.mark.timeout(150)
+def test_the_main_worker_killed_is_replaced(
+    clean: list[torch.Tensor], tmp_path: Path, record_property: Any
+) -> None:
+    """Rank 0 is not special: killed, the survivors go on with worker 1 as rank 0 (and its
+    checkpointer), and worker 0's replacement joins last."""
+    faults = [px.Fault("kill", worker=0, step=5)]
+    result, rec = fit(tmp_path, faults, px.Recovery(mode="respawn"), step=slow_step)
+    assert summary(result) == [(0, "crash", 5, "respawned")]
+    gens = rec.generations()
+    assert [(g.members, g.cause) for g in gens] == [
+        ([1, 2], "worker 0 crash: respawned"),
+        ([1, 2, 0], "workers [0] rejoin"),
+    ]
+    assert_same_run(result, rec, clean)
+    assert_recovered_quickly(result, record_property)
 
 
 @pytest.mark.timeout(150)
@@ -528,8 +547,8 @@ def test_a_sample_that_kills_every_worker_is_a_poison_batch(
             DeadlySample(len(DATA), bad, how),
             devices=THREE,
             strategy="ddp",
-            on_failure=px.Recovery(mode=mode),
-            hang_timeout=HANG_TIMEOUT,
+            # (the policy's hang_timeout overrides fit's default of 60 s: the bound below)
+            on_failure=px.Recovery(mode=mode, hang_timeout=HANG_TIMEOUT),
             sinks=[],
             **FIT,
         )
