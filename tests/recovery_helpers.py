@@ -79,3 +79,13 @@ def linear_except_in_a_replacement() -> nn.Module:
     if multiprocessing.current_process().name.endswith("-replacement"):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
     return linear()
+
+
+def nan_loss_on_rank_1_at_step_3(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The MSE step, except that the loss is NaN on rank 1 at the fourth optimizer step
+    (the optimizer's step count tells which step it is)."""
+    loss = mse_step(model, batch)
+    steps = getattr(model, "phalanx_steps", 0)
+    model.phalanx_steps = steps + 1  # calls, counted per replica
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return loss * float("nan") if rank == 1 and steps == 3 else loss

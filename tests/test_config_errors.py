@@ -419,10 +419,12 @@ def test_validation_announces_its_global_batch_count() -> None:
 
 def test_non_scalar_loss_names_the_fix() -> None:
     """A per-sample loss is LossNotScalarError (PX106) raised inside the step: the user sees
-    TrainingFailed whose root cause is that error and whose first line says .mean()."""
-    with pytest.raises(px.TrainingFailed) as info:
+    an InvalidStepError (a TrainingFailed and a ConfigError) whose root cause is that error
+    and whose first line says .mean(). No retry: it would compute the same."""
+    with pytest.raises(px.ConfigError) as info:
         learner(per_sample_loss_step).fit(dataset(), batch_size=8, sinks=[])
     err = info.value
+    assert isinstance(err, px.InvalidStepError) and isinstance(err, px.TrainingFailed)
     root = err.root_cause
     assert root.exception_type == "LossNotScalarError"
     assert "[PX106]" in root.message
@@ -433,13 +435,15 @@ def test_non_scalar_loss_names_the_fix() -> None:
     assert "loss.mean()" in first_line
     # a phalanx error raised inside the step keeps its own code (not "poison batch")
     assert err.code == "PX106"
-    assert len(err.failures) == 2
+    assert [f.action for f in err.failures] == ["aborted"]
+    assert "poison batch" not in str(err)
 
 
 def test_nan_loss_names_step_and_samples() -> None:
-    with pytest.raises(px.TrainingFailed) as info:
+    with pytest.raises(px.InvalidStepError) as info:
         learner(nan_step).fit(dataset(), batch_size=8, seed=5, sinks=[])
     err = info.value
+    assert len(err.failures) == 1
     root = err.root_cause
     assert root.exception_type == "NonFiniteLossError"
     assert "[PX107]" in root.message
@@ -457,8 +461,9 @@ def test_step_returning_a_wrong_type_names_the_fix() -> None:
     def bad_step(model: nn.Module, batch: Any) -> Any:
         return {"loss": train_step(model, batch)}
 
-    with pytest.raises(px.TrainingFailed) as info:
+    with pytest.raises(px.InvalidStepError) as info:
         learner(bad_step).fit(dataset(), batch_size=8, sinks=[])
+    assert info.value.code == "PX109" and len(info.value.failures) == 1
     root = info.value.root_cause
     assert root.exception_type == "StepOutputError"
     assert "[PX109]" in root.message

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -303,6 +304,56 @@ def test_loop_metrics_read_stats() -> None:
     stats = LoopStats(lr=0.01, samples_per_s=1234.5)
     assert (LearningRate().name, LearningRate().read(stats)) == ("lr", 0.01)
     assert (SamplesPerSecond().name, SamplesPerSecond().read(stats)) == ("samples_per_s", 1234.5)
+
+
+class _Epochs:
+    """A sink that keeps the epoch events (their wall time) and the steps' metrics."""
+
+    def __init__(self) -> None:
+        self.epochs: list[Any] = []
+        self.steps: list[Any] = []
+
+    def handle(self, event: Any) -> None:
+        from phalanx.events import EpochEnded, StepEnded
+
+        if isinstance(event, EpochEnded):
+            self.epochs.append(event)
+        elif isinstance(event, StepEnded):
+            self.steps.append(event)
+
+    def close(self) -> None:
+        pass
+
+
+def test_loop_metrics_reach_the_history_per_epoch() -> None:
+    """``SamplesPerSecond`` gives each epoch's throughput in ``history`` (samples over the
+    epoch's wall time) and each step's in its event; ``LearningRate`` the scheduled rate."""
+    import functools
+
+    import phalanx as px
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 4, generator=g), torch.randn(96, 1))
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    halve = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5)
+    sink = _Epochs()
+    result = px.Learner(
+        torch.nn.Linear(4, 1),
+        sgd,
+        px.mse_step,
+        metrics=[LearningRate(), SamplesPerSecond()],
+        lr_scheduler=halve,
+    ).fit(data, epochs=2, batch_size=32, sinks=[sink])
+    for row, event in zip(result.history, sink.epochs, strict=True):
+        assert row["train/samples_per_s"] > 0
+        # the epoch's 96 samples over (at most) the epoch's wall time
+        assert row["train/samples_per_s"] >= 96 / event.seconds * 0.99
+    assert [row["train/lr"] for row in result.history] == [0.05, 0.025]
+    assert all(s.metrics["samples_per_s"] > 0 and "lr" in s.metrics for s in sink.steps)
+    plain = px.Learner(torch.nn.Linear(4, 1), sgd, px.mse_step).fit(
+        data, epochs=1, batch_size=32, sinks=[]
+    )
+    assert "train/samples_per_s" not in plain.history[0]
 
 
 def test_helpers_layout_and_errors() -> None:

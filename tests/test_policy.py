@@ -10,7 +10,7 @@ import pytest
 import phalanx as px
 from phalanx.errors import InvalidSettingError
 from phalanx.failures import WorkerFailure
-from phalanx.policy import decide, recover
+from phalanx.policy import counts_as_attempt, decide, failed_attempts, is_poison, recover
 
 
 def failure(
@@ -88,3 +88,44 @@ def test_bad_recovery_settings_name_the_fix(kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidSettingError) as info:
         px.Recovery(**kwargs)  # type: ignore[arg-type]
     assert info.value.code == "PX108"
+
+
+# -- attempts across generations: which failures make a poison batch (the supervisor's rule) --
+
+
+def at(
+    attempt: int | None, step: int = 4, phase: str = "forward", kind: str = "crash", **kw: object
+) -> WorkerFailure:
+    f = WorkerFailure(
+        worker=1, rank=1, device="cpu:1", kind=kind, message="x", phase=phase, step=step, **kw
+    )
+    f.attempt = attempt
+    return f
+
+
+def test_two_workers_killed_in_one_attempt_fail_it_once() -> None:
+    history = [(at(0), False), (at(0), False)]
+    assert failed_attempts(history) == {4: 1}
+    assert not any(is_poison(f, s) for f, s in history)
+
+
+def test_a_death_in_the_retry_is_the_second_failed_attempt_in_either_order() -> None:
+    voted, died = at(0, kind="exception", action="retried"), at(1)
+    for history in ([(voted, False), (died, False)], [(died, False), (voted, False)]):
+        assert failed_attempts(history) == {4: 2}
+    assert is_poison(died) and not is_poison(voted)
+
+
+def test_failures_outside_the_step_or_caused_by_others_fail_no_attempt() -> None:
+    after_vote = at(None, phase="optimizer")  # killed once the vote came back all ok
+    split = at(1, kind="oom", action="split")
+    ignored = at(1, action="ignored")  # the run had its result
+    for f in (after_vote, split, ignored, at(1, phase="validation")):
+        assert not counts_as_attempt(f) and not is_poison(f)
+    assert not is_poison(at(1, kind="exception"), secondary=True)  # a peer's closed socket
+    assert failed_attempts([(f, False) for f in (after_vote, split, ignored)]) == {}
+
+
+def test_attempts_are_counted_per_step() -> None:
+    history = [(at(0, step=3), False), (at(0, step=4), False), (at(1, step=3), False)]
+    assert failed_attempts(history) == {3: 2, 4: 1}

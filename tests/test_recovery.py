@@ -38,6 +38,7 @@ from recovery_helpers import (
     linear_except_in_a_replacement,
     make_data,
     mse_step,
+    nan_loss_on_rank_1_at_step_3,
     sgd,
     slow_step,
 )
@@ -228,7 +229,8 @@ def test_same_model_through_failures(
     else:
         rejoined = [g for g in gens if "rejoin" in g.cause]
         assert rejoined, f"no replacement rejoined: {[g.cause for g in gens]}"
-        assert all(set(g.members) <= {0, 1, 2} for g in gens)
+        assert all(len(set(g.members)) == len(g.members) for g in gens), gens
+        assert sorted(gens[-1].members) == [0, 1, 2]  # both replacements are in at the end
 
     assert_same_run(result, rec, clean)
     assert_recovered_quickly(result, record_property)
@@ -290,6 +292,24 @@ def test_failures_during_recovery(
     assert_recovered_quickly(result, record_property)
     # No rendezvous waited out its timeout (2 * hang_timeout + 30 s).
     assert wall < 40 + hang_timeout.total_seconds(), f"the fit took {wall:.0f}s"
+
+
+@pytest.mark.timeout(150)
+def test_the_main_worker_killed_is_replaced(
+    clean: list[torch.Tensor], tmp_path: Path, record_property: Any
+) -> None:
+    """Rank 0 is not special: killed, the survivors go on with worker 1 as rank 0 (and its
+    checkpointer), and worker 0's replacement joins last."""
+    faults = [px.Fault("kill", worker=0, step=5)]
+    result, rec = fit(tmp_path, faults, px.Recovery(mode="respawn"), step=slow_step)
+    assert summary(result) == [(0, "crash", 5, "respawned")]
+    gens = rec.generations()
+    assert [(g.members, g.cause) for g in gens] == [
+        ([1, 2], "worker 0 crash: respawned"),
+        ([1, 2, 0], "workers [0] rejoin"),
+    ]
+    assert_same_run(result, rec, clean)
+    assert_recovered_quickly(result, record_property)
 
 
 @pytest.mark.timeout(150)
@@ -527,8 +547,8 @@ def test_a_sample_that_kills_every_worker_is_a_poison_batch(
             DeadlySample(len(DATA), bad, how),
             devices=THREE,
             strategy="ddp",
-            on_failure=px.Recovery(mode=mode),
-            hang_timeout=HANG_TIMEOUT,
+            # (the policy's hang_timeout overrides fit's default of 60 s: the bound below)
+            on_failure=px.Recovery(mode=mode, hang_timeout=HANG_TIMEOUT),
             sinks=[],
             **FIT,
         )
@@ -578,6 +598,68 @@ def test_a_retry_in_a_new_generation_that_fails_again_is_a_poison_batch(
     assert (crash.worker, crash.step, crash.action) == (1, POISON_STEP, "respawned")
     assert err.root_cause in (crash, raised[0])  # the first attempt's, whichever came first
     assert all(f.step == POISON_STEP for f in err.failures if not is_secondary(f))
+
+
+@pytest.mark.timeout(120)
+def test_a_death_in_the_retry_is_a_poison_batch(tmp_path: Path) -> None:
+    """Worker 1 raises while loading step 4 (its vote says failed: the step is retried with
+    the same members), then dies in the retry's forward: the step failed in two attempts,
+    whatever the order in which the supervisor reads the vote's report and sees the death.
+    The report names the first attempt's failure; nothing is respawned."""
+    faults = [
+        px.Fault("exception", worker=1, step=POISON_STEP, phase="data"),
+        px.Fault("kill", worker=1, step=POISON_STEP, phase="forward"),
+    ]
+    with pytest.raises(px.TrainingFailed) as info:
+        fit(tmp_path, faults, px.Recovery(mode="respawn"))
+    err = info.value
+    assert err.code == "PX204"
+    mine = [f for f in err.failures if f.worker == 1]
+    assert [(f.kind, f.phase, f.attempt, f.action) for f in mine] == [
+        ("exception", "data", 0, "retried"),
+        ("crash", "forward", 1, "aborted"),
+    ]
+    assert err.root_cause is mine[0]
+    assert not [f for f in err.failures if f.action in ("respawned", "shrunk")]
+
+
+@pytest.mark.timeout(150)
+def test_a_death_after_the_retry_committed_is_not_a_poison_batch(
+    clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Step 4 fails once (retried) and its retry's vote comes back all ok; worker 2 then dies
+    in the optimizer phase. The step did not fail twice: the worker is replaced and the run
+    ends with the clean run's model."""
+    faults = [
+        px.Fault("exception", worker=0, step=POISON_STEP),
+        px.Fault("kill", worker=2, step=POISON_STEP, phase="optimizer"),
+    ]
+    result, rec = fit(tmp_path, faults, px.Recovery(mode="respawn"))
+    assert summary(result) == [
+        (0, "exception", POISON_STEP, "retried"),
+        (2, "crash", POISON_STEP, "respawned"),
+    ]
+    crash = result.failures[1]
+    assert (crash.phase, crash.attempt) == ("optimizer", None)
+    assert_same_run(result, rec, clean)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["respawn", "shrink"])
+def test_a_nan_loss_on_one_worker_stops_the_run_at_once_in_every_mode(
+    mode: str, tmp_path: Path
+) -> None:
+    """A broken step contract (here a NaN loss on rank 1 at step 3) is the user's code to fix:
+    every member stops at that step's first attempt (the vote carries it), no worker is
+    replaced, and the error is a ConfigError naming rank 1's step and samples."""
+    with pytest.raises(px.InvalidStepError) as info:
+        fit(tmp_path, [], px.Recovery(mode=mode), devices=TWO, step=nan_loss_on_rank_1_at_step_3)
+    err = info.value
+    assert isinstance(err, px.ConfigError) and err.code == "PX107"
+    assert [(f.worker, f.step, f.attempt, f.action) for f in err.failures] == [(1, 3, 0, "aborted")]
+    share = Plan(len(DATA), FIT["batch_size"], FIT["seed"]).local_batch(0, 3, 1, 2)
+    assert err.root_cause.sample_indices == share
+    assert "the loss is nan at step 3" in str(err).splitlines()[0]
 
 
 # -- 5. out of memory on one worker: split, never a restart --------------------------------------

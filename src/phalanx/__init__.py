@@ -3,7 +3,7 @@
 from phalanx import faults, metrics
 from phalanx.checkpoint import Checkpoints
 from phalanx.early_stopping import EarlyStopping
-from phalanx.errors import ConfigError, PhalanxError, TrainingFailed
+from phalanx.errors import ConfigError, InvalidStepError, PhalanxError, TrainingFailed
 from phalanx.failures import WorkerFailure
 from phalanx.faults import Fault
 from phalanx.learner import FitResult, Learner
@@ -16,6 +16,7 @@ __all__ = [
     "EarlyStopping",
     "Fault",
     "FitResult",
+    "InvalidStepError",
     "Learner",
     "PhalanxError",
     "Recovery",

@@ -161,7 +161,15 @@ class TrainingFailed(PhalanxError):
         return f"{self.message}\n(see: phalanx explain {self.code})"
 
     def __reduce__(self) -> tuple[type, tuple[str, WorkerFailure, list[WorkerFailure], str]]:
-        return (TrainingFailed, (self.message, self.root_cause, self.failures, self.code))
+        return (type(self), (self.message, self.root_cause, self.failures, self.code))
+
+
+class InvalidStepError(TrainingFailed, ConfigError):
+    """The run stopped because the step function broke its contract: it returned a loss that
+    is not one number (PX106), a loss that is NaN or infinite (PX107, with the step and the
+    samples), or neither a tensor nor a ``StepOutput`` (PX109). The fix is in the user's code,
+    so it is a :class:`ConfigError` too (``except px.ConfigError`` catches it), and it stops
+    at the first attempt: a retry would compute the same. ``code`` is the inner error's."""
 
 
 class DatasetNotPicklableError(NotPicklableError):

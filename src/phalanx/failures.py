@@ -28,6 +28,9 @@ Phase = Literal[
     "checkpoint",
 ]
 PHASES: tuple[str, ...] = get_args(Phase)
+# Errors raised when the step function breaks its contract (a loss that is not one finite
+# number, a wrong return type): a retry computes the same, so the run stops at once.
+STEP_CONTRACT_ERRORS = ("LossNotScalarError", "NonFiniteLossError", "StepOutputError")
 
 
 @dataclass
@@ -53,9 +56,18 @@ class WorkerFailure:
     time: float = field(default_factory=time.time)
     action: str | None = None  # what the run did: retried, split, shrunk, respawned, aborted
     recovery_seconds: float | None = None  # from the failure to the next committed step
+    # Which attempt of its step failed: 0 the first, 1 its retry. Attempts are counted over
+    # the whole run, across generations (out-of-memory splits are not new attempts). None
+    # outside a step.
+    attempt: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def breaks_step_contract(self) -> bool:
+        """The step function returned something the loop cannot train on (no retry helps)."""
+        return self.exception_type in STEP_CONTRACT_ERRORS
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -55,6 +55,9 @@ class Vote:
     regroup: bool = False  # a new generation waits: leave the group after this step
     # of the sample indices actually computed, over all members
     ledger: Fingerprint = EMPTY
+    # failed members whose step broke its contract (engines whose vote sees only the local
+    # failure count them all; the others leave 0 and the loop counts ``failures``)
+    contract: int = 0
 
 
 class Engine(Protocol):
@@ -176,7 +179,15 @@ class TrainLoop:
         self.on_failure = on_failure or (lambda f: self.emit(WorkerFailed(f, f.action or "")))
         self.state = TrainState()
         self.failures: list[WorkerFailure] = []
+        # Attempts of a step that already failed before this member's group formed (global
+        # step -> count): a ddp generation that computes a step again after a fallen worker
+        # broke it goes on counting there, so its next failure of that step is the retry's.
+        self.failed_before: dict[int, int] = {}
+        self.attempt = 0  # of the step in progress, counted over the run (see failed_before)
         self.epoch_started = time.time()
+        # (when, epoch samples then): where this process began training the epoch, for the
+        # epoch's throughput (a resume or a regroup begins a new window)
+        self.window = (time.time(), 0)
         self.saved_step = -1  # the global step of the last checkpoint this member saved
 
     def emit(self, event: Event) -> None:
@@ -228,6 +239,7 @@ class TrainLoop:
         self.emit(EpochStarted(st.epoch, steps, st.step))
         if st.step == 0:  # not when a regroup or a resume goes on mid-epoch
             self.epoch_started = time.time()
+        self.window = (time.time(), st.epoch_samples)
         self.engine.begin_epoch(st.epoch, st.step)
         if st.epoch_sums is None:
             st.epoch_sums = torch.zeros(_size(self.s.metrics), dtype=torch.float64)
@@ -237,16 +249,19 @@ class TrainLoop:
     def _step(self) -> None:
         st = self.state
         started = time.perf_counter()
-        attempt = 0
+        attempt = self.failed_before.get(st.global_step, 0)
         absorbed: list[WorkerFailure] = []  # this step's failures that a retry or split absorbed
         while True:
+            self.attempt = attempt
             torch.manual_seed(step_seed(self.s.seed, st.global_step, self.engine.rank))
             # Read when the vote is built, after the local work: a stop asked for during
             # this step ends the run after this step.
             vote = self.engine.attempt(st.epoch, st.step, st.global_step, self._stopping)
-            action = decide(attempt, vote.failed, vote.splittable)
+            contract = max(vote.contract, sum(f.breaks_step_contract for f in vote.failures))
+            action = decide(attempt, vote.failed, vote.splittable, contract=contract)
             for failure in vote.failures:
                 failure.action = _ACTION_NAMES.get(action, action)
+                failure.attempt = attempt
                 self.failures.append(failure)
                 self.on_failure(failure)
             absorbed += vote.failures
@@ -307,6 +322,10 @@ class TrainLoop:
             train = compute_all(self.s.metrics, st.epoch_sums)
         results = {f"train/{k}": v for k, v in train.items()}
         results["train/lr"] = self.engine.lr()
+        since, samples_then = self.window
+        throughput = (st.epoch_samples - samples_then) / max(time.time() - since, 1e-9)
+        stats = LoopStats(lr=self.engine.lr(), samples_per_s=throughput)
+        results.update({f"train/{m.name}": m.read(stats) for m in self.s.loop_metrics})
         if self.s.has_valid:
             self.emit(ValidationStarted(st.epoch, self.s.valid_batches))
             sums = self.engine.evaluate()

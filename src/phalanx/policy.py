@@ -6,6 +6,10 @@
 :func:`decide` is the step's commit rule: all voted ok -> commit; a first failed attempt ->
 retry the same global batch with the same members; a second -> abort (a poison batch: a bug
 in user code or a bad sample must not cascade into killing healthy workers).
+
+:func:`failed_attempts` and :func:`is_poison` carry that rule across generations (ddp): a
+worker that dies or hangs fails the attempt it was in, and the next generation computes the
+step again as its next attempt.
 """
 
 from __future__ import annotations
@@ -22,21 +26,72 @@ MAX_RETRIES = 1
 
 
 def decide(
-    attempt: int, failed: int, splittable: int = 0, max_retries: int = MAX_RETRIES
+    attempt: int,
+    failed: int,
+    splittable: int = 0,
+    max_retries: int = MAX_RETRIES,
+    contract: int = 0,
 ) -> StepAction:
     """The commit rule of one step attempt, the same on every member.
 
     ``attempt`` counts the retries of this step so far; ``failed`` the members that voted
     failed; ``splittable`` those of them that ran out of memory and can still cut their share
-    into smaller micro-batches. When every failure is such an out-of-memory, the step is
-    tried again with the split ("split": no retry is used up, the global batch and the math
-    are unchanged). Otherwise a step is retried once, then the run aborts (poison batch).
+    into smaller micro-batches; ``contract`` those whose step function broke its contract (a
+    non-scalar or non-finite loss, a wrong return type: the same again on a retry, so the
+    run stops at once). When every failure is such an out-of-memory, the step is tried
+    again with the split ("split": no retry is used up, the global batch and the math are
+    unchanged). Otherwise a step is retried once, then the run aborts (poison batch).
     """
     if failed == 0:
         return "commit"
+    if contract:
+        return "abort"
     if splittable == failed:
         return "split"
     return "retry" if attempt < max_retries else "abort"
+
+
+# Phases in which a worker computes its share of a step's global batch: a failure there
+# fails that attempt of the step (two failed attempts make a poison batch, whatever kinds).
+STEP_PHASES = ("data", "forward", "backward", "metrics", "sync")
+
+
+def counts_as_attempt(failure: WorkerFailure, secondary: bool = False) -> bool:
+    """Whether ``failure`` failed an attempt of its step: it happened while the worker
+    computed its share (``STEP_PHASES``), in a known attempt, and is neither a survivor's
+    ``secondary`` error (a peer's closed socket) nor an out-of-memory split or a failure
+    that came after the run was decided."""
+    return (
+        failure.phase in STEP_PHASES
+        and failure.attempt is not None
+        and failure.step is not None
+        and failure.action not in ("split", "ignored")
+        and not secondary
+    )
+
+
+def failed_attempts(history: list[tuple[WorkerFailure, bool]]) -> dict[int, int]:
+    """Global step -> how many attempts of it have failed, from ``(failure, secondary)``
+    pairs: one more than the highest attempt any counted failure of the step was in. Two
+    workers killed in the same attempt fail one attempt; a vote-carried failure and a death
+    in the retry fail two."""
+    failed: dict[int, int] = {}
+    for failure, secondary in history:
+        if counts_as_attempt(failure, secondary):
+            assert failure.step is not None and failure.attempt is not None
+            failed[failure.step] = max(failed.get(failure.step, 0), failure.attempt + 1)
+    return failed
+
+
+def is_poison(failure: WorkerFailure, secondary: bool = False) -> bool:
+    """Whether ``failure`` fails a step that had already failed before: the attempt it was in
+    is a retry (attempt numbers count failed attempts over the run). The loop applies the
+    same rule to failures its vote carries (:func:`decide`); this one is for deaths, hangs
+    and failures that broke the group, which the supervisor judges."""
+    if not counts_as_attempt(failure, secondary):
+        return False
+    assert failure.attempt is not None
+    return decide(failure.attempt, failed=1) == "abort"
 
 
 RecoveryAction = Literal["respawn", "shrink", "abort"]

@@ -16,19 +16,24 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import TrainingFailed
+from phalanx.errors import InvalidStepError, TrainingFailed
 from phalanx.failures import WorkerFailure, headline
 
+# What a survivor's collective says when a peer fell (gloo's socket errors name its source
+# files; NCCL reports an aborted communicator or a remote process gone). Specific phrases
+# only: a user's own error that mentions a "peer" is still the user's.
 SECONDARY_MARKERS = (
     "connection reset by peer",
     "connection closed by peer",
     "broken pipe",
-    "gloo",
+    "/gloo/",
+    "gloo/transport",
     "nccl communicator was aborted",
+    "remote process exited",
     "socket timeout",
-    "peer",
-    "shut down",
+    "has been shut down",
 )
+SECONDARY_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 
 KIND_CODES = {"exception": "PX200", "crash": "PX201", "hang": "PX202", "oom": "PX203"}
 
@@ -37,6 +42,8 @@ def is_secondary(f: WorkerFailure) -> bool:
     """A survivor's error caused by another worker's failure (not a cause of its own)."""
     if f.kind != "exception" or f.phase not in ("sync", "backward", "forward", "preflight"):
         return False
+    if f.exception_type in SECONDARY_TYPES:
+        return True
     text = f.message.lower()
     return any(marker in text for marker in SECONDARY_MARKERS)
 
@@ -93,7 +100,8 @@ def build(failures: list[WorkerFailure], poison: bool = False) -> TrainingFailed
     entry = lookup(code)
     lines += ["", f"What to try ({code}: {entry.title}):"]
     lines += [f"  - {fix}" for fix in entry.fixes[:3]]
-    return TrainingFailed("\n".join(lines), root, failures, code)
+    cls = InvalidStepError if root.breaks_step_contract else TrainingFailed
+    return cls("\n".join(lines), root, failures, code)
 
 
 def write_json(

@@ -4,6 +4,7 @@ all-reduce (the vote), and the state hand-over when a generation forms."""
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,7 +26,7 @@ from phalanx.strategies.base import evaluate_local, guarded_commit
 from phalanx.trainable import Trainable
 
 PhaseHook = Callable[[int, str], None]
-HEAD = 4 + ledger.WIDTH  # failed, stop, regroup, splittable, ledger fingerprint
+HEAD = 5 + ledger.WIDTH  # failed, stop, regroup, splittable, contract, ledger fingerprint
 
 
 @dataclass
@@ -43,7 +44,8 @@ class DdpEngine:
     """Rank ``rank`` of ``world`` in one generation: its slice of each global batch, under a
     DDP module built over this generation's process group.
 
-    The vote is one all-reduce of ``[failed, stop, regroup, splittable, *ledger, *sums]``:
+    The vote is one all-reduce of
+    ``[failed, stop, regroup, splittable, contract, *ledger, *sums]``:
     a failed step costs nothing extra and metrics need no collective of their own.
     """
 
@@ -114,17 +116,22 @@ class DdpEngine:
                 res.failure, res.splittable = self._failure(exc, "sync"), False
                 self.m.replica.unvoted, self.m.replica.unvoted_splittable = res.failure, False
         failed, splittable, *computed = res.vote_head()
-        head = [failed, float(stop()), float(self.regroup_requested()), splittable, *computed]
+        contract = float(res.failure is not None and res.failure.breaks_step_contract)
+        regroup = float(self.regroup_requested())
+        head = [failed, float(stop()), regroup, splittable, contract, *computed]
         vote = torch.cat([torch.tensor(head, dtype=torch.float64), res.sums]).to(self.device)
         dist.all_reduce(vote)
         self.m.replica.unvoted = None  # the vote carries it from here
         v = vote.cpu()
+        if v[0].item() == 0:  # every member commits: a death from here fails no attempt
+            self.on_phase(global_step, "optimizer")
         return Vote(
             failed=int(v[0].item()),
             stop=bool(v[1].item() > 0),
             regroup=bool(v[2].item() > 0),
             splittable=int(v[3].item()),
-            ledger=cast(ledger.Fingerprint, tuple(v[4:HEAD].tolist())),
+            contract=int(v[4].item()),
+            ledger=cast(ledger.Fingerprint, tuple(v[5:HEAD].tolist())),
             sums=v[HEAD:],
             failures=[res.failure] if res.failure else [],
         )
@@ -132,8 +139,8 @@ class DdpEngine:
     def commit(self) -> None:
         """Buffers first (a collective that can still fail with nothing changed), then the
         optimizer: once it has stepped, nothing here can fail because of a peer, so a step
-        is never applied on one member and then computed again after a regroup."""
-        self.on_phase(self.step, "optimizer")
+        is never applied on one member and then computed again after a regroup. (The
+        heartbeat for phase ``optimizer`` went when the vote came back all ok.)"""
         if self.has_buffers:
             for buf in self.trainable.model.buffers():
                 dist.broadcast(buf, src=0)
@@ -182,20 +189,93 @@ class DdpEngine:
 
 
 def hand_over(loop: TrainLoop, rank: int, device: torch.device) -> int:
-    """When a generation forms: agree on the highest committed step, and give every member
-    the full state (model, optimizer, scheduler, loop state, metric sums, RNG) of the
-    lowest rank that has it. Returns that rank. A collective over the new group."""
-    mine = torch.tensor([float(loop.state.global_step)], dtype=torch.float64, device=device)
-    top = mine.clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    """When a generation forms: agree on the highest committed step, and give the members
+    that are behind it (a replacement; a member that had not committed the last step) the
+    full state (model, optimizer, scheduler, loop state, metric sums, RNG) of the lowest rank
+    that has it. Returns that rank. Collectives over the new group.
+
+    Members at the highest step hold the same state already (every member applies the same
+    reduced gradients), so a shrink moves no state at all. The state travels tensor by
+    tensor (its structure, without the tensors, as one pickled object first), to the
+    members that need it only: nobody holds a pickled copy of the whole state."""
     world = dist.get_world_size()
-    candidate = float(rank) if mine.item() == top.item() else float(world)
-    source = torch.tensor([candidate], dtype=torch.float64, device=device)
-    dist.all_reduce(source, op=dist.ReduceOp.MIN)
-    src = int(source.item())
-    payload = [loop.snapshot() if rank == src else None]
-    dist.broadcast_object_list(payload, src=src, device=device)
+    mine = float(loop.state.global_step)
+    steps = torch.zeros(world, dtype=torch.float64, device=device)
+    steps[rank] = mine
+    dist.all_reduce(steps)  # every member's committed step
+    top = float(steps.max().item())
+    src = min(r for r in range(world) if steps[r].item() == top)
+    behind = [r for r in range(world) if steps[r].item() < top]
+    if not behind:
+        return src
+    ranks = sorted([src, *behind])
+    group = None if len(ranks) == world else dist.new_group(ranks)
+    if rank not in ranks:
+        return src
+    skeleton, tensors = split_tensors(loop.snapshot()) if rank == src else (None, [])
+    payload = [skeleton]
+    dist.broadcast_object_list(payload, src=src, group=group, device=device)
+    shape = payload[0]
+    for slot in tensor_slots(shape):
+        if rank == src:
+            buf = tensors[slot.index].to(device).contiguous()
+        else:
+            buf = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        dist.broadcast(buf, src=src, group=group)
+        if rank != src:
+            tensors.append(buf.to(slot.device))
     if rank != src:
-        assert payload[0] is not None
-        loop.restore(payload[0])
+        loop.restore(fill_tensors(shape, tensors))
     return src
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where a tensor was in a state being handed over: its index, shape, type, device."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+
+def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` rebuilt with ``fn`` applied to each leaf: dicts, lists and plain tuples are
+    walked (a module's state dict keeps its ``_metadata``), everything else is a leaf."""
+    if isinstance(obj, dict):
+        items = [(k, map_leaves(v, fn)) for k, v in obj.items()]
+        out: Any = OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, list):
+        return [map_leaves(v, fn) for v in obj]
+    if type(obj) is tuple:
+        return tuple(map_leaves(v, fn) for v in obj)
+    return fn(obj)
+
+
+def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``state`` with each tensor replaced by a :class:`TensorSlot`, and the tensors."""
+    tensors: list[torch.Tensor] = []
+
+    def take(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensors.append(leaf)
+        return TensorSlot(len(tensors) - 1, tuple(leaf.shape), leaf.dtype, str(leaf.device))
+
+    return map_leaves(state, take), tensors
+
+
+def tensor_slots(skeleton: Any) -> list[TensorSlot]:
+    found: list[TensorSlot] = []
+    map_leaves(skeleton, lambda leaf: found.append(leaf) if isinstance(leaf, TensorSlot) else None)
+    return sorted(found, key=lambda s: s.index)
+
+
+def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of :func:`split_tensors`."""
+    return map_leaves(
+        skeleton, lambda leaf: tensors[leaf.index] if isinstance(leaf, TensorSlot) else leaf
+    )

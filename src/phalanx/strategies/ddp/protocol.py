@@ -16,7 +16,8 @@ CONTROL_KEY = "control/version"  # counter: bumped after each write of the keys 
 # worker's watch thread reads one key per tick and the others only when it moved
 GEN_PREFIX = "gen/"  # gen/<n>: JSON {"members": [slots in rank order], "cause": "...",
 # "rebuild": true when the same members form a new group because the old one broke,
-# "replacing": the slot whose replacement process was started, or null}
+# "replacing": the slot whose replacement process was started, or null, "failed": {global
+# step: attempts of it that already failed}, so the members go on counting attempts there}
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Generation:
     number: int
     members: list[int]
     cause: str = ""
+    failed: dict[int, int] = field(default_factory=dict)  # step -> attempts already failed
 
     def rank_of(self, slot: int) -> int:
         return self.members.index(slot)
@@ -40,12 +42,14 @@ class Relay:
 
 @dataclass
 class Progress:
-    """A worker entered ``phase`` of ``step`` (its heartbeat, and what a hang report names)."""
+    """A worker entered ``phase`` of ``step`` (its heartbeat, and what a hang report names);
+    ``attempt``: which attempt of the step (see :attr:`WorkerFailure.attempt`)."""
 
     slot: int
     step: int
     phase: str
     time: float
+    attempt: int = 0
 
 
 @dataclass

@@ -38,7 +38,7 @@ from phalanx.events import Notice, StepEnded, WorkerFailed
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.plan import Plan
-from phalanx.policy import recover
+from phalanx.policy import STEP_PHASES, failed_attempts, is_poison, recover
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp import worker as worker_mod
 from phalanx.strategies.ddp.protocol import (
@@ -64,9 +64,6 @@ STACK_WAIT = 0.5
 STARTUP_TIMEOUT = 120.0  # spawning and importing torch is not a hang
 PREFLIGHT_TIMEOUT = 30.0
 IDLE_PHASES = ("start", "regroup", "joining")  # bounded by their own timeouts, not hangs
-# Phases in which a worker computes its share of a step's global batch: a failure there is a
-# failed attempt of that step (two make a poison batch, whatever their kinds).
-STEP_PHASES = ("data", "forward", "backward", "metrics", "sync")
 ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted"}
 
 
@@ -81,6 +78,7 @@ class SlotState:
     changed: float = field(default_factory=time.time)
     finished: bool = False  # sent Done or Aborted, or its end is already accounted for
     generation: int = -1  # the newest generation it has joined
+    attempt: int = 0  # of its step, from its last heartbeat
 
 
 @dataclass
@@ -118,9 +116,6 @@ class Supervisor:
         self.waiting: list[int] = []  # replacements ready to be let in
         self.recovering: list[WorkerFailure] = []  # failures waiting for a committed step
         self.broke: list[tuple[float, Broke]] = []  # received, not yet settled
-        # id of a recorded failure -> (the generation it happened in, whether a vote carried
-        # it): which attempt of its step it failed (see _second_attempt)
-        self.attempt_of: dict[int, tuple[int, bool]] = {}
         self.gen_members: dict[int, list[int]] = {}
         self.rebuilds: set[int] = set()  # generations that rebuild the same members' group
         cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
@@ -178,8 +173,16 @@ class Supervisor:
         now = time.time()
         for slot in self.members:  # a fresh hang window to form the new group in
             self.slots[slot].changed = now
+        history = [(f, report.is_secondary(f)) for f in self.outcome.failures]
+        failed = failed_attempts(history)
         doc = json.dumps(
-            {"members": self.members, "cause": cause, "rebuild": rebuild, "replacing": replacing}
+            {
+                "members": self.members,
+                "cause": cause,
+                "rebuild": rebuild,
+                "replacing": replacing,
+                "failed": {str(k): v for k, v in failed.items()},
+            }
         )
         self.store.set(f"{GEN_PREFIX}{self.generation}", doc)
         self.store.add(GEN_LATEST, 1 if self.generation > 0 else 0)
@@ -248,11 +251,12 @@ class Supervisor:
         out = self.outcome
         if isinstance(message, Relay):
             if isinstance(message.event, StepEnded):
-                self._recovered(message.event.time)
+                self._recovered(message.event.time, message.event.global_step)
             self.emit(message.event)
         elif isinstance(message, Progress):
             state = self.slots[message.slot]
             state.step, state.phase, state.changed = message.step, message.phase, time.time()
+            state.attempt = message.attempt
         elif isinstance(message, Joined):
             state = self.slots[message.slot]
             state.generation, state.changed = message.generation, time.time()
@@ -267,10 +271,14 @@ class Supervisor:
         elif isinstance(message, Broke):
             self.broke.append((time.time(), message))
         elif isinstance(message, Aborted):
+            # An older generation's held report is that step's earlier attempt: it counts
+            # before the run is decided (a peer's Aborted can come before this one's Failed).
+            self._settle_broke(before=self.slots[message.slot].generation)
             out.aborted.add(message.slot)
             out.poison = out.poison or message.poison
             self.slots[message.slot].finished = True
         elif isinstance(message, Done):
+            self._settle_broke(before=self.slots[message.slot].generation)
             self.slots[message.slot].finished = True
             if message.weights_path is not None:
                 out.done = message
@@ -313,7 +321,12 @@ class Supervisor:
             exit_code=code if sig is None else None,
             signal=sig,
             sample_indices=samples,
+            attempt=self._attempt(state),
         )
+
+    def _attempt(self, state: SlotState) -> int | None:
+        """The attempt of its step the worker was in (None outside a step's phases)."""
+        return state.attempt if state.phase in STEP_PHASES else None
 
     def _share(self, slot: int, state: SlotState) -> tuple[int | None, list[int] | None]:
         """The epoch of the step the worker was in, and the samples it was computing there
@@ -373,6 +386,7 @@ class Supervisor:
             pid=state.process.pid,
             stacks=stacks,
             sample_indices=samples,
+            attempt=self._attempt(state),
         )
 
     def _dump_stacks(self, slot: int, state: SlotState) -> str:
@@ -410,23 +424,23 @@ class Supervisor:
             return
         if slot in self.waiting:
             self.waiting.remove(slot)
-        if self._second_attempt(failure, generation, voted=False):
-            self._poison(failure, generation, voted=False)
+        if is_poison(failure, report.is_secondary(failure)):
+            self._poison(failure)
             return
         survivors = [m for m in self.members if m != slot and not self.slots[m].finished]
         action = recover(self.config.recovery, failure, out.failures, len(survivors))
         failure.action = ACTIONS[action]
-        self._record(failure, generation, voted=False)
+        self._record(failure)
         if action == "abort":
             out.fatal = True
             return
         self.recovering.append(failure)
-        if action == "respawn":
-            self._spawn(slot, replaces=failure)
-        if slot in self.members:
+        if slot in self.members:  # the survivors first: a process start takes a while
             replacing = slot if action == "respawn" else None
             cause = f"worker {slot} {failure.kind}: {failure.action}"
             self._announce(survivors, cause, replacing=replacing)
+        if action == "respawn":
+            self._spawn(slot, replaces=failure)
 
     def _settle_broke(self, everything: bool = False, before: int | None = None) -> None:
         """Decide on :class:`Broke` reports once they are ``BROKE_SETTLE`` old: a peer that
@@ -451,13 +465,13 @@ class Supervisor:
         failure, generation, out = message.failure, message.generation, self.outcome
         if out.done is not None or self._decided():
             failure.action = "ignored" if out.done is not None else "aborted"
-            self._record(failure, generation, voted=False)
+            self._record(failure)
             return
-        if not message.splittable and self._second_attempt(failure, generation, voted=False):
-            self._poison(failure, generation, voted=False)
+        if not message.splittable and is_poison(failure, report.is_secondary(failure)):
+            self._poison(failure)
             return
         failure.action = "split" if message.splittable else "retried"
-        self._record(failure, generation, voted=False)
+        self._record(failure)
         self.recovering.append(failure)
         if not self._group_left(generation):
             cause = f"worker {failure.worker} {failure.kind} in {failure.phase}: rebuilt"
@@ -475,52 +489,24 @@ class Supervisor:
         return False
 
     def _voted(self, failure: WorkerFailure) -> None:
-        """A failure a vote carried (the loop chose its action: retried, split, aborted).
-        A retry is the step's second attempt when the step already failed in an earlier
-        generation: the new generation's loop counts attempts afresh, so the supervisor
-        calls the poison batch."""
+        """A failure a vote carried: the loop chose its action (retried, split, aborted) with
+        the step's attempts counted over the run (the generation told it how many failed
+        before it formed), so the supervisor only records it."""
         generation = self.slots[failure.worker].generation
         self._settle_broke(before=generation)
-        if failure.action == "retried" and self._second_attempt(failure, generation, True):
-            self._poison(failure, generation, voted=True)
-            return
-        self._record(failure, generation, voted=True)
+        self._record(failure)
         if failure.action in ("retried", "split"):
             self.recovering.append(failure)
 
-    def _second_attempt(self, failure: WorkerFailure, generation: int, voted: bool) -> bool:
-        """Whether ``failure`` fails an attempt of its step after an earlier attempt failed:
-        an earlier failure of the same step happened in an earlier generation, or a vote
-        carried it (that attempt ended with the vote; a failure no vote carries comes
-        later). Two failures no vote carried in one generation fail one attempt together
-        (two workers killed at once); two carried by one generation's votes are the loop's
-        to judge. Out-of-memory splits and survivors' secondary errors do not count."""
-        if failure.phase not in STEP_PHASES or report.is_secondary(failure):
-            return False
-        for earlier in self.outcome.failures:
-            if (
-                earlier.step != failure.step
-                or earlier.action in ("split", "ignored")
-                or earlier.phase not in STEP_PHASES
-                or report.is_secondary(earlier)
-                or id(earlier) not in self.attempt_of
-            ):
-                continue
-            when, by_vote = self.attempt_of[id(earlier)]
-            if when < generation or (by_vote and not voted):
-                return True
-        return False
-
-    def _poison(self, failure: WorkerFailure, generation: int, voted: bool) -> None:
+    def _poison(self, failure: WorkerFailure) -> None:
         """The same step failed in two attempts: a poison batch. The run stops; the report
         names the step's first failure as the root cause."""
         failure.action = "aborted"
-        self._record(failure, generation, voted)
+        self._record(failure)
         self.outcome.poison = True
         self.outcome.aborted.add(failure.worker)
 
-    def _record(self, failure: WorkerFailure, generation: int, voted: bool) -> None:
-        self.attempt_of[id(failure)] = (generation, voted)
+    def _record(self, failure: WorkerFailure) -> None:
         self.outcome.failures.append(failure)
         self.emit(WorkerFailed(failure, failure.action or ""))
 
@@ -543,10 +529,17 @@ class Supervisor:
             joining, self.waiting = self.waiting, []
             self._announce(self.members + joining, f"workers {joining} rejoin")
 
-    def _recovered(self, when: float) -> None:
+    def _recovered(self, when: float, committed: int) -> None:
+        """Step ``committed - 1`` was committed at ``when``: the failures of that step or an
+        earlier one are recovered (a step committed before a failure, whose event comes late,
+        recovers nothing)."""
+        waiting = []
         for failure in self.recovering:
-            failure.recovery_seconds = max(0.0, when - failure.time)
-        self.recovering = []
+            if failure.step is None or failure.step < committed:
+                failure.recovery_seconds = max(0.0, when - failure.time)
+            else:
+                waiting.append(failure)
+        self.recovering = waiting
 
     def _rank(self, slot: int) -> int:
         return self.members.index(slot) if slot in self.members else slot

@@ -120,7 +120,8 @@ class Worker:
 
     def on_phase(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
-        self.send(Progress(self.a.slot, step, phase, time.time()))
+        attempt = self.loop.attempt if self.loop is not None else 0
+        self.send(Progress(self.a.slot, step, phase, time.time(), attempt))
 
     def emit(self, event: Event) -> None:
         self.send(Relay(event))
@@ -194,7 +195,8 @@ class Worker:
             latest = int(store.add(GEN_LATEST, 0))
             if latest > after:
                 doc = json.loads(store.get(f"{GEN_PREFIX}{latest}").decode())
-                gen = Generation(latest, doc["members"], doc.get("cause", ""))
+                failed = {int(k): int(v) for k, v in doc.get("failed", {}).items()}
+                gen = Generation(latest, doc["members"], doc.get("cause", ""), failed)
                 if self.a.slot in gen.members or not self.a.replacement:
                     return gen
                 after = latest  # a replacement waits for the generation that lets it in
@@ -326,6 +328,8 @@ class Worker:
         failure is that broken collective (a backward that met a fallen peer's closed
         socket): that is the peer's failure."""
         lost, member.replica.unvoted = member.replica.unvoted, None
+        if lost is not None and self.loop is not None:
+            lost.attempt = self.loop.attempt
         if lost is not None and not is_secondary(lost):
             self.send(Broke(lost, self.generation, member.replica.unvoted_splittable))
 
@@ -398,6 +402,7 @@ class Worker:
             )
         loop = self.loop
         loop.engine = engine
+        loop.failed_before = dict(gen.failed)
         if first and not a.replacement:
             start_run(loop, a.plan, cfg, loop.emit, a.plan.samples, a.valid_size)
         if gen.number > 0:
