@@ -9,13 +9,18 @@ workers import this file as ``ddp_helpers`` too. Subprocess scripts get it throu
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
+
+from phalanx.strategies.ddp import worker
 
 
 def make_data(n: int, seed: int = 0) -> TensorDataset:
@@ -128,3 +133,50 @@ def model_needing_a_missing_package() -> nn.Module:
     import phalanx_no_such_package  # type: ignore[import-not-found]  # noqa: F401
 
     return mlp()
+
+
+def flagged_data(n: int, flagged: int) -> TensorDataset:
+    """``make_data(n)`` with a third column that marks sample ``flagged``."""
+    x, y = make_data(n).tensors
+    flag = torch.zeros(n, dtype=torch.bool)
+    flag[flagged] = True
+    return TensorDataset(x, y, flag)
+
+
+def exit_on_flag_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Calls ``sys.exit(0)`` on rank 1 when its share holds the flagged sample (see
+    :func:`flagged_data`): SystemExit passes every ``except Exception``."""
+    x, y, flag = batch
+    if flag.any() and dist.is_initialized() and dist.get_rank() == 1:
+        sys.exit(0)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def mlp_exiting_in_worker_1() -> nn.Module:
+    """A model factory that calls ``sys.exit(0)`` in worker 1's process (outside any step)."""
+    if multiprocessing.current_process().name.startswith("phalanx-worker-1"):
+        sys.exit(0)
+    return mlp()
+
+
+def dump_stacks_twice_target(stack_file: str, ready: str, switch: str, moved: str) -> None:
+    """A process that listens for stack dumps as a ddp worker does (``ready`` says it
+    does), waits in :func:`waiting_before_the_switch` until ``switch`` exists, then in
+    :func:`waiting_after_the_switch` (``moved`` says it got there) until it is killed."""
+    worker.listen_for_stack_dumps(stack_file)
+    with open(ready, "w"):
+        pass
+    waiting_before_the_switch(switch)
+    with open(moved, "w"):
+        pass
+    waiting_after_the_switch()
+
+
+def waiting_before_the_switch(switch: str) -> None:
+    while not os.path.exists(switch):
+        time.sleep(0.01)
+
+
+def waiting_after_the_switch() -> None:
+    while True:
+        time.sleep(0.01)

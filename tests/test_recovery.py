@@ -768,8 +768,9 @@ SCRIPT_STEPS = 45  # 300 samples in batches of 20: 15 steps an epoch, 3 epochs
 
 
 def _start(
-    script: Path, tmp: Path, tag: str, run_dir: Path, resume: bool
+    script: Path, tmp: Path, tag: str, run_dir: Path, resume: bool, session: bool = False
 ) -> subprocess.Popen[bytes]:
+    """``session``: in a session (and process group) of its own, as a batch job's is."""
     args = [sys.executable, str(script), str(run_dir), "1" if resume else "0"]
     args += [str(tmp / f"{tag}.pt"), str(tmp / f"{tag}.json")]
     return subprocess.Popen(
@@ -778,6 +779,7 @@ def _start(
         cwd=tmp,
         stdout=(tmp / f"{tag}.log").open("wb"),
         stderr=subprocess.STDOUT,
+        start_new_session=session,
     )
 
 
@@ -857,3 +859,62 @@ def test_sigterm_checkpoints_and_resume_is_bitwise_equal(tmp_path: Path) -> None
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     (resume,) = [e for e in events if e["event"] == "Resumed"]
     assert resume["global_step"] == stopped["steps"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("signum", "to_group"),
+    [(signal.SIGTERM, True), (signal.SIGINT, False)],
+    ids=["TERM-group", "INT-supervisor"],
+)
+def test_a_stop_signal_checkpoints_and_resume_goes_on(
+    signum: signal.Signals, to_group: bool, tmp_path: Path
+) -> None:
+    """SIGTERM to the whole process group (Slurm's preemption, ``kill -TERM -<pgid>``)
+    reaches the workers too: they ignore it and the supervisor relays the stop, so the run
+    still ends after a step with a checkpoint, and a resumed run trains the rest. Likewise
+    SIGINT to the supervisor alone (not resumed: that part is the same as above)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(marker=f"phalanx-stop-{os.getpid()}-{time.time_ns()}"))
+    run_dir = tmp_path / "run"
+    first = _start(script, tmp_path, "first", run_dir, resume=False, session=True)
+    workers: list[int] = []
+    try:
+        deadline = time.time() + 90
+        while not _step_ended(run_dir / "events.jsonl"):
+            assert first.poll() is None, _log(tmp_path, "first")
+            assert time.time() < deadline, "no StepEnded within 90 s"
+            time.sleep(0.05)
+        workers = [p for p, st in children(first.pid).items() if st != "Z"]
+        workers = [p for p in workers if not is_resource_tracker(p)]
+        assert len(workers) >= 2, f"expected two workers under {first.pid}"
+        if to_group:
+            os.killpg(first.pid, signum)  # its own session: the group is its pid
+        else:
+            first.send_signal(signum)
+        code = _finish(first, 30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 0, _log(tmp_path, "first")
+    assert not [p for p in workers if alive(p)], "workers outlived their supervisor"
+    stopped = json.loads((tmp_path / "first.json").read_text())
+    assert stopped["interrupted"] == f"Training interrupted: received {signum.name}"
+    assert 1 <= stopped["steps"] < SCRIPT_STEPS
+    saved = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+    assert saved, f"no checkpoint after {signum.name}"
+    assert int(saved[-1].stem.split("-")[1]) == stopped["steps"]
+
+    if not to_group:
+        return  # the same stop as SIGTERM's, resumed above (and bitwise) already
+    second = _start(script, tmp_path, "second", run_dir, resume=True)
+    assert _finish(second, 120) == 0, _log(tmp_path, "second")
+    resumed = json.loads((tmp_path / "second.json").read_text())
+    assert resumed["interrupted"] is None
+    assert (resumed["steps"], resumed["epochs"]) == (SCRIPT_STEPS, 3)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["global_step"] for e in events if e["event"] == "Resumed"] == [stopped["steps"]]

@@ -407,3 +407,62 @@ def test_threads_are_released_after_fit() -> None:
             break
         time.sleep(0.05)
     assert not left - before
+
+
+# -- hang_timeout bounds a replica's silence, not a whole attempt or validation pass ----------
+
+PROGRESS_TIMEOUT = timedelta(seconds=1)
+PAUSE_S = 0.3  # each forward of the slow part: under hang_timeout, five of them well over it
+
+
+def pausing_step(when_training: bool, model: nn.Module, batch: Any) -> torch.Tensor:
+    """Sleeps ``PAUSE_S`` in each forward while training (``when_training``) or in each
+    validation batch (otherwise)."""
+    if model.training == when_training:
+        time.sleep(PAUSE_S)
+    return mse_step(model, batch)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("slow", ["grad_accumulation", "validation"])
+def test_long_work_that_makes_progress_is_not_a_hang(slow: str) -> None:
+    """Five micro-batches of a step, or five validation batches, each a third of
+    hang_timeout: each replica enters a phase every 0.3 s, so neither the attempt nor the
+    validation pass (1.5 s a replica) is a hang."""
+    training = slow == "grad_accumulation"
+    data, valid = make_data(40), make_data(100, seed=1) if not training else None
+    fit: dict[str, Any] = dict(batch_size=20, epochs=1, seed=3, sinks=[])
+    result = px.Learner(
+        mlp, sgd, partial(pausing_step, training), grad_accumulation=5 if training else 1
+    ).fit(data, valid, devices=TWO, strategy="threads", hang_timeout=PROGRESS_TIMEOUT, **fit)
+    assert result.steps == 2
+    assert result.failures == []
+    assert ("valid/loss" in result.history[-1]) == (not training)
+
+
+@pytest.mark.timeout(60)
+def test_an_injected_hang_is_still_named_within_hang_timeout() -> None:
+    times: dict[int, float] = {}
+
+    class Ended:
+        def handle(self, event: Event) -> None:
+            if isinstance(event, StepEnded):
+                times[event.global_step] = time.time()
+
+        def close(self) -> None:
+            pass
+
+    with pytest.raises(px.TrainingFailed) as info:
+        learner().fit(
+            DATA, devices=TWO, strategy="threads", batch_size=45, sinks=[Ended()],
+            faults=[px.Fault("hang", worker=1, step=3, phase="backward")],
+            hang_timeout=PROGRESS_TIMEOUT,
+        )  # fmt: skip
+    decided = time.time()
+    root = info.value.root_cause
+    assert (root.kind, root.device, root.step, root.phase) == ("hang", "cpu:1", 3, "backward")
+    assert info.value.code == "PX202"
+    assert "no progress for" in root.message and "in phase backward" in root.message
+    assert root.stacks is not None and "in fire" in root.stacks
+    assert max(times) == 3  # steps 0-2 committed; the fault fired at the start of step 3
+    assert decided - times[3] < PROGRESS_TIMEOUT.total_seconds() + 5.0

@@ -190,7 +190,7 @@ class Replica:
             if data is not None:
                 micro = min(len(samples), micro_batches * self.split_factor)
                 self._micro_steps(data, samples, global_samples, step, sums, tracker, micro)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() in a step fails that step
             failure = from_exception(
                 exc,
                 worker=self.identity.worker,

@@ -17,11 +17,14 @@ One step:
    parameters and buffers to every other replica. Buffers (e.g. BatchNorm running stats)
    therefore follow the main replica's slice, as DDP's ``broadcast_buffers`` does.
 
-Hangs: each attempt waits at most ``hang_timeout`` for the threads. A thread still busy
-then is hung: its Python stack is taken (``sys._current_frames``), the run stops with a
-``hang`` failure naming its device and phase, and the thread is abandoned (Python cannot
-kill a thread). Worker threads are daemon threads, so an abandoned one never keeps the
-process from exiting; a ``ThreadPoolExecutor`` would, since it joins its threads at exit.
+Hangs: each replica's last progress is the time it last entered a phase (its
+:class:`~phalanx.replica.Replica` tells each phase change, every micro-batch and every
+validation batch included). An attempt or a validation pass waits for its threads as long
+as they make progress; a thread still busy that made none for ``hang_timeout`` is hung: its
+Python stack is taken (``sys._current_frames``), the run stops with a ``hang`` failure
+naming its device and phase, and the thread is abandoned (Python cannot kill a thread).
+Worker threads are daemon threads, so an abandoned one never keeps the process from
+exiting; a ``ThreadPoolExecutor`` would, since it joins its threads at exit.
 The threads are named ``phalanx-threads-<device>`` (visible in stack dumps and profilers).
 
 Determinism: the loop reseeds torch before every step attempt, but the CPU random generator
@@ -39,6 +42,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
@@ -146,8 +150,9 @@ class ThreadsEngine:
             Identity(worker=i, rank=i, device=label) for i, label in enumerate(self.labels)
         ]
         self.faults = [FaultInjector(config.faults, i) for i in range(len(self.labels))]
-        # The phase each replica last entered: where a hung thread was last seen.
+        # The phase each replica last entered (where a hung thread was last seen), and when.
         self.phases = ["data"] * len(self.labels)
+        self.progress = [time.monotonic()] * len(self.labels)
         self.replicas = [
             Replica(
                 t.module,
@@ -174,7 +179,9 @@ class ThreadsEngine:
         return self.trainables[0]
 
     def _entered(self, worker: int, step: int, phase: str) -> None:
+        """Replica ``worker`` entered ``phase``: its progress (read by :meth:`_gather`)."""
         self.phases[worker] = phase
+        self.progress[worker] = time.monotonic()
 
     # -- steps --------------------------------------------------------------------------
     def begin_epoch(self, epoch: int, start_step: int) -> None:
@@ -233,7 +240,7 @@ class ThreadsEngine:
         device = self.devices[i]
 
         def run() -> LocalResult:
-            self.phases[i] = "data"
+            self._entered(i, global_step, "data")
             if device.type == "cuda":
                 torch.cuda.manual_seed(_member_seed(seed, i))
             result = replica.run(
@@ -245,7 +252,7 @@ class ThreadsEngine:
                 self.micro,
             )
             if result.failure is None:
-                self.phases[i] = "sync"
+                self._entered(i, global_step, "sync")
                 try:
                     self.faults[i].check(global_step, "sync")
                 except Exception as exc:
@@ -260,24 +267,35 @@ class ThreadsEngine:
     def _gather(
         self, tasks: Sequence[Callable[[], T]], step: int | None, epoch: int
     ) -> list[T | BaseException]:
-        """Run task ``i`` in device ``i``'s thread; wait at most ``hang_timeout`` for all.
-        Raises FailedHere (kind ``hang``) when a thread is still busy by then."""
+        """Run task ``i`` in device ``i``'s thread; wait for all of them while they make
+        progress. Raises FailedHere (kind ``hang``) when a thread still busy has made no
+        progress (entered no phase) for ``hang_timeout``."""
+        started = time.monotonic()
+        self.progress = [started] * len(tasks)
         futures = [worker.submit(task) for worker, task in zip(self.threads, tasks, strict=True)]
-        wait(futures, timeout=self.timeout)
-        hung = [i for i, f in enumerate(futures) if not f.done()]
-        if hung:
-            raise FailedHere(self._hang(hung, step, epoch))
+        while True:
+            busy = [i for i, f in enumerate(futures) if not f.done()]
+            if not busy:
+                break
+            now = time.monotonic()
+            hung = [i for i in busy if now - self.progress[i] >= self.timeout]
+            if hung:
+                raise FailedHere(self._hang(hung, step, epoch, now))
+            # Until all are done, or until the first busy one would be hung if it made no
+            # progress meanwhile (then looked at again).
+            deadline = min(self.progress[i] for i in busy) + self.timeout
+            wait([futures[i] for i in busy], timeout=max(0.0, deadline - now) + 0.01)
         out: list[T | BaseException] = []
         for f in futures:
             exc = f.exception()
             out.append(exc if exc is not None else f.result())
         return out
 
-    def _hang(self, hung: list[int], step: int | None, epoch: int) -> WorkerFailure:
+    def _hang(self, hung: list[int], step: int | None, epoch: int, now: float) -> WorkerFailure:
         i = hung[0]
         message = (
-            f"its thread gave no result within hang_timeout="
-            f"{self.timeout:g}s; the thread was abandoned"
+            f"its thread made no progress for {now - self.progress[i]:.1f}s in phase "
+            f"{self.phases[i]} (hang_timeout={self.timeout:g}s); the thread was abandoned"
         )
         if len(hung) > 1:
             message += f" (also hung: {', '.join(self.labels[j] for j in hung[1:])})"

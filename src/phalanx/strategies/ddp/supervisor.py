@@ -101,6 +101,7 @@ class Supervisor:
         interrupter: Interrupter,
     ) -> None:
         self.spec, self.config, self.plan = spec, config, plan
+        self.user = worker_mod.pack_user(spec)  # unpickled by each worker (see WorkerArgs)
         self.train, self.valid, self.valid_size = data
         self.emit, self.interrupter = emit, interrupter
         self.world = len(config.devices)
@@ -134,7 +135,7 @@ class Supervisor:
         args = worker_mod.WorkerArgs(
             slot=slot,
             store_port=self.store.port,
-            spec=self.spec,
+            user=self.user,
             config=self.config,
             plan=self.plan,
             train=self.train,
@@ -226,7 +227,9 @@ class Supervisor:
         self.kill_all()
         for state in self.slots.values():
             state.conn.close()
-        for proc in self.retired:
+        for proc in self.retired:  # replaced by a respawn: its end was accounted for then
+            if proc.is_alive():
+                proc.kill()
             proc.join(timeout=5)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -289,15 +292,26 @@ class Supervisor:
 
     # -- what the supervisor sees for itself ----------------------------------------------
     def _check_deaths(self) -> None:
+        """A worker that exited without having finished (sent Done, Aborted or a fatal
+        Failed) has fallen, whatever its exit code: user code that calls ``sys.exit(0)``
+        outside a step ends the process with code 0. Only two exits are expected of an
+        unfinished worker: 0 or EXIT_TOLD once the run is decided (the abort key is set, or
+        about to be), and EXIT_TOLD from one the current generation leaves out."""
         for slot, state in list(self.slots.items()):
             code = state.process.exitcode
-            if code is None or state.finished or code in (0, worker_mod.EXIT_TOLD):
+            if code is None or state.finished:
                 continue
             self._read(state.conn)  # its last words may still be in the pipe
             if state.finished:
                 continue
             state.finished = True
-            self._fallen(self._death(slot, state, code))
+            if not self._expected_exit(slot, code):
+                self._fallen(self._death(slot, state, code))
+
+    def _expected_exit(self, slot: int, code: int) -> bool:
+        if code not in (0, worker_mod.EXIT_TOLD):
+            return False
+        return self._decided() or (code == worker_mod.EXIT_TOLD and slot not in self.members)
 
     def _death(self, slot: int, state: SlotState, code: int) -> WorkerFailure:
         sig = -code if code < 0 else None
@@ -390,7 +404,12 @@ class Supervisor:
         )
 
     def _dump_stacks(self, slot: int, state: SlotState) -> str:
+        """The Python stacks of every thread of the worker (faulthandler, on SIGUSR1). The
+        file is emptied first: the worker holds it open in append mode, so this dump starts
+        at its beginning and an earlier dump is never read as this one."""
         path = self._stack_file(slot)
+        with open(path, "w"):
+            pass
         try:
             os.kill(state.process.pid, signal.SIGUSR1)
         except ProcessLookupError:

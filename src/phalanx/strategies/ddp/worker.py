@@ -1,12 +1,13 @@
 """A ddp worker process: one device, one slot, a rank in each generation it joins.
 
-Order of work: ignore SIGINT (the supervisor decides), register faulthandler on SIGUSR1
-(the supervisor asks for stacks of a hung worker), watch the parent and the control keys,
-preflight (one isolated forward/backward: no collective can hang on a shape bug), then for
-each generation: form its process group under the store prefix ``g<n>/``, wrap the model in
-DDP, take the agreed state (generations after the first), and train until the run ends or
-the group breaks. When a collective fails because a peer fell, the worker waits for the next
-generation the supervisor announces and goes on in it.
+Order of work: ignore SIGINT and SIGTERM (the supervisor decides), register faulthandler on
+SIGUSR1 (the supervisor asks for stacks of a hung worker), watch the parent and the control
+keys, unpickle the user's parts, preflight (one isolated forward/backward: no collective can
+hang on a shape bug), then for each generation: form its process group under the store
+prefix ``g<n>/``, wrap the model in DDP, take the agreed state (generations after the
+first), and train until the run ends or the group breaks. When a collective fails because
+a peer fell, the worker waits for the next generation the supervisor announces and goes on
+in it.
 
 Exit codes: 0 done or stopped by the step policy (an :class:`Aborted` was sent), 1 failed
 (a fatal :class:`Failed` was sent), 3 told to exit by the supervisor.
@@ -19,6 +20,7 @@ import faulthandler
 import gc
 import json
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -74,11 +76,23 @@ class Superseded(Exception):
     """A newer generation was announced while this one was forming."""
 
 
+def pack_user(spec: TrainSpec) -> bytes:
+    """The user's parts of the run (model and optimizer factories, step function, metrics,
+    scheduler) as bytes, for :class:`WorkerArgs`."""
+    return pickle.dumps(spec)
+
+
 @dataclass
 class WorkerArgs:
+    """What a worker is started with. The user's parts travel pickled (``user``, see
+    :func:`pack_user`) and are unpickled by :meth:`Worker.run`, so a module of theirs that
+    cannot be imported in the worker (a package its environment lacks) is that worker's
+    preflight failure with its traceback, not a bare exit of spawn's bootstrap. The datasets
+    travel as they are (tensors go through torch's shared memory)."""
+
     slot: int
     store_port: int
-    spec: TrainSpec
+    user: bytes  # the TrainSpec, pickled: see spec
     config: FitConfig
     plan: Plan
     train: Dataset[Any]
@@ -93,6 +107,19 @@ class WorkerArgs:
     # A replacement fires only the faults meant for steps after the one its predecessor
     # fell at: those up to it were the predecessor's.
     faults_after: int = -1
+
+    def __post_init__(self) -> None:
+        self._spec: TrainSpec | None = None
+
+    def unpack(self) -> None:
+        """Unpickle the user's parts (imports their modules): in the worker, under a try."""
+        self._spec = pickle.loads(self.user)
+
+    @property
+    def spec(self) -> TrainSpec:
+        if self._spec is None:
+            raise RuntimeError("WorkerArgs.unpack() was not called")
+        return self._spec
 
 
 class Worker:
@@ -276,6 +303,7 @@ class Worker:
         else:
             torch.cuda.set_device(self.device)
         try:
+            self.before_training(a.unpack)
             if cfg.preflight and not a.replacement:
                 self.preflight()
             member = self.before_training(self.build_member)
@@ -437,11 +465,22 @@ def _forming_timeout(config: FitConfig) -> timedelta:
     return max(timedelta(seconds=10), config.hang_timeout)
 
 
-def main(args: WorkerArgs) -> None:
-    """Entry point of a spawned worker."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stacks = open(args.stack_file, "w")  # noqa: SIM115 - kept open for faulthandler
+def listen_for_stack_dumps(path: str) -> None:
+    """On SIGUSR1, write every thread's Python stack to ``path``. Opened in append mode: the
+    supervisor empties the file before it asks, and each dump then starts at its beginning
+    (with "w", the next dump would land at the old offset, after a run of NUL bytes)."""
+    stacks = open(path, "a")  # noqa: SIM115 - kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+
+def main(args: WorkerArgs) -> None:
+    """Entry point of a spawned worker. Ctrl-C and a SIGTERM sent to the whole process group
+    (Slurm, ``kill -TERM -<pgid>``) are the supervisor's to act on: it relays the stop
+    through the store, so the workers finish the step and checkpoint. (They cannot be
+    orphaned: the watch thread exits a worker whose parent is gone.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    listen_for_stack_dumps(args.stack_file)
     code = Worker(args).run()
     args.conn.close()
     sys.stdout.flush()
