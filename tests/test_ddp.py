@@ -186,12 +186,6 @@ EXPECTED = {
 EXIT_CODE = 7
 
 
-class ShareMissing(AssertionError):
-    """A failure in a step phase whose sample_indices are not the worker's share of the
-    global batch (checked last, so that an expected failure of this check alone can be
-    marked xfail while every other check of the case still runs)."""
-
-
 # Phases of a step's local work and vote: the failed worker was computing its share.
 STEP_PHASES = ("data", "forward", "backward", "metrics", "sync")
 # Stop at the first fallen worker (the default, respawn, would train on).
@@ -207,18 +201,7 @@ CASES = [(kind, rank, "forward") for kind in EXPECTED if kind != "exit" for rank
     ("hang", 0, "data"),
     ("exception", 1, "optimizer"),  # outside the vote: not retried, the run stops at once
     ("exception", 0, "validation"),  # in the validation after the epoch's last step
-    pytest.param(
-        "exception",
-        1,
-        "sync",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=ShareMissing,
-            reason="an exception in phase sync carries no sample_indices (DdpEngine.attempt "
-            "builds it without the share; a kill or hang there gets it from the supervisor), "
-            "so a poison batch in sync reports 'samples none'",
-        ),
-    ),
+    ("exception", 1, "sync"),
     ("oom", 0, "backward"),  # mid-backward: split down to one sample, retried, then poison
     ("kill", 1, "data"),
     ("hang", 0, "sync"),  # the peer waits in the vote, at the same step and phase
@@ -336,8 +319,8 @@ def test_fault_is_named_within_seconds(
     assert f"host {root.host}, pid {root.pid})" in first
     assert root.epoch == 0 and root.time <= decided
     assert len(doc["failures"]) == len(err.failures)
-    if phase in STEP_PHASES and root.sample_indices != share:  # (last: see ShareMissing)
-        raise ShareMissing(f"{root.sample_indices} != the plan's share {share}")
+    if phase in STEP_PHASES:
+        assert root.sample_indices == share, f"{root.sample_indices} != the plan's share {share}"
 
 
 def _check_what_the_worker_left(kind: str, err: px.TrainingFailed) -> None:

@@ -113,7 +113,9 @@ class DdpEngine:
         except Exception as exc:  # before the vote: this rank just votes failed
             res.ledger = ledger.EMPTY
             if res.failure is None:  # (else the step's own failure is already the unvoted one)
-                res.failure, res.splittable = self._failure(exc, "sync"), False
+                failure = self._failure(exc, "sync")
+                failure.sample_indices = list(self.batches.indices(step))
+                res.failure, res.splittable = failure, False
                 self.m.replica.unvoted, self.m.replica.unvoted_splittable = res.failure, False
         failed, splittable, *computed = res.vote_head()
         contract = float(res.failure is not None and res.failure.breaks_step_contract)
