@@ -25,15 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
 import phalanx as px
 from phalanx.events import Event, StepEnded
-from phalanx.plan import Plan, split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import BATCH, dataset, make_model, make_optimizer, train_step
+from overhead import BATCH, dataset, make_model, make_optimizer, plain_training, train_step
 
 
 def peak_kb(pid: int | str = "self") -> int | None:
@@ -48,23 +45,10 @@ def peak_kb(pid: int | str = "self") -> int | None:
 
 
 def _plain_worker(rank: int, world: int, port: int, steps: int, width: int, out: Any) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = DistributedDataParallel(make_model(width))
-    opt = make_optimizer(model.parameters())
-    data = dataset()
-    plan = Plan(len(data), BATCH, seed=0)
-    order = plan.order(0)
-    slices = [split(plan.global_batch(0, s, order), world)[rank] for s in range(steps)]
-    for x, y in DataLoader(data, batch_sampler=slices):
-        loss = train_step(model, (x, y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    threads = max(1, (os.cpu_count() or 1) // world)
+    for _ in plain_training(rank, world, port, steps, threads, width):
+        pass
     out.put((rank, peak_kb()))
-    dist.destroy_process_group()
 
 
 def plain_ddp(steps: int, world: int, width: int) -> int:

@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -72,9 +73,10 @@ def dataset() -> TensorDataset:
 
 
 # -- plain torch DDP ---------------------------------------------------------------------
-def _plain_worker(
-    rank: int, world: int, port: int, steps: int, threads: int, out: Any, width: int
-) -> None:
+def plain_training(
+    rank: int, world: int, port: int, steps: int, threads: int, width: int
+) -> Iterator[None]:
+    """Plain DDP training of rank ``rank``: yields after each optimizer step."""
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -85,16 +87,23 @@ def _plain_worker(
     plan = Plan(len(data), BATCH, seed=0)
     order = plan.order(0)
     slices = [split(plan.global_batch(0, s, order), world)[rank] for s in range(steps)]
-    stamps = []
     for x, y in DataLoader(data, batch_sampler=slices):
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
+        yield
+    dist.destroy_process_group()
+
+
+def _plain_worker(
+    rank: int, world: int, port: int, steps: int, threads: int, out: Any, width: int
+) -> None:
+    stamps = []
+    for _ in plain_training(rank, world, port, steps, threads, width):
         stamps.append(time.perf_counter())
     if rank == 0:
         out.put(stamps)
-    dist.destroy_process_group()
 
 
 def plain_ddp(steps: int, world: int, width: int = WIDTH) -> float:

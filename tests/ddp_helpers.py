@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from phalanx.events import Event, StepEnded
 from phalanx.strategies.ddp import worker
 
 
@@ -180,3 +181,17 @@ def waiting_before_the_switch(switch: str) -> None:
 def waiting_after_the_switch() -> None:
     while True:
         time.sleep(0.01)
+
+
+class StepTimes:
+    """A sink keeping when each committed step ended (the event's own time, set in rank 0)."""
+
+    def __init__(self) -> None:
+        self.ended: dict[int, float] = {}
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, StepEnded):
+            self.ended[event.global_step] = event.time
+
+    def close(self) -> None:
+        pass

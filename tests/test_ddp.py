@@ -27,6 +27,7 @@ from torch import nn
 
 import phalanx as px
 from ddp_helpers import (
+    StepTimes,
     exit_on_sample,
     make_data,
     mlp,
@@ -36,7 +37,7 @@ from ddp_helpers import (
     slow_mlp,
     wrong_shape_step,
 )
-from phalanx.events import CheckpointSkipped, Event, Resumed, StepEnded
+from phalanx.events import CheckpointSkipped, Event, Resumed
 from phalanx.plan import Plan
 from phalanx.report import is_secondary
 from procs import alive, child_env, children, is_resource_tracker
@@ -68,20 +69,6 @@ def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     """Largest difference in a tensor relative to that tensor's largest entry."""
     assert [t.shape for t in a] == [t.shape for t in b]
     return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b, strict=True))
-
-
-class StepTimes:
-    """A sink keeping when each committed step ended (the event's own time, set in rank 0)."""
-
-    def __init__(self) -> None:
-        self.ended: dict[int, float] = {}
-
-    def handle(self, event: Event) -> None:
-        if isinstance(event, StepEnded):
-            self.ended[event.global_step] = event.time
-
-    def close(self) -> None:
-        pass
 
 
 class Recorder:

@@ -17,6 +17,7 @@ import pytest
 
 import phalanx as px
 from ddp_helpers import (
+    StepTimes,
     dump_stacks_twice_target,
     exit_on_flag_step,
     flagged_data,
@@ -26,7 +27,6 @@ from ddp_helpers import (
     mse_step,
     sgd,
 )
-from phalanx.events import Event, StepEnded
 from phalanx.interrupt import Interrupter
 from phalanx.plan import Plan, split
 from phalanx.spec import FitConfig, TrainSpec
@@ -39,18 +39,6 @@ TWO = "cpu:0,cpu:1"
 FIT: dict[str, Any] = dict(batch_size=20, epochs=2, seed=3)
 EXIT_STEP = 3
 DECISION_S = 5.0  # from the end of the last good step to the report
-
-
-class StepTimes:
-    def __init__(self) -> None:
-        self.ended: dict[int, float] = {}
-
-    def handle(self, event: Event) -> None:
-        if isinstance(event, StepEnded):
-            self.ended[event.global_step] = event.time
-
-    def close(self) -> None:
-        pass
 
 
 # -- sys.exit(0) -------------------------------------------------------------------------------

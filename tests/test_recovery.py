@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -813,27 +814,9 @@ def test_sigterm_checkpoints_and_resume_is_bitwise_equal(tmp_path: Path) -> None
     # The preempted run: SIGTERM once it trains.
     run_dir = tmp_path / "run"
     first = _start(script, tmp_path, "first", run_dir, resume=False)
-    workers: list[int] = []
-    try:
-        deadline = time.time() + 90
-        while not _step_ended(run_dir / "events.jsonl"):
-            assert first.poll() is None, _log(tmp_path, "first")
-            assert time.time() < deadline, "no StepEnded within 90 s"
-            time.sleep(0.05)
-        workers = [p for p, st in children(first.pid).items() if st != "Z"]
-        workers = [p for p in workers if not is_resource_tracker(p)]
-        assert len(workers) >= 2, f"expected two workers under {first.pid}"
-        sent = time.time()
-        first.send_signal(signal.SIGTERM)
-        code = _finish(first, 30)
-        took = time.time() - sent
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-        for pid in workers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    code, workers, took = _stop_once_training(
+        first, tmp_path, run_dir, lambda: first.send_signal(signal.SIGTERM)
+    )
     assert code == 0, _log(tmp_path, "first")
     assert took < 30
     assert not [p for p in workers if alive(p)], "workers outlived their supervisor"
@@ -861,6 +844,36 @@ def test_sigterm_checkpoints_and_resume_is_bitwise_equal(tmp_path: Path) -> None
     assert resume["global_step"] == stopped["steps"]
 
 
+def _stop_once_training(
+    proc: subprocess.Popen[bytes], tmp_path: Path, run_dir: Path, send: Callable[[], None]
+) -> tuple[int, list[int], float]:
+    """Once the script has committed a step: ``send()`` the stop, wait for the exit. Returns
+    the exit code, the worker pids seen before the stop (none left alive, whatever happens)
+    and the seconds from the stop to the exit."""
+    workers: list[int] = []
+    try:
+        deadline = time.time() + 90
+        while not _step_ended(run_dir / "events.jsonl"):
+            assert proc.poll() is None, _log(tmp_path, "first")
+            assert time.time() < deadline, "no StepEnded within 90 s"
+            time.sleep(0.05)
+        workers = [p for p, st in children(proc.pid).items() if st != "Z"]
+        workers = [p for p in workers if not is_resource_tracker(p)]
+        assert len(workers) >= 2, f"expected two workers under {proc.pid}"
+        sent = time.time()
+        send()
+        code = _finish(proc, 30)
+        took = time.time() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    return code, workers, took
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
     ("signum", "to_group"),
@@ -878,28 +891,14 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(
     script.write_text(SCRIPT.format(marker=f"phalanx-stop-{os.getpid()}-{time.time_ns()}"))
     run_dir = tmp_path / "run"
     first = _start(script, tmp_path, "first", run_dir, resume=False, session=True)
-    workers: list[int] = []
-    try:
-        deadline = time.time() + 90
-        while not _step_ended(run_dir / "events.jsonl"):
-            assert first.poll() is None, _log(tmp_path, "first")
-            assert time.time() < deadline, "no StepEnded within 90 s"
-            time.sleep(0.05)
-        workers = [p for p, st in children(first.pid).items() if st != "Z"]
-        workers = [p for p in workers if not is_resource_tracker(p)]
-        assert len(workers) >= 2, f"expected two workers under {first.pid}"
+
+    def send() -> None:
         if to_group:
             os.killpg(first.pid, signum)  # its own session: the group is its pid
         else:
             first.send_signal(signum)
-        code = _finish(first, 30)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-        for pid in workers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+
+    code, workers, _ = _stop_once_training(first, tmp_path, run_dir, send)
     assert code == 0, _log(tmp_path, "first")
     assert not [p for p in workers if alive(p)], "workers outlived their supervisor"
     stopped = json.loads((tmp_path / "first.json").read_text())
