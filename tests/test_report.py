@@ -62,3 +62,19 @@ def test_a_poison_batch_names_the_first_failure_of_the_step_that_failed_twice() 
     second = failure("boom", phase="forward", step=4, time=3.0, action="aborted")
     earlier = failure("other", phase="forward", step=2, time=0.5, action="retried")
     assert root_cause([earlier, second, first], poison=True) is first
+
+
+def test_a_broken_step_contract_is_the_root_cause_of_the_attempt_it_stopped() -> None:
+    """An ordinary exception (which alone would have been retried) and a NaN loss in the
+    same attempt: the NaN is why the run stopped at once, so it is the root cause, and the
+    error is an InvalidStepError with its code."""
+    from phalanx.errors import ConfigError, InvalidStepError
+    from phalanx.report import build
+
+    other = failure("boom", phase="forward", step=2, time=1.0, action="aborted")
+    nan = failure("[PX107] the loss is nan", phase="forward", step=2, time=2.0, action="aborted")
+    nan.exception_type = "NonFiniteLossError"
+    assert root_cause([other, nan]) is nan
+    err = build([other, nan])
+    assert isinstance(err, InvalidStepError) and isinstance(err, ConfigError)
+    assert err.code == "PX107" and err.root_cause is nan

@@ -54,6 +54,8 @@ def root_cause(failures: list[WorkerFailure], poison: bool = False) -> WorkerFai
     poison batch, the first failure of the step that failed twice."""
     primary = [f for f in failures if not is_secondary(f)] or failures
     fatal = [f for f in primary if f.action == "aborted"] or primary
+    if not poison:  # a broken step contract is why an attempt stopped the run at once
+        fatal = [f for f in fatal if f.breaks_step_contract] or fatal
     if poison:
         last = max(fatal, key=lambda f: f.time)
         fatal = [f for f in primary if f.step == last.step]

@@ -7,6 +7,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -59,6 +60,7 @@ class DdpEngine:
         world: int,
         on_phase: PhaseHook,
         regroup_requested: Callable[[], bool],
+        init_sync: bool = True,
     ) -> None:
         self.m, self.config, self.plan = member, config, plan
         self.train, self.valid, self.valid_size = data
@@ -68,8 +70,13 @@ class DdpEngine:
         ids = [self.device.index] if self.device.type == "cuda" else None
         # Buffers are not synced in forward: a zero pass after a failed forward would
         # otherwise run that collective twice on one rank. They are synced at commit instead.
+        # A later generation's members get their state from hand_over, not from rank 0 (which
+        # may be the one behind): no sync at construction then.
         ddp = DistributedDataParallel(
-            member.trainable.module, device_ids=ids, forward_sync_buffers=False
+            member.trainable.module,
+            device_ids=ids,
+            forward_sync_buffers=False,
+            init_sync=init_sync,
         )
         self.ddp: DistributedDataParallel | None = ddp  # None once the group is left
         replica = member.replica
@@ -190,30 +197,47 @@ class DdpEngine:
         )
 
 
-def hand_over(loop: TrainLoop, rank: int, device: torch.device) -> int:
-    """When a generation forms: agree on the highest committed step, and give the members
-    that are behind it (a replacement; a member that had not committed the last step) the
-    full state (model, optimizer, scheduler, loop state, metric sums, RNG) of the lowest rank
-    that has it. Returns that rank. Collectives over the new group.
+def hand_over(loop: TrainLoop, rank: int, device: torch.device, timeout: timedelta) -> int:
+    """When a generation forms: agree on the furthest position (committed steps, then
+    finished epochs: a validation pass that completed on some members only leaves the
+    others an epoch behind at the same step), and give the members that are behind it (a
+    replacement; a member that had not committed the last step) the full state (model,
+    optimizer, scheduler, loop state, metric sums, RNG) of the lowest rank that has it.
+    Returns that rank. Collectives over the new group, every member in each.
 
-    Members at the highest step hold the same state already (every member applies the same
-    reduced gradients), so a shrink moves no state at all. The state travels tensor by
-    tensor (its structure, without the tensors, as one pickled object first), to the
-    members that need it only: nobody holds a pickled copy of the whole state."""
+    Members at the furthest position hold the same state already (every member applies
+    the same reduced gradients), so a shrink moves no state at all. The state travels
+    tensor by tensor (its structure, without the tensors, as one pickled object first), to
+    the members that need it only: nobody holds a pickled copy of the whole state. All wait
+    for the transfer to end (a barrier), so nobody enters a step's collectives while a peer
+    is still receiving."""
     world = dist.get_world_size()
-    mine = float(loop.state.global_step)
-    steps = torch.zeros(world, dtype=torch.float64, device=device)
-    steps[rank] = mine
-    dist.all_reduce(steps)  # every member's committed step
-    top = float(steps.max().item())
-    src = min(r for r in range(world) if steps[r].item() == top)
-    behind = [r for r in range(world) if steps[r].item() < top]
+    where = torch.zeros(2 * world, dtype=torch.float64, device=device)
+    where[2 * rank : 2 * rank + 2] = torch.tensor(
+        [float(loop.state.global_step), float(loop.state.epoch)], dtype=torch.float64
+    )
+    dist.all_reduce(where)  # every member's (committed steps, finished epochs)
+    position = [(where[2 * r].item(), where[2 * r + 1].item()) for r in range(world)]
+    top = max(position)
+    src = min(r for r in range(world) if position[r] == top)
+    behind = [r for r in range(world) if position[r] < top]
     if not behind:
         return src
     ranks = sorted([src, *behind])
-    group = None if len(ranks) == world else dist.new_group(ranks)
-    if rank not in ranks:
-        return src
+    group = None if len(ranks) == world else dist.new_group(ranks, timeout=timeout)
+    if rank in ranks:
+        _transfer(loop, rank, src, device, group)
+    if group is not None:
+        dist.destroy_process_group(group)
+    dist.barrier()
+    return src
+
+
+def _transfer(
+    loop: TrainLoop, rank: int, src: int, device: torch.device, group: dist.ProcessGroup | None
+) -> None:
+    """``src``'s snapshot to the other members of ``group``: the skeleton, then each tensor
+    (on this member's device while it travels; a CPU tensor goes back to the CPU)."""
     skeleton, tensors = split_tensors(loop.snapshot()) if rank == src else (None, [])
     payload = [skeleton]
     dist.broadcast_object_list(payload, src=src, group=group, device=device)
@@ -225,10 +249,9 @@ def hand_over(loop: TrainLoop, rank: int, device: torch.device) -> int:
             buf = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         dist.broadcast(buf, src=src, group=group)
         if rank != src:
-            tensors.append(buf.to(slot.device))
+            tensors.append(buf if slot.device.startswith("cuda") else buf.to(slot.device))
     if rank != src:
         loop.restore(fill_tensors(shape, tensors))
-    return src
 
 
 @dataclass(frozen=True)

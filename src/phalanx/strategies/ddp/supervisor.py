@@ -175,6 +175,10 @@ class Supervisor:
         for slot in self.members:  # a fresh hang window to form the new group in
             self.slots[slot].changed = now
         history = [(f, report.is_secondary(f)) for f in self.outcome.failures]
+        # Held Broke reports (not decided yet) failed their attempts too.
+        history += [
+            (m.failure, report.is_secondary(m.failure)) for _, m in self.broke if not m.splittable
+        ]
         failed = failed_attempts(history)
         doc = json.dumps(
             {

@@ -413,7 +413,15 @@ class Worker:
         )
         data = (a.train, a.valid, a.valid_size)
         engine = DdpEngine(
-            member, cfg, a.plan, data, rank, world, self.on_phase, self.regroup_requested
+            member,
+            cfg,
+            a.plan,
+            data,
+            rank,
+            world,
+            self.on_phase,
+            self.regroup_requested,
+            init_sync=gen.number == 0,
         )
         first = self.loop is None
         if self.loop is None:
@@ -434,7 +442,7 @@ class Worker:
         if first and not a.replacement:
             start_run(loop, a.plan, cfg, loop.emit, a.plan.samples, a.valid_size)
         if gen.number > 0:
-            hand_over(loop, rank, self.device)
+            hand_over(loop, rank, self.device, _forming_timeout(cfg))
         if engine.is_main and loop.checkpointer is None and cfg.run_dir:
             loop.checkpointer = make_checkpointer(cfg, self.emit)
         self.send(Joined(a.slot, gen.number, loop.state.global_step))
