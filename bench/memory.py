@@ -17,12 +17,10 @@ replacement included. Linux only.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -30,7 +28,7 @@ import phalanx as px
 from phalanx.events import Event, StepEnded
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import BATCH, dataset, make_model, make_optimizer, plain_training, train_step
+from overhead import make_model, plain_training, train_phalanx
 
 
 def peak_kb(pid: int | str = "self") -> int | None:
@@ -88,17 +86,7 @@ def phalanx_ddp(
     steps: int, world: int, width: int, preflight: bool, faults: list[px.Fault] | None = None
 ) -> int:
     sink = WorkerPeaks()
-    subset = torch.utils.data.Subset(dataset(), range(steps * BATCH))
-    px.Learner(functools.partial(make_model, width), make_optimizer, train_step).fit(
-        subset,
-        epochs=1,
-        batch_size=BATCH,
-        strategy="ddp",
-        devices=",".join(f"cpu:{i}" for i in range(world)),
-        sinks=[sink],
-        preflight=preflight,
-        faults=faults or [],
-    )
+    train_phalanx(steps, world, width, sink, preflight=preflight, faults=faults or [])
     return max(sink.peak.values())
 
 

@@ -138,12 +138,13 @@ class Stamps:
         pass
 
 
-def phalanx_ddp(steps: int, world: int, width: int = WIDTH) -> float:
-    sink = Stamps()
-    data = dataset()
+def train_phalanx(
+    steps: int, world: int, width: int, sink: Any, preflight: bool = False, **fit: Any
+) -> None:
+    """phalanx ddp on the same model and data as plain DDP: exactly ``steps`` steps (one
+    epoch over a dataset cut to ``steps * BATCH`` samples)."""
     learner = px.Learner(functools.partial(make_model, width), make_optimizer, train_step)
-    # Exactly `steps` steps: one epoch over a dataset cut to steps * BATCH samples.
-    subset = torch.utils.data.Subset(data, range(steps * BATCH))
+    subset = torch.utils.data.Subset(dataset(), range(steps * BATCH))
     learner.fit(
         subset,
         epochs=1,
@@ -151,9 +152,15 @@ def phalanx_ddp(steps: int, world: int, width: int = WIDTH) -> float:
         strategy="ddp",
         devices=",".join(f"cpu:{i}" for i in range(world)),
         sinks=[sink],
-        preflight=False,
+        preflight=preflight,
         shuffle=True,
+        **fit,
     )
+
+
+def phalanx_ddp(steps: int, world: int, width: int = WIDTH) -> float:
+    sink = Stamps()
+    train_phalanx(steps, world, width, sink)
     return _median_interval(sink.times)
 
 

@@ -192,6 +192,7 @@ def all_error_classes() -> list[type[PhalanxError]]:
     pending: list[type[PhalanxError]] = [PhalanxError]
     while pending:
         cls = pending.pop(0)
-        found.append(cls)
-        pending.extend(cls.__subclasses__())
+        if cls not in found:  # (InvalidStepError has two bases here)
+            found.append(cls)
+            pending.extend(cls.__subclasses__())
     return found
