@@ -18,7 +18,7 @@ stacks are dumped, then it is killed). For a fallen worker the recovery policy
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import shutil
 import signal
@@ -38,7 +38,15 @@ from phalanx.events import Notice, StepEnded, WorkerFailed
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.plan import Plan
-from phalanx.policy import STEP_PHASES, failed_attempts, is_poison, recover
+from phalanx.policy import (
+    STEP_PHASES,
+    counts_as_attempt,
+    failed_attempts,
+    judge_step,
+    preflight_verdict,
+    recover,
+    restart_was_possible,
+)
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp import worker as worker_mod
 from phalanx.strategies.ddp.protocol import (
@@ -48,6 +56,7 @@ from phalanx.strategies.ddp.protocol import (
     GEN_PREFIX,
     STOP_KEY,
     Aborted,
+    Announcement,
     Broke,
     Done,
     Failed,
@@ -64,7 +73,10 @@ STACK_WAIT = 0.5
 STARTUP_TIMEOUT = 120.0  # spawning and importing torch is not a hang
 PREFLIGHT_TIMEOUT = 30.0
 IDLE_PHASES = ("start", "regroup", "joining")  # bounded by their own timeouts, not hangs
-ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted"}
+ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted", "restart": "restarted"}
+# After a generation is announced, its members get this long to say they left their old
+# group before a silence is called a hang; a worker's own clock is never reset by it.
+ANNOUNCE_GRACE = 0.5
 
 
 @dataclass
@@ -79,6 +91,8 @@ class SlotState:
     finished: bool = False  # sent Done or Aborted, or its end is already accounted for
     generation: int = -1  # the newest generation it has joined
     attempt: int = 0  # of its step, from its last heartbeat
+    replaces: WorkerFailure | None = None  # a replacement: the fall it answers
+    joined_at: int | None = None  # a replacement: the step at which it joined
 
 
 @dataclass
@@ -88,6 +102,7 @@ class Outcome:
     poison: bool = False
     done: Done | None = None
     aborted: set[int] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)  # what would have let the run go on
 
 
 class Supervisor:
@@ -119,24 +134,44 @@ class Supervisor:
         self.broke: list[tuple[float, Broke]] = []  # received, not yet settled
         self.gen_members: dict[int, list[int]] = {}
         self.rebuilds: set[int] = set()  # generations that rebuild the same members' group
+        self.starting: set[int] = set()  # slots whose Ready the next first generation awaits
+        self.held_preflight: list[WorkerFailure] = []  # decided when the retry ends
+        self.announced_at = 0.0
+        self.replacements: list[SlotState] = []  # every respawn, for the run's end
         cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
         self.threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        """Start every worker; the first generation is announced once all are ready."""
         for slot in range(self.world):
             self._spawn(slot)
-        self._announce(list(range(self.world)), "start")
+            self.starting.add(slot)
 
-    def _spawn(self, slot: int, replaces: WorkerFailure | None = None) -> None:
-        """Start the worker of ``slot``; a replacement when it ``replaces`` a fallen one."""
+    def _spawn(
+        self,
+        slot: int,
+        replaces: WorkerFailure | None = None,
+        restart_after: int | None = None,
+        faults_after: int = -1,
+    ) -> None:
+        """Start the worker of ``slot``; a replacement when it ``replaces`` a fallen one
+        (joins a running generation), a restart from the checkpoint when ``restart_after``
+        is the last generation (every member fell: it resumes from run_dir and takes part
+        only in generations after that one)."""
+        restart = restart_after is not None
         replacement = replaces is not None
+        if replaces is not None and replaces.step is not None:
+            faults_after = replaces.step
+        config = self.config
+        if restart:  # (it passed preflight before; the checkpoint holds the run's state)
+            config = dataclasses.replace(config, resume=True, preflight=False)
         reader, writer = self.ctx.Pipe(duplex=False)
         args = worker_mod.WorkerArgs(
             slot=slot,
             store_port=self.store.port,
             user=self.user,
-            config=self.config,
+            config=config,
             plan=self.plan,
             train=self.train,
             valid=self.valid,
@@ -147,7 +182,8 @@ class Supervisor:
             weights_path=os.path.join(self.tmp, "final.pt"),
             threads=self.threads,
             replacement=replacement,
-            faults_after=-1 if replaces is None or replaces.step is None else replaces.step,
+            faults_after=faults_after,
+            after_generation=restart_after if restart_after is not None else -1,
         )
         name = f"phalanx-worker-{slot}" + ("-replacement" if replacement else "")
         if slot in self.slots:
@@ -159,7 +195,11 @@ class Supervisor:
         proc = self.ctx.Process(target=worker_mod.main, args=(args,), name=name, daemon=True)
         proc.start()
         writer.close()  # the worker holds the only write end: EOF means it is gone
-        self.slots[slot] = SlotState(proc, reader, phase="joining" if replacement else "start")
+        state = SlotState(proc, reader, phase="joining" if replacement else "start")
+        if replacement:
+            state.replaces = replaces
+            self.replacements.append(state)
+        self.slots[slot] = state
 
     def _announce(
         self, members: list[int], cause: str, rebuild: bool = False, replacing: int | None = None
@@ -171,25 +211,20 @@ class Supervisor:
         self.gen_members[self.generation] = self.members
         if rebuild:
             self.rebuilds.add(self.generation)
-        now = time.time()
-        for slot in self.members:  # a fresh hang window to form the new group in
-            self.slots[slot].changed = now
-        history = [(f, report.is_secondary(f)) for f in self.outcome.failures]
-        # Held Broke reports (not decided yet) failed their attempts too.
-        history += [
-            (m.failure, report.is_secondary(m.failure)) for _, m in self.broke if not m.splittable
-        ]
+        # (No member's hang clock is reset: each counts from its own last progress.)
+        self.announced_at = time.time()
+        history = [(f, report.is_secondary(f)) for f in self._history()]
         failed = failed_attempts(history)
-        doc = json.dumps(
-            {
-                "members": self.members,
-                "cause": cause,
-                "rebuild": rebuild,
-                "replacing": replacing,
-                "failed": {str(k): v for k, v in failed.items()},
-            }
+        doc = Announcement(
+            self.generation,
+            tuple(self.members),
+            cause,
+            rebuild,
+            replacing,
+            tuple(sorted(failed.items())),
+            tuple(f for f, sec in history if counts_as_attempt(f, sec) and f.step in failed),
         )
-        self.store.set(f"{GEN_PREFIX}{self.generation}", doc)
+        self.store.set(f"{GEN_PREFIX}{self.generation}", doc.to_json())
         self.store.add(GEN_LATEST, 1 if self.generation > 0 else 0)
         self.store.add(CONTROL_KEY, 1)
         if self.generation > 0:
@@ -265,10 +300,9 @@ class Supervisor:
             state.step, state.phase, state.changed = message.step, message.phase, time.time()
             state.attempt = message.attempt
         elif isinstance(message, Joined):
-            state = self.slots[message.slot]
-            state.generation, state.changed = message.generation, time.time()
+            self._joined(message)
         elif isinstance(message, Ready):
-            self.waiting.append(message.slot)
+            self._ready(message.slot)
         elif isinstance(message, Failed):
             if message.fatal:
                 self.slots[message.failure.worker].finished = True
@@ -290,6 +324,12 @@ class Supervisor:
             if message.weights_path is not None:
                 out.done = message
                 self._dismiss_waiting()
+
+    def _joined(self, message: Joined) -> None:
+        state = self.slots[message.slot]
+        state.generation, state.changed = message.generation, time.time()
+        if state.replaces is not None and state.joined_at is None:
+            state.joined_at = message.step
 
     def _decided(self) -> bool:
         return self.outcome.fatal or bool(self.outcome.aborted)
@@ -357,12 +397,24 @@ class Supervisor:
         share = self.plan.local_batch(epoch, state.step % steps, members.index(slot), len(members))
         return epoch, share
 
+    def _history(self) -> list[WorkerFailure]:
+        """Every failure recorded, and the held Broke reports (not decided yet: they failed
+        their attempts too)."""
+        held = [m.failure for _, m in self.broke if not m.splittable]
+        return [*self.outcome.failures, *held]
+
     def _check_hang(self) -> None:
+        if time.time() - self.announced_at < ANNOUNCE_GRACE:
+            return  # the members are leaving their old group (their clocks still run)
         watched = {
             slot: self.slots[slot]
             for slot in self.members
             if not self.slots[slot].finished and self.slots[slot].phase not in IDLE_PHASES
         }
+        for slot in self.starting:  # a preflight before the first generation
+            state = self.slots[slot]
+            if state.phase == "preflight" and not state.finished:
+                watched[slot] = state
         starting = [s for s in self.slots.values() if s.phase == "start" and not s.finished]
         now = time.time()
         if any(now - s.changed > STARTUP_TIMEOUT for s in starting):
@@ -447,17 +499,25 @@ class Supervisor:
             return
         if slot in self.waiting:
             self.waiting.remove(slot)
-        if is_poison(failure, report.is_secondary(failure)):
-            self._poison(failure)
+        if failure.phase == "preflight":
+            self._preflight_failed(failure)
+            return
+        if self._judged(failure):
             return
         survivors = [m for m in self.members if m != slot and not self.slots[m].finished]
-        action = recover(self.config.recovery, failure, out.failures, len(survivors))
+        policy, run_dir = self.config.recovery, bool(self.config.run_dir)
+        action = recover(policy, failure, out.failures, len(survivors), run_dir)
+        if action == "abort" and not survivors and restart_was_possible(policy, out.failures):
+            out.notes.append(NO_RUN_DIR)
         failure.action = ACTIONS[action]
         self._record(failure)
         if action == "abort":
             out.fatal = True
             return
         self.recovering.append(failure)
+        if action == "restart":
+            self._restart()
+            return
         if slot in self.members:  # the survivors first: a process start takes a while
             replacing = slot if action == "respawn" else None
             cause = f"worker {slot} {failure.kind}: {failure.action}"
@@ -490,8 +550,7 @@ class Supervisor:
             failure.action = "ignored" if out.done is not None else "aborted"
             self._record(failure)
             return
-        if not message.splittable and is_poison(failure, report.is_secondary(failure)):
-            self._poison(failure)
+        if not message.splittable and self._judged(failure):
             return
         failure.action = "split" if message.splittable else "retried"
         self._record(failure)
@@ -520,6 +579,87 @@ class Supervisor:
         self._record(failure)
         if failure.action in ("retried", "split"):
             self.recovering.append(failure)
+
+    def _judged(self, failure: WorkerFailure) -> bool:
+        """A failed attempt of a step that no vote judged: stop the run when it repeats an
+        earlier attempt's failure (poison batch) or was the step's last attempt; False when
+        the step is to be tried again."""
+        if not counts_as_attempt(failure, report.is_secondary(failure)):
+            return False
+        verdict = judge_step(failure, self._history())
+        if verdict == "poison":
+            self._poison(failure)
+        elif verdict == "keeps_failing":
+            failure.action = "aborted"
+            self._record(failure)
+            self.outcome.fatal = True
+        return verdict != "retry"
+
+    def _preflight_failed(self, failure: WorkerFailure) -> None:
+        """A preflight failure that does not repeat gets one more preflight (a new process
+        on the slot; the first generation waits for it); one that repeats (the same slot
+        again, or the same error on another slot) stops the run before training. The held
+        failure's action is known when its retry ends."""
+        earlier = [*self.held_preflight, *self.outcome.failures]
+        if preflight_verdict(failure, earlier) == "retry":
+            self.held_preflight.append(failure)
+            self.starting.add(failure.worker)
+            self._spawn(failure.worker)
+            return
+        for held in [*self.held_preflight, failure]:
+            held.action = "aborted"
+            self._record(held)
+        self.held_preflight = []
+        self.outcome.fatal = True
+
+    def _ready(self, slot: int) -> None:
+        """A worker passed preflight: a replacement waits to be let in; the first
+        generation (or a restart's) is announced once every starting slot is ready."""
+        if slot not in self.starting:
+            self.waiting.append(slot)
+            return
+        self.starting.discard(slot)
+        for held in [f for f in self.held_preflight if f.worker == slot]:
+            self.held_preflight.remove(held)
+            held.action = "retried"  # its second preflight passed
+            self._record(held)
+        if not self.starting and not self._decided():
+            restart = self.generation >= 0
+            cause = "restart from the newest checkpoint" if restart else "start"
+            self._announce(list(range(self.world)), cause)
+
+    def _restart(self) -> None:
+        """Every member fell and respawns are left: start every slot again, each resuming
+        from the newest intact checkpoint in run_dir (replacements still starting are
+        dropped: they would wait for state nobody holds). The faults up to the last fall
+        fired already; the steps after the checkpoint are computed again."""
+        for state in self.slots.values():
+            if state.process.is_alive():
+                state.finished = True
+                state.process.kill()
+        self.waiting = []
+        fallen = [f.step for f in self.outcome.failures if f.step is not None]
+        last = max(fallen, default=-1)
+        for slot in range(self.world):
+            self._spawn(slot, restart_after=self.generation, faults_after=last)
+            self.starting.add(slot)
+        self.emit(Notice("every worker fell: restarting all from the newest checkpoint"))
+
+    def respawn_fates(self) -> list[str]:
+        """What became of every replacement: joined at step N, or not (still starting)."""
+        lines = []
+        fallen = {f.pid for f in self.outcome.failures}
+        for state in self.replacements:
+            fell = state.replaces
+            assert fell is not None
+            what = f"worker {fell.worker}'s replacement (after its {fell.kind} at step {fell.step})"
+            if state.joined_at is not None:
+                lines.append(f"{what} joined at step {state.joined_at}")
+            elif state.process.pid in fallen:
+                lines.append(f"{what} fell before it joined")
+            else:
+                lines.append(f"{what} had not joined when the run ended (still starting)")
+        return lines
 
     def _poison(self, failure: WorkerFailure) -> None:
         """The same step failed in two attempts: a poison batch. The run stops; the report
@@ -615,6 +755,12 @@ def _phase_rank(phase: str) -> int:
     return _PHASE_ORDER.index(phase) if phase in _PHASE_ORDER else len(_PHASE_ORDER)
 
 
+NO_RUN_DIR = (
+    "Every worker had fallen while respawns were left: with a run_dir (checkpoints) the run "
+    "would have started again from its newest checkpoint."
+)
+
+
 def run_ddp(
     spec: TrainSpec,
     config: FitConfig,
@@ -632,10 +778,15 @@ def run_ddp(
     try:
         sup.start()
         outcome = sup.watch()
+        fates = sup.respawn_fates()
+        for line in fates:  # the run's end says what became of every respawn
+            emit(Notice(line))
         if outcome.fatal or outcome.aborted or outcome.done is None:
             failures = outcome.failures or [_lost(config)]
-            error = report.build(failures, poison=outcome.poison and not outcome.fatal)
-            report.write_json(config.run_dir, failures, error.root_cause, config.devices)
+            poison = outcome.poison and not outcome.fatal
+            error = report.build(failures, poison=poison, notes=tuple(outcome.notes))
+            root = error.root_cause
+            report.write_json(config.run_dir, failures, root, config.devices, fates)
             raise error
         done = outcome.done
         assert done.weights_path is not None
@@ -643,7 +794,7 @@ def run_ddp(
     finally:
         sup.close()
     if outcome.failures:
-        report.write_json(config.run_dir, outcome.failures, None, config.devices)
+        report.write_json(config.run_dir, outcome.failures, None, config.devices, fates)
     problems = ledger.check(plan, done.ledger, done.epochs)
     ledger.write(config.run_dir, done.ledger, problems)
     interrupted = done.interrupted

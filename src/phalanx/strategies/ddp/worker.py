@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
-import json
 import os
 import pickle
 import signal
@@ -53,6 +52,7 @@ from phalanx.strategies.ddp.protocol import (
     GEN_PREFIX,
     STOP_KEY,
     Aborted,
+    Announcement,
     Broke,
     Done,
     Failed,
@@ -107,6 +107,10 @@ class WorkerArgs:
     # A replacement fires only the faults meant for steps after the one its predecessor
     # fell at: those up to it were the predecessor's.
     faults_after: int = -1
+    # (issue 9) The first generation this worker may take part in comes after this one: a
+    # worker restarted from the checkpoint once every member fell ignores the generations
+    # its fallen predecessors formed.
+    after_generation: int = -1
 
     def __post_init__(self) -> None:
         self._spec: TrainSpec | None = None
@@ -138,6 +142,9 @@ class Worker:
         self.loop: TrainLoop | None = None  # kept across generations
         self.interrupted: str | None = None
         self.lock = threading.Lock()  # the checkpointer thread sends events too
+        # (issue 9) This worker's failures that no vote carried (sent as Broke): evidence for
+        # the loop's repeat rule in the next generation, whenever the supervisor reads them.
+        self.unvoted: list[WorkerFailure] = []
 
     # -- messages ----------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -200,8 +207,8 @@ class Worker:
         generation that only adds members is joined at a step boundary: no abort."""
         if self.aborted_for >= self.latest or not dist.is_initialized():
             return
-        doc = json.loads(store.get(f"{GEN_PREFIX}{self.latest}").decode())
-        if doc.get("rebuild") or set(self.members) - set(doc["members"]):
+        doc = Announcement.from_json(self.latest, store.get(f"{GEN_PREFIX}{self.latest}"))
+        if doc.rebuild or set(self.members) - set(doc.members):
             self.aborted_for = self.latest
             with contextlib.suppress(Exception):  # the main thread may be leaving already
                 distributed_c10d._abort_process_group()
@@ -221,9 +228,8 @@ class Worker:
         while time.time() < deadline:
             latest = int(store.add(GEN_LATEST, 0))
             if latest > after:
-                doc = json.loads(store.get(f"{GEN_PREFIX}{latest}").decode())
-                failed = {int(k): int(v) for k, v in doc.get("failed", {}).items()}
-                gen = Generation(latest, doc["members"], doc.get("cause", ""), failed)
+                text = store.get(f"{GEN_PREFIX}{latest}")
+                gen = Announcement.from_json(latest, text).generation()
                 if self.a.slot in gen.members or not self.a.replacement:
                     return gen
                 after = latest  # a replacement waits for the generation that lets it in
@@ -307,11 +313,12 @@ class Worker:
             if cfg.preflight and not a.replacement:
                 self.preflight()
             member = self.before_training(self.build_member)
-            if a.replacement:
-                self.send(Ready(a.slot))
+            # (issue 9) Every worker says when it is ready (preflight passed, model built):
+            # the supervisor announces the first generation once all are.
+            self.send(Ready(a.slot))
             # A replacement waits until it is let in or dismissed (the supervisor decides).
             first_wait = REPLACEMENT_WAIT if a.replacement else STARTUP_WAIT
-            gen = self.wait_generation(store, -1, first_wait)
+            gen = self.wait_generation(store, a.after_generation, first_wait)
         except FailedHere as exc:
             self.send(Failed(exc.failure, fatal=True))
             return 1
@@ -360,6 +367,8 @@ class Worker:
             lost.attempt = self.loop.attempt
         if lost is not None and not is_secondary(lost):
             self.send(Broke(lost, self.generation, member.replica.unvoted_splittable))
+            if not member.replica.unvoted_splittable:
+                self.unvoted.append(lost)
 
     def leave_group(self, member: Member) -> None:
         """Drop every reference to this generation's DDP module and process group, then
@@ -439,6 +448,7 @@ class Worker:
         loop = self.loop
         loop.engine = engine
         loop.failed_before = dict(gen.failed)
+        loop.known_failures = [*gen.known, *self.unvoted]
         if first and not a.replacement:
             start_run(loop, a.plan, cfg, loop.emit, a.plan.samples, a.valid_size)
         if gen.number > 0:
