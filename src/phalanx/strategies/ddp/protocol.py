@@ -10,6 +10,7 @@ from typing import Any
 from phalanx.events import Event
 from phalanx.failures import WorkerFailure
 
+EXIT_TOLD = 3  # a worker's exit code when it exited because the supervisor said so
 STOP_KEY = "control/stop"  # value: the reason; workers stop after the current step
 ABORT_KEY = "control/abort"  # value: why; workers exit at once
 GEN_LATEST = "gen/latest"  # counter: the newest generation announced

@@ -48,6 +48,7 @@ from phalanx.strategies.ddp.engine import DdpEngine, Member, hand_over
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
+    EXIT_TOLD,
     GEN_LATEST,
     GEN_PREFIX,
     STOP_KEY,
@@ -66,7 +67,6 @@ from phalanx.trainable import Trainable
 
 T = TypeVar("T")
 WATCH_INTERVAL = 0.1
-EXIT_TOLD = 3  # exited because the supervisor said so (not a failure)
 ANNOUNCE_WAIT = 10.0  # after a broken collective: how long to wait for the next generation
 STARTUP_WAIT = 120.0  # for the first generation to be announced
 REPLACEMENT_WAIT = 3600.0  # a replacement waits to be let in (or dismissed when the run ends)
