@@ -16,6 +16,7 @@ from phalanx.failures import WorkerFailure
 from phalanx.policy import (
     Recovery,
     counts_as_attempt,
+    failed_attempts,
     judge_step,
     preflight_verdict,
     recover,
@@ -55,6 +56,14 @@ class FailureBook:
         """Every failure recorded, and the held Broke reports (not decided yet: they failed
         their attempts too)."""
         return [*self.failures, *(m.failure for _, m in self.held if not m.splittable)]
+
+    def evidence(self) -> tuple[tuple[tuple[int, int], ...], tuple[WorkerFailure, ...]]:
+        """For an announcement: the failed attempts of each step (step, count) and the
+        failures of those attempts (what a repeat is judged by)."""
+        history = [(f, is_secondary(f)) for f in self.history()]
+        failed = failed_attempts(history)
+        known = tuple(f for f, sec in history if counts_as_attempt(f, sec) and f.step in failed)
+        return tuple(sorted(failed.items())), known
 
     def record(
         self, failure: WorkerFailure, action: str | None, out: list[Action], recovers: bool = False

@@ -24,8 +24,7 @@ from enum import Enum
 from phalanx.events import Event, Notice, StepEnded
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
-from phalanx.policy import Recovery, counts_as_attempt, failed_attempts
-from phalanx.report import is_secondary
+from phalanx.policy import STEP_PHASES, Recovery
 from phalanx.strategies.ddp.actions import (
     Action,
     Announce,
@@ -37,7 +36,7 @@ from phalanx.strategies.ddp.actions import (
     Spawn,
 )
 from phalanx.strategies.ddp.book import ACTIONS, FailureBook
-from phalanx.strategies.ddp.hangs import hung_among, stalled, tied_behind
+from phalanx.strategies.ddp.hangs import Watched, hung_among, stalled, tied_behind
 from phalanx.strategies.ddp.protocol import (
     EXIT_TOLD,
     Aborted,
@@ -64,6 +63,11 @@ class Timeouts:
     # After an announcement, its members get this long to say they left their old group
     # before a silence is called a hang (no worker's own clock is reset by it).
     announce_grace: timedelta = timedelta(seconds=0.5)
+
+    def limit(self, state: Watched) -> float:
+        """How long a worker may make no progress: ``hang``; at least ``preflight`` there."""
+        hang = self.hang.total_seconds()
+        return max(hang, self.preflight.total_seconds()) if state.phase == "preflight" else hang
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,16 @@ class Slot:
     @property
     def ended(self) -> bool:
         return self.status is SlotStatus.ENDED
+
+    def progress(self, message: Progress | Joined, now: float) -> None:
+        """The worker's own progress: a phase entered, or a generation joined."""
+        self.progress_at = now
+        if isinstance(message, Joined):
+            self.generation = message.generation
+            if self.replaces is not None and self.joined_at is None:
+                self.joined_at = message.step
+        else:
+            self.step, self.phase, self.attempt = message.step, message.phase, message.attempt
 
 
 @dataclass(frozen=True)
@@ -275,11 +289,8 @@ class Coordinator:
         for slot in members:
             if not self.slots[slot].ended:
                 self.move(slot, SlotStatus.MEMBER)
-        history = [(f, is_secondary(f)) for f in self.book.history()]
-        failed = failed_attempts(history)
-        known = tuple(f for f, sec in history if counts_as_attempt(f, sec) and f.step in failed)
-        counts = tuple(sorted(failed.items()))
-        doc = Announcement(g.latest, tuple(members), cause, rebuild, replacing, counts, known)
+        failed, known = self.book.evidence()
+        doc = Announcement(g.latest, tuple(members), cause, rebuild, replacing, failed, known)
         self.out.append(Announce(doc))
         if g.latest > 0:
             self.emit(Notice(f"generation {g.latest}: workers {list(members)} ({cause})"))
@@ -297,10 +308,8 @@ class Coordinator:
             if isinstance(message.event, StepEnded):
                 self.book.recovered(message.event.time, message.event.global_step)
             self.emit(message.event)
-        elif isinstance(message, Progress):
-            self._progress(slot, message)
-        elif isinstance(message, Joined):
-            self._joined(slot, message)
+        elif isinstance(message, Progress | Joined):
+            self.slots[slot].progress(message, self.now.mono)
         elif isinstance(message, Ready):
             self._ready(slot)
         elif isinstance(message, Failed):
@@ -309,17 +318,6 @@ class Coordinator:
             self.book.hold(self.now.mono, message)
         elif isinstance(message, Aborted | Done):
             self._ended(slot, message)
-
-    def _progress(self, slot: int, message: Progress) -> None:
-        state = self.slots[slot]
-        state.step, state.phase, state.attempt = message.step, message.phase, message.attempt
-        state.progress_at = self.now.mono
-
-    def _joined(self, slot: int, message: Joined) -> None:
-        state = self.slots[slot]
-        state.generation, state.progress_at = message.generation, self.now.mono
-        if state.replaces is not None and state.joined_at is None:
-            state.joined_at = message.step
 
     def _failed(self, slot: int, message: Failed) -> None:
         if message.fatal:
@@ -372,30 +370,8 @@ class Coordinator:
             self.fallen(self.book.death(self._where(slot), code, self.now.wall))
 
     def _where(self, slot: int) -> WorkerFailure:
-        """A failure record of ``slot`` where it is now (kind and message filled in later):
-        its step, phase, attempt and the samples the plan gave it there."""
-        state, plan = self.slots[slot], self.setup.plan
-        in_step = state.phase in ("data", "forward", "backward", "metrics", "sync")
-        epoch = state.step // plan.steps if plan.steps else None
-        members = self.gens.members.get(state.generation, [])
-        share = None
-        if in_step and slot in members and epoch is not None:
-            step, rank = state.step % plan.steps, members.index(slot)
-            share = plan.local_batch(epoch, step, rank, len(members))
-        return WorkerFailure(
-            worker=slot,
-            rank=self.rank(slot),
-            device=self.setup.devices[slot],
-            kind="crash",
-            message="",
-            phase=state.phase,
-            step=state.step,
-            epoch=epoch,
-            pid=state.pid,
-            sample_indices=share,
-            attempt=state.attempt if in_step else None,
-            time=self.now.wall,
-        )
+        members = self.gens.members.get(self.slots[slot].generation, [])
+        return where(slot, self.slots[slot], members, self.rank(slot), self.setup, self.now)
 
     def _tick(self) -> None:
         self.settle()
@@ -410,41 +386,18 @@ class Coordinator:
         self._check_hang()
         self._admit()
 
-    def _watched(self) -> dict[int, Slot]:
-        """The slots whose silence counts: members outside their bounded idle phases, slots
-        in a preflight, and every slot still starting past the startup timeout."""
-        now, startup = self.now.mono, self.setup.timeouts.startup.total_seconds()
-        watched = {
-            slot: self.slots[slot]
-            for slot in self.gens.current
-            if not self.slots[slot].ended and self.slots[slot].phase not in IDLE_PHASES
-        }
-        for slot in self.unready:
-            if self.slots[slot].phase == "preflight" and not self.slots[slot].ended:
-                watched[slot] = self.slots[slot]
-        starting = {k: s for k, s in self.slots.items() if s.phase == "start" and not s.ended}
-        if any(now - s.progress_at > startup for s in starting.values()):
-            watched.update(starting)
-        return watched
-
     def _check_hang(self) -> None:
         timeouts = self.setup.timeouts
         if self.pending_hang or self.now.mono < self.quiet_until:
             return
         if self.now.mono - self.gens.announced_at < timeouts.announce_grace.total_seconds():
             return  # members are leaving their old group (their clocks still run)
-        watched = self._watched()
-        if not watched or not stalled(watched, self.now.mono, self._limit):
+        startup = timeouts.startup.total_seconds()
+        watched = watched_slots(self.slots, self.gens.current, self.unready, self.now.mono, startup)
+        if not watched or not stalled(watched, self.now.mono, timeouts.limit):
             return
         self.pending_hang = tied_behind(watched)
         self.out.append(DumpStacks(list(self.pending_hang)))
-
-    def _limit(self, state: Slot) -> float:
-        """How long a worker may make no progress: ``hang_timeout``; at least the preflight
-        timeout in preflight."""
-        t = self.setup.timeouts
-        limit = t.hang.total_seconds()
-        return max(limit, t.preflight.total_seconds()) if state.phase == "preflight" else limit
 
     def _stacks_taken(self, stacks: dict[int, str]) -> None:
         """Everyone stalled: the hung ones are those behind that do not wait in a
@@ -536,22 +489,8 @@ class Coordinator:
             joining, self.waiting = self.waiting, []
             self.announce(current + joining, f"workers {joining} rejoin")
 
-    # -- the run's end ---------------------------------------------------------------------
     def respawn_fates(self) -> list[str]:
-        """What became of every replacement: joined at step N, or not (still starting)."""
-        lines = []
-        fallen = {f.pid for f in self.book.failures if f.pid is not None}
-        for state in self.replacements:
-            fell = state.replaces
-            assert fell is not None
-            what = f"worker {fell.worker}'s replacement (after its {fell.kind} at step {fell.step})"
-            if state.joined_at is not None:
-                lines.append(f"{what} joined at step {state.joined_at}")
-            elif state.pid in fallen:
-                lines.append(f"{what} fell before it joined")
-            else:
-                lines.append(f"{what} had not joined when the run ended (still starting)")
-        return lines
+        return respawn_fates(self.replacements, self.book.failures)
 
 
 def _counts(event: Received) -> bool:
@@ -561,3 +500,68 @@ def _counts(event: Received) -> bool:
     if not event.stale or isinstance(message, Relay | Broke):
         return True
     return isinstance(message, Failed) and not message.fatal
+
+
+def where(
+    slot: int, state: Slot, members: list[int], rank: int, setup: Setup, now: Now
+) -> WorkerFailure:
+    """A failure record of ``slot`` where it is now (kind and message filled in later):
+    its step, phase, attempt, and the samples the plan gave it there (``members``: of the
+    generation it was in)."""
+    plan = setup.plan
+    in_step = state.phase in STEP_PHASES
+    epoch = state.step // plan.steps if plan.steps else None
+    share = None
+    if in_step and slot in members and epoch is not None:
+        step, index = state.step % plan.steps, members.index(slot)
+        share = plan.local_batch(epoch, step, index, len(members))
+    return WorkerFailure(
+        worker=slot,
+        rank=rank,
+        device=setup.devices[slot],
+        kind="crash",
+        message="",
+        phase=state.phase,
+        step=state.step,
+        epoch=epoch,
+        pid=state.pid,
+        sample_indices=share,
+        attempt=state.attempt if in_step else None,
+        time=now.wall,
+    )
+
+
+def watched_slots(
+    slots: dict[int, Slot], current: list[int], unready: set[int], now: float, startup: float
+) -> dict[int, Slot]:
+    """The slots whose silence counts: members outside their bounded idle phases, slots in a
+    preflight, and every slot still starting once one is past the startup timeout."""
+    watched = {
+        slot: slots[slot]
+        for slot in current
+        if not slots[slot].ended and slots[slot].phase not in IDLE_PHASES
+    }
+    for slot in unready:
+        if slots[slot].phase == "preflight" and not slots[slot].ended:
+            watched[slot] = slots[slot]
+    starting = {k: s for k, s in slots.items() if s.phase == "start" and not s.ended}
+    if any(now - s.progress_at > startup for s in starting.values()):
+        watched.update(starting)
+    return watched
+
+
+def respawn_fates(replacements: list[Slot], failures: list[WorkerFailure]) -> list[str]:
+    """What became of every replacement: joined at step N, or not (still starting)."""
+    lines = []
+    fallen = {f.pid for f in failures if f.pid is not None}
+    for state in replacements:
+        fell = state.replaces
+        assert fell is not None
+        what = f"worker {fell.worker}'s replacement (after its {fell.kind} at step {fell.step})"
+        if state.joined_at is not None:
+            lines.append(f"{what} joined at step {state.joined_at}")
+        elif state.pid in fallen:
+            lines.append(f"{what} fell before it joined")
+        else:
+            lines.append(f"{what} had not joined when the run ended (still starting)")
+    return lines

@@ -53,6 +53,7 @@ from phalanx.strategies.ddp.coordinator import (
     Tick,
     Timeouts,
 )
+from phalanx.strategies.ddp.protocol import Done
 
 __all__ = ["SlotState", "Supervisor", "run_ddp"]
 
@@ -203,8 +204,6 @@ def run_ddp(
     emit: Any,
     interrupter: Interrupter,
 ) -> Any:
-    from phalanx.learner import FitResult
-
     started = time.time()
     sup = Supervisor(spec, config, plan, (train, valid, valid_size), emit, interrupter)
     try:
@@ -214,12 +213,7 @@ def run_ddp(
         for line in fates:  # the run's end says what became of every respawn
             emit(Notice(line))
         if outcome.fatal or outcome.aborted or outcome.done is None:
-            failures = outcome.failures or [_lost(config)]
-            poison = outcome.poison and not outcome.fatal
-            error = report.build(failures, poison=poison, notes=tuple(outcome.notes))
-            root = error.root_cause
-            report.write_json(config.run_dir, failures, root, config.devices, fates)
-            raise error
+            raise _failed(outcome, config, fates)
         done = outcome.done
         assert done.weights_path is not None
         model = sup.final_model(done.weights_path)
@@ -229,6 +223,20 @@ def run_ddp(
         report.write_json(config.run_dir, outcome.failures, None, config.devices, fates)
     problems = ledger.check(plan, done.ledger, done.epochs)
     ledger.write(config.run_dir, done.ledger, problems)
+    return _result(model, done, outcome, config, interrupter, started, problems)
+
+
+def _result(
+    model: torch.nn.Module,
+    done: Done,
+    outcome: FailureBook,
+    config: FitConfig,
+    interrupter: Interrupter,
+    started: float,
+    problems: list[str],
+) -> Any:
+    from phalanx.learner import FitResult
+
     interrupted = done.interrupted
     if interrupted and interrupter.reason:  # the reason as the supervisor was told it
         interrupted = f"Training interrupted: {interrupter.reason}"
@@ -244,6 +252,15 @@ def run_ddp(
         not problems,
         problems,
     )
+
+
+def _failed(outcome: FailureBook, config: FitConfig, fates: list[str]) -> Exception:
+    """The report of a run that stopped (also written to run_dir/failures.json)."""
+    failures = outcome.failures or [_lost(config)]
+    poison = outcome.poison and not outcome.fatal
+    error = report.build(failures, poison=poison, notes=tuple(outcome.notes))
+    report.write_json(config.run_dir, failures, error.root_cause, config.devices, fates)
+    return error
 
 
 def _lost(config: FitConfig) -> WorkerFailure:
