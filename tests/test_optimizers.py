@@ -80,10 +80,10 @@ def test_named_weight_decay_groups_train_like_plain_torch(strategy: str, devices
     ):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), name
     # The decay mattered: without it (one group, no decay) the weights differ.
-    plain = px.Learner(
-        norm_mlp, functools.partial(torch.optim.AdamW, lr=0.01, betas=(0.9, 0.95), weight_decay=0.0),
-        mse_step,
-    ).fit(DATA, epochs=EPOCHS, batch_size=BATCH, shuffle=False, sinks=[])  # fmt: skip
+    adamw = functools.partial(torch.optim.AdamW, lr=0.01, betas=(0.9, 0.95), weight_decay=0.0)
+    plain = px.Learner(norm_mlp, adamw, mse_step).fit(
+        DATA, epochs=EPOCHS, batch_size=BATCH, shuffle=False, sinks=[]
+    )
     assert not torch.allclose(plain.model[0].weight, result.model[0].weight, atol=1e-6)
 
 
