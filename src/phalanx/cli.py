@@ -44,8 +44,11 @@ def _demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:
-        print("phalanx demo: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # px.FitInterrupted: the checkpoint is written
+        result = getattr(exc, "result", None)
+        where = f" after step {result.steps}" if result is not None else ""
+        resume = " (phalanx demo --resume continues)" if args.run_dir and result else ""
+        print(f"phalanx demo: interrupted{where}{resume}", file=sys.stderr)
         return 130
 
 

@@ -124,8 +124,10 @@ class Learner:
 
         ``batch_size`` is the GLOBAL batch, split among devices. Raises a ConfigError before
         anything starts when the configuration is wrong, and TrainingFailed when a worker
-        failed and the run could not go on. Interrupts (SIGINT, SIGTERM, :meth:`stop`) are
-        not failures: the run checkpoints and returns with ``interrupted`` set.
+        failed and the run could not go on. Interrupts are not failures: the run finishes
+        its step and checkpoints; then :meth:`stop` returns with ``interrupted`` set, Ctrl-C
+        raises ``px.FitInterrupted`` (a KeyboardInterrupt) and SIGTERM ``px.FitTerminated``
+        (a SystemExit with code 143), each carrying the result as ``.result``.
         ``run_dir=""`` is the same as None: nothing is written.
         """
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
@@ -170,12 +172,13 @@ class Learner:
                     result.history, result.steps, result.epochs, result.interrupted, result.seconds
                 )
             )
-            return result
         except BaseException:
             emit(RunEnded([], 0, 0, None, 0.0, failed=True))
             raise
         finally:
             emit.close()
+        self.interrupter.raise_if_signalled(result)  # Ctrl-C, SIGTERM: not a success
+        return result
 
     def _dispatch(
         self,
