@@ -107,14 +107,17 @@ def recording_step(model: nn.Module, batch: Any) -> torch.Tensor:
     return mse_step(model, batch)
 
 
-def test_bf16_runs_the_step_under_autocast_like_torch() -> None:
+@pytest.mark.parametrize(("strategy", "devices"), [("single", "cpu"), ("threads", "cpu:0,cpu:1")])
+def test_bf16_runs_the_step_under_autocast_like_torch(strategy: str, devices: str) -> None:
     AUTOCAST_SEEN.clear()
     learner = px.Learner(mlp, sgd, recording_step, precision="bf16-mixed")
     result = learner.fit(
-        DATA, DATA, epochs=EPOCHS, batch_size=BATCH, shuffle=False, sinks=[]
-    )  # validation too
+        DATA, DATA, epochs=EPOCHS, batch_size=BATCH, shuffle=False, sinks=[],
+        strategy=strategy, devices=devices,
+    )  # fmt: skip
     assert AUTOCAST_SEEN and all(seen == (True, torch.bfloat16) for seen in AUTOCAST_SEEN)
-    assert len(AUTOCAST_SEEN) == 2 * STEPS  # every training step and validation batch
+    calls = 2 * STEPS * (2 if strategy == "threads" else 1)  # each replica's share
+    assert len(AUTOCAST_SEEN) == calls  # every training step and validation batch
     reference, _ = by_hand(torch.bfloat16, None)
     assert_close(result.model, reference, tol=1e-2)
     assert not torch.is_autocast_enabled("cpu")  # nothing leaks out of fit
@@ -167,6 +170,15 @@ def test_ddp_skips_together_and_matches_single() -> None:
     assert ddp.ledger_ok and ddp.steps == STEPS
     assert [h["train/lr"] for h in ddp.history] == [0.05, 0.025]  # once per epoch
     assert_close(ddp.model, single.model, tol=2e-3)
+
+
+@pytest.mark.slow
+def test_ddp_bf16_matches_single() -> None:
+    single, _ = fit("single", "cpu", "bf16-mixed")
+    ddp, sink = fit("ddp", "cpu:0,cpu:1", "bf16-mixed")
+    assert not any(sink.skipped()) and ddp.steps == STEPS
+    assert_close(ddp.model, single.model, tol=1e-2)  # bf16 rounding of two half-batches
+    assert not torch.equal(ddp.model[0].weight, mlp()[0].weight)
 
 
 @pytest.mark.slow
