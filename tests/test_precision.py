@@ -4,6 +4,7 @@ are skipped by every member together, pinned to torch's textbook AMP loop."""
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from amp_helpers import OVERFLOWING, Collect, halve_each, mlp, mse_step, sgd
 from ddp_helpers import make_data
 from phalanx.checkpoint.io import list_checkpoints, read_verified
 from phalanx.errors import PrecisionError
+from phalanx.precision import LossScaler, step_scheduler_quietly
 
 DATA = make_data(256, seed=4)
 BATCH, EPOCHS = 32, 2  # 8 steps an epoch
@@ -208,3 +210,44 @@ def test_bad_precision_settings_are_refused_before_start(kwargs: dict[str, Any],
     with pytest.raises(PrecisionError, match=text) as info:
         learner.fit(DATA, strategy="ddp", devices="cpu:0,cpu:1", sinks=[])
     assert info.value.code == "PX130"
+
+
+def scaler_after_backward(scale: float) -> tuple[LossScaler, nn.Module, torch.optim.Optimizer]:
+    net = mlp()
+    optimizer = sgd(net.parameters())
+    scaler = LossScaler(torch.device("cpu"), optimizer, {"init_scale": scale})
+    x, y = DATA.tensors
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(net(x[:BATCH]), y[:BATCH])
+    scaler.scale(loss).backward()
+    return scaler, net, optimizer
+
+
+def test_the_vote_decides_the_skip_even_where_this_member_saw_no_overflow() -> None:
+    """A member whose own gradients were finite still skips, and backs its scale off the same
+    way, when the vote says another member's overflowed: the scales stay equal."""
+    scaler, net, optimizer = scaler_after_backward(2.0**8)
+    assert scaler.unscale() is False  # finite here
+    before = [p.detach().clone() for p in net.parameters()]
+    scheduler = halve_each(optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        scaler.skip()
+        step_scheduler_quietly(scheduler, optimizer_stepped=False)
+    assert scaler.get_scale() == 2.0**7
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+
+
+def test_a_discarded_attempt_keeps_the_scale_and_can_unscale_again() -> None:
+    scaler, net, optimizer = scaler_after_backward(2.0**40)
+    assert scaler.unscale() is True  # overflowed
+    scaler.reset()  # the attempt failed elsewhere: retried, not skipped
+    assert scaler.get_scale() == 2.0**40
+    optimizer.zero_grad()
+    x, y = DATA.tensors
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(net(x[:BATCH]), y[:BATCH])
+    scaler.scale(loss).backward()
+    assert scaler.unscale() is True  # (torch refuses a second unscale_ without the reset)
+    scaler.skip()
+    assert scaler.get_scale() == 2.0**39
