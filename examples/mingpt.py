@@ -166,8 +166,9 @@ def main(argv: list[str]) -> int:
             checkpoint=px.Checkpoints(every_steps=10, keep_last=2),
             faults=[px.Fault.parse(f) for f in args.fault],
         )
-    except px.FitInterrupted as stopped:  # Ctrl-C: the checkpoint is written
-        print(f"interrupted after step {stopped.result.steps}; --resume continues")
+    except KeyboardInterrupt as stopped:  # Ctrl-C: the checkpoint is written
+        steps = getattr(stopped, "result", None) and stopped.result.steps  # type: ignore[attr-defined]
+        print(f"interrupted after step {steps}; --resume continues")
         return 130
     final = os.path.join(args.run_dir, "final.pt")
     torch.save(result.model.state_dict(), final)  # a plain state dict: torch.load opens it

@@ -6,7 +6,7 @@ from phalanx.early_stopping import EarlyStopping
 from phalanx.errors import ConfigError, InvalidStepError, PhalanxError, TrainingFailed
 from phalanx.failures import WorkerFailure
 from phalanx.faults import Fault
-from phalanx.interrupt import FitInterrupted, FitTerminated
+from phalanx.interrupt import FitTerminated
 from phalanx.learner import FitResult, Learner
 from phalanx.policy import Recovery
 from phalanx.step import StepOutput, cross_entropy_step, mse_step
@@ -16,7 +16,6 @@ __all__ = [
     "ConfigError",
     "EarlyStopping",
     "Fault",
-    "FitInterrupted",
     "FitResult",
     "FitTerminated",
     "InvalidStepError",

@@ -44,7 +44,7 @@ def _demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt as exc:  # px.FitInterrupted: the checkpoint is written
+    except KeyboardInterrupt as exc:  # fit's, after the checkpoint (.result)
         result = getattr(exc, "result", None)
         where = f" after step {result.steps}" if result is not None else ""
         resume = " (phalanx demo --resume continues)" if args.run_dir and result else ""

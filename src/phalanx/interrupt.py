@@ -1,10 +1,11 @@
 """A cooperative stop: a flag plus a reason (burn's interrupter), and the signal handlers
 that set it. Training checks the flag at step boundaries and saves a checkpoint. A stop asked
 for in code (``learner.stop()``) then returns with ``Training interrupted: <reason>``; a
-signal is not success: after the checkpoint, Ctrl-C (SIGINT) raises :class:`FitInterrupted`
-(a ``KeyboardInterrupt``, as Python's Ctrl-C does) and SIGTERM (preemption) raises
-:class:`FitTerminated` (a ``SystemExit`` with code 143 = 128 + SIGTERM, what a shell and a
-batch system read as "ended by SIGTERM", so the job can be requeued). Both carry the
+signal is not success: after the checkpoint, Ctrl-C (SIGINT) raises ``KeyboardInterrupt``
+itself, as Python's Ctrl-C does (exactly that class: uncaught, Python then ends the process by
+SIGINT, which a shell reports as 130; it does not for a subclass), and SIGTERM (preemption)
+raises :class:`FitTerminated` (a ``SystemExit`` with code 143 = 128 + SIGTERM, what a shell
+and a batch system read as "ended by SIGTERM", so the job can be requeued). Both carry the
 ``FitResult`` as ``.result``. A second Ctrl-C stops at once."""
 
 from __future__ import annotations
@@ -17,14 +18,6 @@ from types import FrameType
 from typing import Any
 
 EXIT_SIGTERM = 128 + signal.SIGTERM  # 143: the exit status of a process ended by SIGTERM
-
-
-class FitInterrupted(KeyboardInterrupt):
-    """Ctrl-C ended ``fit`` after its checkpoint was written; ``result`` is what it had."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__(result.interrupted)
-        self.result = result
 
 
 class FitTerminated(SystemExit):
@@ -61,12 +54,14 @@ class Interrupter:
 
     def raise_if_signalled(self, result: Any) -> None:
         """After a run a signal stopped (checkpoint written, sinks closed): SIGINT raises
-        :class:`FitInterrupted`, SIGTERM :class:`FitTerminated`. A stop asked for in code, or
-        a run that finished before it saw the signal, returns normally."""
+        ``KeyboardInterrupt`` (with ``.result``), SIGTERM :class:`FitTerminated`. A stop
+        asked for in code, or a run that finished before it saw the signal, returns."""
         if not result.interrupted or self.signum is None:
             return
         if self.signum == signal.SIGINT:
-            raise FitInterrupted(result)
+            stopped = KeyboardInterrupt(result.interrupted)
+            stopped.result = result  # type: ignore[attr-defined]
+            raise stopped
         raise FitTerminated(result)
 
 

@@ -126,7 +126,7 @@ class Learner:
         anything starts when the configuration is wrong, and TrainingFailed when a worker
         failed and the run could not go on. Interrupts are not failures: the run finishes
         its step and checkpoints; then :meth:`stop` returns with ``interrupted`` set, Ctrl-C
-        raises ``px.FitInterrupted`` (a KeyboardInterrupt) and SIGTERM ``px.FitTerminated``
+        raises ``KeyboardInterrupt`` and SIGTERM ``px.FitTerminated``
         (a SystemExit with code 143), each carrying the result as ``.result``.
         ``run_dir=""`` is the same as None: nothing is written.
         """
