@@ -10,9 +10,11 @@ from torch import nn
 
 from phalanx.events import Event, StepEnded
 
-# A loss scale so large that fp16 gradients overflow: 2**40 -> 2**32 -> 2**24 all overflow
-# (gradients of this model times the scale pass fp16's 65504), 2**16 does not.
-OVERFLOWING = {"init_scale": 2.0**40, "backoff_factor": 2.0**-8}
+# A loss scale so large that fp16 gradients overflow: 2**36 and 2**24 overflow (gradients of
+# this model times the scale pass fp16's 65504), 2**12 is far from it (near 2**16 a whole
+# batch may overflow where two half-batches, each scaled by its share, do not).
+OVERFLOWING = {"init_scale": 2.0**36, "backoff_factor": 2.0**-12}
+SKIPS = 2  # steps skipped with OVERFLOWING
 
 
 def mlp() -> nn.Module:

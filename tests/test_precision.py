@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import phalanx as px
-from amp_helpers import OVERFLOWING, Collect, halve_each, mlp, mse_step, sgd
+from amp_helpers import OVERFLOWING, SKIPS, Collect, halve_each, mlp, mse_step, sgd
 from ddp_helpers import make_data
 from phalanx.checkpoint.io import list_checkpoints, read_verified
 from phalanx.errors import PrecisionError
@@ -24,7 +24,7 @@ STEPS = EPOCHS * len(DATA) // BATCH
 
 
 def by_hand(
-    dtype: torch.dtype, scaler_args: dict[str, float] | None
+    dtype: torch.dtype, scaler_args: dict[str, float] | None, clip: float | None = None
 ) -> tuple[nn.Module, list[bool]]:
     """torch's AMP recipe: autocast around forward and loss, scale, step, update."""
     net = mlp()
@@ -46,6 +46,9 @@ def by_hand(
                 continue
             before = scaler.get_scale()
             scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(net.parameters(), clip)
             scaler.step(optimizer)
             scaler.update()
             skipped.append(scaler.get_scale() < before)
@@ -82,13 +85,27 @@ def fit(strategy: str, devices: str, precision: str, **kwargs: Any) -> tuple[px.
 @pytest.mark.parametrize(("strategy", "devices"), [("single", "cpu"), ("threads", "cpu:0,cpu:1")])
 def test_fp16_overflow_skips_the_step_and_training_goes_on(strategy: str, devices: str) -> None:
     reference, skipped = by_hand(torch.float16, OVERFLOWING)
-    assert skipped[:3] == [True] * 3 and not any(skipped[3:])  # what the scale forces
+    assert skipped[:SKIPS] == [True] * SKIPS and not any(skipped[SKIPS:])  # the scale forces it
     result, sink = fit(strategy, devices, "16-mixed", learner={"grad_scaler": OVERFLOWING})
     assert sink.skipped() == skipped  # the same steps skipped, then none
     assert result.steps == STEPS and result.ledger_ok  # skipped steps still consumed their data
     # Skipped steps left the weights alone; the others trained like torch's AMP loop.
     assert_close(result.model, reference, tol=2e-3)
     assert not torch.equal(result.model[0].weight, mlp()[0].weight)
+
+
+@pytest.mark.parametrize(("strategy", "devices"), [("single", "cpu"), ("threads", "cpu:0,cpu:1")])
+def test_fp16_clips_the_unscaled_gradients_like_the_amp_recipe(strategy: str, devices: str) -> None:
+    scaler = OVERFLOWING
+    reference, skipped = by_hand(torch.float16, scaler, clip=0.05)
+    assert skipped[:SKIPS] == [True] * SKIPS and not any(skipped[SKIPS:])
+    result, sink = fit(
+        strategy, devices, "16-mixed", learner={"grad_scaler": scaler, "grad_clip_norm": 0.05}
+    )
+    assert sink.skipped() == skipped
+    assert_close(result.model, reference, tol=2e-3)
+    unclipped, _ = fit(strategy, devices, "16-mixed", learner={"grad_scaler": scaler})
+    assert not torch.allclose(unclipped.model[0].weight, result.model[0].weight, atol=1e-3)
 
 
 def test_fp16_without_overflow_matches_the_amp_loop_and_fp32_roughly() -> None:
@@ -127,7 +144,7 @@ def test_bf16_runs_the_step_under_autocast_like_torch(strategy: str, devices: st
 
 def test_the_scalers_state_is_checkpointed_and_resumed(tmp_path: Any) -> None:
     """Stopped after the skipped steps, then resumed: the resumed run does not start again
-    from the huge initial scale (it would skip three more steps) and ends like a straight one."""
+    from the huge initial scale (it would skip two more steps) and ends like a straight one."""
     straight, _ = fit("single", "cpu", "16-mixed", learner={"grad_scaler": OVERFLOWING})
     run = str(tmp_path / "run")
     learner = px.Learner(mlp, sgd, mse_step, precision="16-mixed", grad_scaler=OVERFLOWING)
@@ -147,7 +164,7 @@ def test_the_scalers_state_is_checkpointed_and_resumed(tmp_path: Any) -> None:
     assert first.interrupted and first.steps == 6  # (the stop is read in the next vote)
     (path, _), *_ = reversed(list_checkpoints(tmp_path / "run" / "checkpoints"))
     scaler = find_key(read_verified(path), "scaler")
-    assert scaler["scale"] == 2.0**16  # backed off three times
+    assert scaler["scale"] == 2.0**12  # backed off twice
     second = learner.fit(
         DATA, epochs=EPOCHS, batch_size=BATCH, shuffle=False, run_dir=run, resume=True,
         sinks=[sink],
@@ -168,7 +185,7 @@ def test_ddp_skips_together_and_matches_single() -> None:
     }
     single, single_sink = fit("single", "cpu", "16-mixed", learner=args)
     ddp, sink = fit("ddp", "cpu:0,cpu:1", "16-mixed", learner=args)
-    assert sink.skipped() == single_sink.skipped() and sum(sink.skipped()) == 3
+    assert sink.skipped() == single_sink.skipped() and sum(sink.skipped()) == SKIPS
     assert ddp.ledger_ok and ddp.steps == STEPS
     assert [h["train/lr"] for h in ddp.history] == [0.05, 0.025]  # once per epoch
     assert_close(ddp.model, single.model, tol=2e-3)
@@ -186,14 +203,14 @@ def test_ddp_bf16_matches_single() -> None:
 @pytest.mark.slow
 def test_ddp_replacement_takes_the_scalers_state_in_the_hand_over() -> None:
     """A worker killed after the skipped steps is replaced; the replacement takes the scale
-    from its peer (a fresh 2**40 would make its gradients overflow, or average garbage)."""
+    from its peer (a fresh 2**36 would make its gradients overflow, or average garbage)."""
     single, _ = fit("single", "cpu", "16-mixed", learner={"grad_scaler": OVERFLOWING})
     ddp, sink = fit(
         "ddp", "cpu:0,cpu:1", "16-mixed", learner={"grad_scaler": OVERFLOWING},
         faults=[px.Fault("kill", worker=1, step=6)],
     )  # fmt: skip
     assert [f.kind for f in ddp.failures] == ["crash"]
-    assert sum(sink.skipped()) == 3 and ddp.ledger_ok and ddp.steps == STEPS
+    assert sum(sink.skipped()) == SKIPS and ddp.ledger_ok and ddp.steps == STEPS
     assert_close(ddp.model, single.model, tol=2e-3)
 
 
