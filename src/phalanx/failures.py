@@ -60,6 +60,8 @@ class WorkerFailure:
     # the whole run, across generations (out-of-memory splits are not new attempts). None
     # outside a step.
     attempt: int | None = None
+    # A hang: when the worker last made progress (wall clock), so its cost counts from there.
+    last_progress: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
