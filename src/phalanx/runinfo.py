@@ -70,17 +70,21 @@ def write_run(run_dir: str | Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def move_aside(run_dir: str | Path) -> Path | None:
-    """Move an earlier run's artefacts to ``earlier/<its id>/`` (the id from its
-    ``run.json``, else the newest file's time); return where, or None when there were none."""
+def move_aside(run_dir: str | Path, with_checkpoints: bool = False) -> Path | None:
+    """Move an earlier run's artefacts (and its ``checkpoints/`` when ``with_checkpoints``)
+    to ``earlier/<its id>/`` (the id from its ``run.json``, else the newest file's time);
+    return where, or None when there was nothing to move."""
     folder = Path(run_dir)
     found = [folder / name for name in ARTEFACTS if (folder / name).is_file()]
+    checkpoints = folder / "checkpoints"
+    if with_checkpoints and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        found.append(checkpoints)
     if not found:
         return None
     earlier = read_run(folder) or {}
     old_id = str(earlier.get("run_id") or "")
     if not old_id:
-        newest = max(p.stat().st_mtime for p in found)
+        newest = max(p.stat().st_mtime for p in found)  # a folder's: its last change
         old_id = "before-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(newest))
     target = folder / EARLIER / old_id
     while target.exists():

@@ -153,7 +153,7 @@ def render_failures(failures: list[WorkerFailure], console: Console) -> None:
         )
     console.print(table)
     console.print(
-        "lost: from the failure (a hang: from its last progress) to the next committed step",
+        "lost: from the failure (a hang: its last progress) to the next committed step",
         highlight=False,
         style="dim",
     )
@@ -210,7 +210,9 @@ class RunStory:
             if e.action != "respawned":
                 continue
             f = e.failure
-            later = [s for s in self.states if s.worker == f.worker and s.time > f.time]
+            mine = [s for s in self.states if s.worker == f.worker and s.time >= f.time]
+            start = next((i for i, s in enumerate(mine) if s.state == "joining"), len(mine))
+            later = mine[start:]  # from the replacement's start
             joined = next((s for s in later if s.state == "training"), None)
             fell = next((s for s in later if s.state == "fallen"), None)
             what = f"worker {f.worker} ({f.device}), {f.kind} at step {step_label(f.step)}: "
