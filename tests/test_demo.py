@@ -141,15 +141,11 @@ def test_chaos_demo_survives_three_failures_with_the_clean_accuracy(tmp_path: Pa
     assert [(r[0], r[2], r[4]) for r in rows] == [(w, s, a) for w, s, a in live]
     assert "rejoin" in out  # a replacement came back in
     assert "Survived 3 failure(s): 1 crash, 1 hang, 1 exception." in out
-    assert "Final world size: 3 of 3 worker(s)" in out
-    assert (
-        len(
-            re.findall(
-                r"Respawn: worker \d \(cpu:\d\), \w+ at step \d+: its replacement joined", out
-            )
-        )
-        == 2
-    )
+    # the last replacement may still be starting when the run ends (a few seconds)
+    assert re.search(r"Final world size: [23] of 3 worker\(s\) \(generation \d\)\.", out)
+    fates = re.findall(r"Respawn: worker (\d) \(cpu:\1\), (\w+) at step (\d+): (.*)", out)
+    assert [(w, k, s) for w, k, s, _ in fates] == [(w, k, s) for w, k, s, _ in rows[:2]], fates
+    assert fates[0][3].startswith("its replacement joined generation"), fates
     assert "now a clean run with the same seed and no faults" in out
     clean = re.search(r"clean run, same seed, no failures: validation accuracy ([\d.]+)", out)
     assert clean, out[-2000:]

@@ -130,6 +130,8 @@ def test_plot_marks_a_kill_and_a_hang_and_shows_world_size_and_generations(
     assert drawn.by_step == {"crash": [(4.0, 0.5)], "hang": [(7.0, 2.0 / 7)]}
     assert drawn.by_time["crash"][0][0] == pytest.approx(4.5)
     assert drawn.by_time["hang"][0][0] == pytest.approx(12.0)
+    (hang,) = [f for f in data.failures if f.kind == "hang"]
+    assert hang.silent_from == pytest.approx(7.0)  # its last progress, shaded up to 12 s
     # world size over steps: 2, down to 1 after step 4's kill, 2 again, 1 after the hang
     assert [y for _, y in drawn.world] == [2.0, 1.0, 2.0, 1.0, 1.0]
     assert [g for *_, g, _ in data.world] == [0, 1, 2, 3]

@@ -660,7 +660,7 @@ def test_a_nan_loss_on_one_worker_stops_the_run_at_once_in_every_mode(
     assert [(f.worker, f.step, f.attempt, f.action) for f in err.failures] == [(1, 3, 0, "aborted")]
     share = Plan(len(DATA), FIT["batch_size"], FIT["seed"]).local_batch(0, 3, 1, 2)
     assert err.root_cause.sample_indices == share
-    assert "the loss is nan at step 3" in str(err).splitlines()[0]
+    assert "the loss is nan at step 4" in str(err).splitlines()[0]  # step 3, 1-based
 
 
 # -- 5. out of memory on one worker: split, never a restart --------------------------------------

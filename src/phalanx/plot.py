@@ -38,6 +38,7 @@ class Failure:
     seconds: float
     worker: int
     action: str
+    silent_from: float | None = None  # a hang: seconds at the worker's last progress
 
 
 @dataclass
@@ -134,7 +135,10 @@ def _failure(record: dict[str, Any], seconds: float, data: RunData) -> Failure:
     # The failed step's 0-based index is its number minus one; outside a step, place it
     # after the steps committed so far.
     at = float(step) + 1 if step is not None else data.step_at(seconds) + 0.5
-    return Failure(str(f["kind"]), at, seconds, int(f["worker"]), str(record.get("action", "")))
+    silent = f.get("last_progress")
+    since = seconds - (float(f["time"]) - float(silent)) if silent is not None else None
+    action = str(record.get("action", ""))
+    return Failure(str(f["kind"]), at, seconds, int(f["worker"]), action, since)
 
 
 def draw(data: RunData, path: str | Path) -> Drawn:
@@ -198,6 +202,9 @@ def _draw_failures(ax: Any, data: RunData, column: int) -> dict[str, list[tuple[
         marker, colour, label = KIND_STYLE.get(kind, ("D", "black", kind))
         for x in xs:
             ax.axvline(x, color=colour, linestyle=":", linewidth=1)
+        for f in mine:  # a hang on the time axes: shaded from its last progress
+            if column == 1 and f.silent_from is not None:
+                ax.axvspan(f.silent_from, f.seconds, color=colour, alpha=0.15)
         artist = ax.scatter(xs, ys, marker=marker, color=colour, s=80, zorder=5, label=label)
         drawn[kind] = [(float(x), float(y)) for x, y in artist.get_offsets()]
     return drawn

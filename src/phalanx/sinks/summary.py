@@ -291,8 +291,8 @@ class SummarySink:
         render_summary(event.history or self.story.history, self.console)
         if self.story.failures:
             render_failures([e.failure for e in self.story.failures], self.console)
-        for line in end_lines(self.story, event):
-            self.console.print(line, highlight=False)
+        for line in end_lines(self.story, event):  # a log file gets whole lines
+            self.console.print(line, highlight=False, soft_wrap=not self.console.is_terminal)
         if event.interrupted:
             self.console.print(Text(event.interrupted, style="yellow"))
         self.story = RunStory()

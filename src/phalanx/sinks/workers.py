@@ -136,6 +136,7 @@ class Workers:
         table.add_column("idle", justify="right", no_wrap=True)
         for row in sorted(self.rows.values(), key=lambda r: r.worker):
             quiet = row.state in QUIET_STATES or row.since is None
+            waits = row.state in ("starting", "joining")  # no step of its own yet
             table.add_row(
                 str(row.worker),
                 row.device,
@@ -143,7 +144,7 @@ class Workers:
                 _opt(row.generation),
                 Text(row.state, style=_STATE_STYLE.get(row.state, "")),
                 row.phase if not quiet else "",
-                str(row.step + 1) if row.step is not None and not quiet else "",
+                str(row.step + 1) if row.step is not None and not (quiet or waits) else "",
                 f"{now - (row.since or now):.1f}s" if not quiet else "",
             )
         return table

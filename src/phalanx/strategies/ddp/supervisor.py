@@ -424,7 +424,7 @@ class Supervisor:
             device=self.config.devices[slot],
             kind="hang",
             message=f"no progress for {stalled:.1f}s in phase {state.phase} of step "
-            f"{state.step} (hang_timeout {self.config.hang_timeout.total_seconds():g}s)",
+            f"{state.step + 1} (hang_timeout {self.config.hang_timeout.total_seconds():g}s)",
             phase=state.phase,
             step=state.step,
             epoch=epoch,
