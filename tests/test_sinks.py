@@ -466,3 +466,26 @@ def test_fit_with_an_empty_run_dir_writes_nothing(
     assert result.steps == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert result.run_dir is None
+
+
+def test_a_failed_run_ends_with_its_committed_steps_and_the_report_to_follow() -> None:
+    """The poison report: no "Trained 0 epoch(s), 0 step(s)" after committed steps, and no
+    "see the report above" above the report (it comes after the summary)."""
+    console = Console(file=io.StringIO(), width=120)
+    sink = SummarySink(console)
+    sink.handle(RunStarted("runs/x", "single", ["cpu"], 8, 23, 64, 1437, 360))
+    for g in range(1, 6):
+        sink.handle(_step(0, g - 1, g))
+    first = _failure()
+    first.action = "retried"
+    sink.handle(WorkerFailed(first, "retried"))
+    again = _failure()
+    again.action = "aborted"
+    sink.handle(WorkerFailed(again, "aborted"))
+    sink.handle(RunEnded([], 0, 0, None, 0.0, failed=True))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "Training failed after 5 committed step(s) (0 epoch(s) finished); the error " in out
+    assert "Trained 0" not in out and "report above" not in out and "Survived" not in out
+    assert "2 failure(s): 2 exception (retried, aborted)." in out
+    assert "Failures and recoveries" in out
+    assert "fit(..., run_dir='runs/x', resume=True)" in out

@@ -228,6 +228,19 @@ class RunStory:
         return fates
 
 
+def _count_kinds(failures: list[WorkerFailure]) -> str:
+    """``1 crash, 2 exception (retried, aborted)``: failures by kind, with what was done."""
+    kinds: dict[str, list[str]] = {}
+    for f in failures:
+        kinds.setdefault(f.kind, []).append(f.action or "?")
+    parts = []
+    for kind, actions in kinds.items():
+        parts.append(
+            f"{len(actions)} {kind}" + (f" ({', '.join(actions)})" if len(actions) > 1 else "")
+        )
+    return ", ".join(parts)
+
+
 def end_lines(story: RunStory, end: RunEnded) -> list[str]:
     """How the run ended, for people: steps, failures survived, the final world size, each
     respawn's fate, where checkpoints and logs are, how to resume."""
@@ -242,12 +255,11 @@ def end_lines(story: RunStory, end: RunEnded) -> list[str]:
             f"Trained {end.epochs} epoch(s), {end.steps} step(s) in {format_duration(end.seconds)}."
         )
     survived = story.survived(end.failed)
-    if survived:
-        kinds: dict[str, int] = {}
-        for f in survived:
-            kinds[f.kind] = kinds.get(f.kind, 0) + 1
-        text = ", ".join(f"{n} {k}" for k, n in kinds.items())
-        lines.append(f"Survived {len(survived)} failure(s): {text}.")
+    if survived and not end.failed:
+        lines.append(f"Survived {len(survived)} failure(s): {_count_kinds(survived)}.")
+    elif story.failures:
+        every = [e.failure for e in story.failures]
+        lines.append(f"{len(every)} failure(s): {_count_kinds(every)}.")
     if story.devices:
         world = len(story.members) if story.members is not None else len(story.devices)
         lines.append(
