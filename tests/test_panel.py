@@ -10,6 +10,7 @@ from rich.console import Console
 
 from phalanx.events import (
     Beat,
+    EpochEnded,
     Event,
     GenerationStarted,
     RunStarted,
@@ -145,3 +146,17 @@ def test_a_wait_is_not_reported_while_any_watched_worker_makes_progress() -> Non
     workers.update(WorkerState(0, "cpu:0", "fallen", time=T0 + 11))
     assert workers.waiting(T0 + 20) is not None
     assert workers.waiting(T0 + 20).worker == 1  # type: ignore[union-attr]
+
+
+def test_epoch_lines_above_the_bars_wrap_between_words() -> None:
+    console = Console(file=io.StringIO(), force_terminal=True, width=60, height=40)
+    sink = ProgressSink(console)
+    metrics = {f"valid/metric_{i}": 0.123456 * i for i in range(1, 9)}
+    sink.handle(EpochEnded(epoch=0, metrics=metrics, seconds=1.0))
+    sink.close()
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", console.file.getvalue())  # type: ignore[attr-defined]
+    lines = [line.rstrip() for line in out.replace("\r", "\n").splitlines() if line.strip()]
+    assert len(lines) > 1 and all(len(line) <= 60 for line in lines)
+    words = " ".join(lines).split()
+    for i in range(1, 9):
+        assert f"valid/metric_{i}" in words  # no name cut in two

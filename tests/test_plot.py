@@ -150,3 +150,33 @@ def test_report_tells_the_run_end_from_its_files(tmp_path: Path) -> None:
     assert "Respawn: worker 1 (cpu:1), crash at step 4: its replacement joined generation 2" in out
     assert "Failures and recoveries" in out
     assert report_run(tmp_path / "nothing", console) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_ddp_run_logs_its_workers_and_generations_and_plots_the_kill(tmp_path: Path) -> None:
+    """A real ddp run (2 CPU workers, worker 1 killed in step 4 and respawned): the
+    supervisor's WorkerState and GenerationStarted events reach events.jsonl (its heartbeats
+    do not), and the plot marks the kill where it happened."""
+    from recovery_helpers import linear, make_data, sgd, slow_step
+
+    run_dir = tmp_path / "run"
+    learner = px.Learner(linear, sgd, slow_step)
+    result = learner.fit(
+        make_data(256), epochs=2, batch_size=16, strategy="ddp", devices="cpu:0,cpu:1",
+        run_dir=str(run_dir), faults=[px.Fault("kill", worker=1, step=3)],
+    )  # fmt: skip
+    assert [(f.kind, f.step, f.action) for f in result.failures] == [("crash", 3, "respawned")]
+    records = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = {r["event"] for r in records}
+    assert "WorkersTick" not in kinds
+    states = [(r["worker"], r["state"]) for r in records if r["event"] == "WorkerState"]
+    for expected in [(0, "starting"), (1, "starting"), (0, "training"), (1, "training"),
+                     (1, "fallen"), (1, "replaced"), (1, "joining"), (0, "finished")]:  # fmt: skip
+        assert expected in states, (expected, states)
+    assert states.index((1, "fallen")) < states.index((1, "replaced"))
+    generations = [r["members"] for r in records if r["event"] == "GenerationStarted"]
+    assert generations[:2] == [[0, 1], [0]]
+    drawn = plot_run(run_dir)
+    assert [x for x, _ in drawn.by_step["crash"]] == [4.0]
+    assert drawn.world[0] == (0.0, 2.0) and drawn.world[1][1] == 1.0
