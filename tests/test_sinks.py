@@ -26,6 +26,7 @@ from phalanx.events import (
     StepEnded,
     ValidationStarted,
     WorkerFailed,
+    to_record,
 )
 from phalanx.failures import WorkerFailure
 from phalanx.sinks import (
@@ -489,3 +490,18 @@ def test_a_failed_run_ends_with_its_committed_steps_and_the_report_to_follow() -
     assert "2 failure(s): 2 exception (retried, aborted)." in out
     assert "Failures and recoveries" in out
     assert "fit(..., run_dir='runs/x', resume=True)" in out
+
+
+def test_a_log_line_turns_back_into_its_event() -> None:
+    from phalanx.events import Beat, GenerationStarted, WorkerState, WorkersTick, from_record
+
+    events = [
+        *full_run(),
+        WorkerState(1, "cpu:1", "fallen", rank=1, generation=2, pid=7, detail="hang"),
+        GenerationStarted(3, [0, 2], ["cpu:0", "cpu:2"], "worker 1 hang: shrunk"),
+        WorkersTick([Beat(0, "forward", 5, 12.5, 60.0)]),
+    ]
+    for event in events:
+        record = json.loads(json.dumps({**to_record(event), "run": "r1"}))
+        assert from_record(record) == event
+    assert from_record({"event": "NoSuchEvent"}) is None
