@@ -474,7 +474,7 @@ def test_too_few_workers_left_aborts(tmp_path: Path) -> None:
     assert root.signal == signal.SIGKILL
     assert root.action == "aborted"
     first = str(err).splitlines()[0]
-    for part in ("device cpu:1", "rank 1", "step 5"):
+    for part in ("device cpu:1", "rank 1", "at step 6 "):  # step 5, 1-based
         assert part in first, (part, first)
     assert rec.generations() == []  # nobody went on
     assert max(e.global_step for e in rec.steps()) == 5
