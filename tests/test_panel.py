@@ -160,3 +160,15 @@ def test_epoch_lines_above_the_bars_wrap_between_words() -> None:
     words = " ".join(lines).split()
     for i in range(1, 9):
         assert f"valid/metric_{i}" in words  # no name cut in two
+
+
+def test_a_replacement_row_starts_without_its_predecessors_rank_and_generation() -> None:
+    workers = Workers()
+    workers.update(WorkerState(1, "cpu:1", "training", rank=1, generation=0, pid=5, time=T0))
+    workers.update(WorkerState(1, "cpu:1", "fallen", pid=5, time=T0 + 1))
+    workers.update(WorkerState(1, "cpu:1", "replaced", pid=5, detail="by pid 6", time=T0 + 1))
+    workers.update(WorkerState(1, "cpu:1", "joining", pid=6, time=T0 + 1))
+    row = workers.rows[1]
+    assert (row.state, row.rank, row.generation) == ("joining", None, None)
+    workers.update(WorkerState(1, "cpu:1", "training", rank=1, generation=2, pid=6, time=T0 + 4))
+    assert (row.state, row.rank, row.generation) == ("training", 1, 2)

@@ -96,8 +96,11 @@ class Workers:
     def _state(self, e: WorkerState) -> str:
         row = self.rows.setdefault(e.worker, Row(e.worker, e.device))
         row.device, row.state = e.device, e.state
-        row.rank = e.rank if e.rank is not None else row.rank
-        row.generation = e.generation if e.generation is not None else row.generation
+        if e.state in ("starting", "joining"):  # a new process, or a new group: as told
+            row.rank, row.generation = e.rank, e.generation
+        else:
+            row.rank = e.rank if e.rank is not None else row.rank
+            row.generation = e.generation if e.generation is not None else row.generation
         if e.state in QUIET_STATES:
             row.limit = None
         if e.state in ("starting", "joining"):
