@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,15 @@ def test_a_ddp_run_logs_its_workers_and_generations_and_plots_the_kill(tmp_path:
     drawn = plot_run(run_dir)
     assert [x for x, _ in drawn.by_step["crash"]] == [4.0]
     assert drawn.world[0] == (0.0, 2.0) and drawn.world[1][1] == 1.0
+
+
+def test_plot_without_matplotlib_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hand_made_run(tmp_path / "run")
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # any import of it now fails
+    assert cli.main(["plot", str(tmp_path / "run")]) == 2
+    assert "pip install 'phalanx[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "run.png").exists()
