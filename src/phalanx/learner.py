@@ -17,7 +17,7 @@ from phalanx import ledger
 from phalanx.checkpoint import Checkpoints
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
-from phalanx.events import Fanout, RunEnded, Sink
+from phalanx.events import Fanout, RunEnded, RunOpened, Sink
 from phalanx.failures import FailedHere, WorkerFailure
 from phalanx.faults import Fault
 from phalanx.interrupt import Interrupter, handle_signals
@@ -158,11 +158,14 @@ class Learner:
         )
         check_free_memory(labels, min_free_memory)
         plan = Plan(train_size, batch_size, seed, shuffle, drop_last)
+        opened = _open_run(config)  # run.json; an earlier run's files moved aside
         if sinks is None:
             from phalanx.sinks import default_sinks
 
             sinks = default_sinks(run_dir)
         emit = Fanout(list(sinks))
+        if opened is not None:
+            emit(opened)
         self.interrupter.reset()
         try:
             with handle_signals(self.interrupter), _keep_rng(labels):
@@ -260,6 +263,15 @@ class Learner:
 
     def _stop_reason(self) -> str | None:
         return self.interrupter.reason if self.interrupter.should_stop() else None
+
+
+def _open_run(config: FitConfig) -> RunOpened | None:
+    """With a run_dir: name the run (:func:`phalanx.runinfo.open_run`), after every check."""
+    if not config.run_dir:
+        return None
+    from phalanx.runinfo import open_run
+
+    return open_run(config.run_dir, config, config.resume)[0]
 
 
 def _keep_rng(labels: list[str]) -> contextlib.AbstractContextManager[Any]:
