@@ -7,12 +7,14 @@ from __future__ import annotations
 from datetime import timedelta
 
 import phalanx as px
+from phalanx.events import GenerationStarted, WorkerState
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
 from phalanx.strategies.ddp.actions import (
     Action,
     Announce,
     DumpStacks,
+    Emit,
     Kill,
     Record,
     SetAbort,
@@ -74,13 +76,14 @@ class Run:
 
     def spawned(self, slot: int) -> None:
         self.pid += 1
-        self.c.handle(Spawned(slot, self.pid), self.now())
+        self.log += self.c.handle(Spawned(slot, self.pid), self.now())
 
     def say(self, slot: int, message: object) -> list[Action]:
         return self.feed(Received(slot, message))
 
     def tick(self, t: float) -> list[Action]:
-        return self.at(t).feed(Tick())
+        """The decisions a tick at ``t`` brings (the panel's heartbeat events left out)."""
+        return [a for a in self.at(t).feed(Tick()) if not isinstance(a, Emit)]
 
     def form(self, members: list[int], gen: int, step: int = 0) -> None:
         for slot in members:
@@ -184,7 +187,7 @@ def test_a_death_is_respawned_and_the_replacement_admitted_once_the_group_formed
     assert announced(run.tick(3.2)) == [([0, 2, 1], "workers [1] rejoin")]
     run.say(1, Joined(1, 2, 9))
     assert run.c.respawn_fates() == [
-        "worker 1's replacement (after its crash at step 4) joined at step 9"
+        "worker 1's replacement (after its crash at step 5) joined before step 10"
     ]
 
 
@@ -194,7 +197,7 @@ def test_a_replacement_still_starting_at_the_end_is_said_so() -> None:
     run.at(1).feed(Exited(1, SIGKILL))
     run.say(0, Done(0, "w.pt"))
     assert run.c.respawn_fates() == [
-        "worker 1's replacement (after its crash at step 0) had not joined when the run ended "
+        "worker 1's replacement (after its crash at step 1) had not joined when the run ended "
         "(still starting)"
     ]
     assert [a.slot for a in run.log if isinstance(a, Kill)] == [1]  # dismissed
@@ -251,7 +254,8 @@ def test_the_worker_behind_that_does_not_wait_in_a_collective_is_the_hung_one() 
     assert recorded(actions) == [(0, "hang", 5, "respawned")]
     hang = next(a.failure for a in actions if isinstance(a, Record))
     assert hang.stacks == USER_CODE and hang.sample_indices == PLAN.local_batch(0, 5, 0, 3)
-    assert "no progress for 3.0s" in hang.message
+    assert "no progress for 3.0s in phase forward of step 6" in hang.message  # 1-based
+    assert hang.last_progress == 1_000_000.0  # the wall clock of its own last progress
 
 
 def test_a_join_or_regroup_elsewhere_does_not_restart_a_workers_hang_clock() -> None:
@@ -373,3 +377,33 @@ def test_a_stalled_member_on_its_way_to_the_next_generation_is_not_hung() -> Non
     run.at_step(1, 5, "regroup")
     run.at_step(2, 5, "regroup")
     assert run.tick(HANG + 20) == []  # regroup is bounded by its own timeouts
+
+
+def test_the_worker_panel_sees_each_state_change_once_and_the_generations() -> None:
+    run = Run(world=2)
+    run.start_training()
+    run.at_step(1, 3)
+    run.at_step(1, 3)  # the same state again: nothing new to show
+    run.at(1).feed(Exited(1, SIGKILL))
+    states = [
+        (e.event.worker, e.event.state, e.event.detail)
+        for e in run.log
+        if isinstance(e, Emit) and isinstance(e.event, WorkerState)
+    ]
+    assert states == [
+        (0, "starting", ""),
+        (1, "starting", ""),
+        (0, "training", ""),
+        (1, "training", ""),
+        (1, "fallen", "crash in forward"),
+        (1, "replaced", "by pid 103"),
+        (1, "joining", ""),
+    ]
+    gens = [
+        e.event for e in run.log if isinstance(e, Emit) and isinstance(e.event, GenerationStarted)
+    ]
+    assert [(g.number, g.members, g.cause) for g in gens] == [
+        (0, [0, 1], "start"),
+        (1, [0], "worker 1 crash: respawned"),
+    ]
+    assert all(g.time == 1_000_000.0 + (1 if g.number else 0) for g in gens)  # the fake clock

@@ -22,7 +22,7 @@ from typing import Literal
 
 from phalanx.failures import WorkerFailure
 
-StepAction = Literal["commit", "retry", "split", "abort"]
+StepAction = Literal["commit", "skip", "retry", "split", "abort"]
 
 # Attempts of one step before the run stops with "step keeps failing" (PX206), when no two
 # of its failures are evidence against its batch.
@@ -36,6 +36,7 @@ def decide(
     contract: int = 0,
     repeated: int = 0,
     max_attempts: int = MAX_ATTEMPTS,
+    overflow: int = 0,
 ) -> StepAction:
     """The commit rule of one step attempt.
 
@@ -47,9 +48,12 @@ def decide(
     evidence against the batch (:func:`same_failure` as an earlier attempt's). When every
     failure is such an out-of-memory, the step is tried again with the split ("split": no
     attempt is used up). A repeated failure stops the run (a poison batch); any other is
-    retried, up to ``max_attempts`` attempts of the step ("step keeps failing")."""
+    retried, up to ``max_attempts`` attempts of the step ("step keeps failing").
+    ``overflow`` counts the members whose gradients were not finite under ``"16-mixed"``
+    precision: with no failure, the step is committed without an optimizer step ("skip",
+    on every member; the loss scale backs off). Not a failure: nothing is retried."""
     if failed == 0:
-        return "commit"
+        return "skip" if overflow else "commit"
     if contract or repeated:
         return "abort"
     if splittable == failed:

@@ -100,9 +100,9 @@ def build(
             f"The same step failed on both attempts: a poison batch "
             f"(samples {_short(root.sample_indices)} on worker {root.worker})."
         )
-    elif code == "PX206":
+    elif code == "PX206" and stuck is not None:
         lines.append(
-            f"Step {stuck} failed in all {MAX_ATTEMPTS} attempts, each differently (no failure "
+            f"Step {stuck + 1} failed in all {MAX_ATTEMPTS} attempts, each differently (no failure "
             "repeated on the same samples: not a poison batch); its failures are listed below."
         )
     lines += list(notes)

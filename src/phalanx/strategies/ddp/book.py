@@ -197,8 +197,9 @@ class FailureBook:
 
     @staticmethod
     def hang(where: WorkerFailure, stalled: float, stacks: str, limit: float) -> WorkerFailure:
+        step = "?" if where.step is None else where.step + 1  # 1-based, as people read it
         message = (
-            f"no progress for {stalled:.1f}s in phase {where.phase} of step {where.step} "
+            f"no progress for {stalled:.1f}s in phase {where.phase} of step {step} "
             f"(hang_timeout {limit:g}s)"
         )
         return replace(where, kind="hang", message=message, stacks=stacks)

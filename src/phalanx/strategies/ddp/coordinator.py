@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from enum import Enum
 
-from phalanx.events import Event, Notice, StepEnded
+from phalanx.events import Event, GenerationStarted, Notice, StepEnded
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
 from phalanx.policy import STEP_PHASES, Recovery
@@ -37,6 +37,7 @@ from phalanx.strategies.ddp.actions import (
 )
 from phalanx.strategies.ddp.book import ACTIONS, FailureBook
 from phalanx.strategies.ddp.hangs import Watched, hung_among, stalled, tied_behind
+from phalanx.strategies.ddp.panel import IDLE_PHASES, PANEL_STATES, Panel
 from phalanx.strategies.ddp.protocol import (
     EXIT_TOLD,
     Aborted,
@@ -167,9 +168,6 @@ class Setup:
     run_dir: bool = False
 
 
-IDLE_PHASES = ("start", "regroup", "joining")  # bounded by their own timeouts, not hangs
-
-
 @dataclass
 class Generations:
     """Every generation announced: members in rank order, and which ones rebuild."""
@@ -213,11 +211,19 @@ class Coordinator:
         self.pending_hang: list[int] = []  # asked for their stacks
         self.now = Now(0.0, 0.0)
         self.out: list[Action] = []
+        self.panel = Panel(list(setup.devices))
 
     # -- the one entry point -------------------------------------------------------------
     def start(self, now: Now) -> list[Action]:
         """Start every worker; the first generation is announced once all are ready."""
         self.now = now
+        devices = ", ".join(self.setup.devices)
+        self.emit(
+            Notice(
+                f"starting {self.world} worker process(es) on {devices} "
+                "(each imports torch first: a few seconds)"
+            )
+        )
         for slot in range(self.world):
             self.spawn(Spawn(slot))
             self.unready.add(slot)
@@ -231,7 +237,7 @@ class Coordinator:
         elif isinstance(event, Exited):
             self._exited(event.slot, event.code)
         elif isinstance(event, Spawned):
-            self.slots[event.slot].pid = event.pid
+            self._spawned(event)
         elif isinstance(event, StacksTaken):
             self._stacks_taken(event.stacks)
         elif isinstance(event, StopRequested):
@@ -270,6 +276,20 @@ class Coordinator:
         self.slots[action.slot] = state
         self.out.append(action)
 
+    def _spawned(self, event: Spawned) -> None:
+        state = self.slots[event.slot]
+        state.pid = event.pid
+        if event.slot in self.panel.shown:
+            self.show(event.slot, "replaced", f"by pid {event.pid}")
+        self.show(event.slot, "joining" if state.replaces is not None else "starting")
+
+    def show(self, slot: int, panel_state: str, detail: str = "") -> None:
+        """The worker panel: ``slot`` is now in ``panel_state`` (sent once per change)."""
+        rank = self.rank(slot) if slot in self.gens.current else None
+        event = self.panel.show(slot, panel_state, self.slots[slot], rank, detail)
+        if event is not None:
+            self.emit(event)
+
     def kill(self, slot: int) -> None:
         """Killed on the coordinator's decision: its exit is no failure of its own."""
         self.move(slot, SlotStatus.ENDED)
@@ -292,11 +312,14 @@ class Coordinator:
         failed, known = self.book.evidence()
         doc = Announcement(g.latest, tuple(members), cause, rebuild, replacing, failed, known)
         self.out.append(Announce(doc))
+        devices = [self.setup.devices[m] for m in members]
+        self.emit(GenerationStarted(g.latest, list(members), devices, cause))
         if g.latest > 0:
             self.emit(Notice(f"generation {g.latest}: workers {list(members)} ({cause})"))
 
     def emit(self, event: Event) -> None:
-        self.out.append(Emit(event))
+        """An event of the coordinator's own, stamped with the time it was decided at."""
+        self.out.append(Emit(replace(event, time=self.now.wall)))
 
     def rank(self, slot: int) -> int:
         members = self.gens.current
@@ -307,9 +330,11 @@ class Coordinator:
         if isinstance(message, Relay):
             if isinstance(message.event, StepEnded):
                 self.book.recovered(message.event.time, message.event.global_step)
-            self.emit(message.event)
+            self.out.append(Emit(message.event))  # (as the worker stamped it)
         elif isinstance(message, Progress | Joined):
             self.slots[slot].progress(message, self.now.mono)
+            phase = message.phase if isinstance(message, Progress) else "joined"
+            self.show(slot, PANEL_STATES.get(phase, "training"))
         elif isinstance(message, Ready):
             self._ready(slot)
         elif isinstance(message, Failed):
@@ -332,6 +357,8 @@ class Coordinator:
         attempt: it counts before the run is decided (a peer's Aborted can come first)."""
         self.settle(before=self.slots[slot].generation)
         self.move(slot, SlotStatus.ENDED)
+        if isinstance(message, Done):
+            self.show(slot, "finished")
         if isinstance(message, Aborted):
             self.book.aborted_by(slot, message.poison)
         elif message.weights_path is not None:
@@ -375,6 +402,10 @@ class Coordinator:
 
     def _tick(self) -> None:
         self.settle()
+        now, limit = self.now, self.setup.timeouts.limit
+        beats = self.panel.tick(now.mono, now.wall, dict(self.slots), self.gens.current, limit)
+        if beats is not None:
+            self.emit(beats)
         if self.decided:
             grace = self.setup.timeouts.grace.total_seconds()
             late = self.decided_at is not None and self.now.mono - self.decided_at > grace
@@ -412,6 +443,7 @@ class Coordinator:
             stalled_for = self.now.mono - self.slots[slot].progress_at
             limit = self.setup.timeouts.hang.total_seconds()
             failure = self.book.hang(self._where(slot), stalled_for, stacks.get(slot, ""), limit)
+            failure = replace(failure, last_progress=self.now.wall - stalled_for)
             self.kill(slot)
             self.fallen(failure)
 
@@ -426,6 +458,7 @@ class Coordinator:
         slot = failure.worker
         if slot in self.unready and failure.phase == "start":  # (setting up: a preflight's)
             failure = replace(failure, phase="preflight")
+        self.show(slot, "fallen", f"{failure.kind} in {failure.phase}")
         self.settle(before=self.slots[slot].generation)
         if slot in self.waiting:
             self.waiting.remove(slot)
@@ -557,9 +590,10 @@ def respawn_fates(replacements: list[Slot], failures: list[WorkerFailure]) -> li
     for state in replacements:
         fell = state.replaces
         assert fell is not None
-        what = f"worker {fell.worker}'s replacement (after its {fell.kind} at step {fell.step})"
+        at = "?" if fell.step is None else fell.step + 1  # steps 1-based, as people read them
+        what = f"worker {fell.worker}'s replacement (after its {fell.kind} at step {at})"
         if state.joined_at is not None:
-            lines.append(f"{what} joined at step {state.joined_at}")
+            lines.append(f"{what} joined before step {state.joined_at + 1}")
         elif state.pid in fallen:
             lines.append(f"{what} fell before it joined")
         else:
