@@ -169,6 +169,7 @@ def f(
     message: str = "boom",
     exc: str | None = "RuntimeError",
     step: int = 5,
+    phase: str = "forward",
 ) -> WorkerFailure:
     return WorkerFailure(
         worker=worker,
@@ -176,6 +177,7 @@ def f(
         device=f"cpu:{worker}",
         kind=kind,  # type: ignore[arg-type]
         message=message,
+        phase=phase,
         step=step,
         attempt=attempt,
         exception_type=exc if kind in ("exception", "oom") else None,
@@ -193,6 +195,9 @@ SAME_FAILURE = [
     (f(1, "crash", [1, 2]), f(2, "crash", [2, 3], 1), True),  # a sample that kills its reader
     (f(1, "hang", [1, 2]), f(2, "hang", [2, 3], 1), True),
     (f(1, "crash", [1, 2]), f(2, "crash", [3, 4], 1), False),
+    # two deaths on overlapping shares in different phases: two faults, not one sample
+    (f(1, "crash", [1, 2]), f(2, "crash", [2, 3], 1, phase="data"), False),
+    (f(1, "hang", [1, 2], phase="data"), f(2, "hang", [2, 3], 1, phase="data"), True),
     # a hang, then a one-off exception on another worker in the retry (the case)
     (f(0, "hang", [0, 1, 2]), f(2, "exception", [2, 5], 1), False),
     (f(1, "exception", [1, 2]), f(1, "crash", [1, 2], 1), True),  # same worker, same share

@@ -104,7 +104,8 @@ def same_samples(a: WorkerFailure, b: WorkerFailure) -> bool:
 def same_failure(a: WorkerFailure, b: WorkerFailure) -> bool:
     """Evidence that the batch, not chance, caused both failures: the same kind on samples
     in common (for exceptions and out-of-memory errors also the same type and message; for
-    deaths and hangs overlapping shares are enough), or the same worker failing again on
+    deaths and hangs, overlapping shares in the same phase: a sample that kills its reader
+    does it while loading, or in forward, every time), or the same worker failing again on
     exactly the same share, whatever the kind (a sample that first raises in the data
     loader, then crashes the decoder)."""
     if not same_samples(a, b):
@@ -112,7 +113,7 @@ def same_failure(a: WorkerFailure, b: WorkerFailure) -> bool:
     if a.kind == b.kind:
         if a.kind in ("exception", "oom"):
             return (a.exception_type, a.message) == (b.exception_type, b.message)
-        return True
+        return a.phase == b.phase
     return (
         a.worker == b.worker
         and a.sample_indices is not None
