@@ -548,7 +548,8 @@ _ENTRIES = [
         "chance, so phalanx stops rather than kill healthy workers one by one. The first "
         "failure is the root cause. The evidence: the same kind of failure on samples in "
         "common (for an exception the same type and message; for a death or a hang, shares "
-        "that overlap, whichever worker the new split gives the bad samples to), or the same "
+        "that overlap, in the same phase, whichever worker the new split gives the bad "
+        "samples to), or the same "
         "worker failing again on exactly the same share. Different failures in successive "
         "attempts (a hang, then a one-off exception elsewhere) are retried (see PX206).",
         when="During training, when an attempt of a failed step fails again the same way "
