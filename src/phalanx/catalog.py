@@ -637,6 +637,71 @@ _ENTRIES = [
         example="# before\nlearner.fit(train, strategy='ddp', devices='cpu:0,cuda:0')\n"
         "# after\nlearner.fit(train, strategy='ddp', devices='cuda:0,cuda:1')",
     ),
+    Explanation(
+        code="PX126",
+        title="checkpoint of an earlier format",
+        meaning="The checkpoint file starts with the header of phalanx's first checkpoint "
+        "format (PHALANX-CKPT-1, with the checksum inside the file), which was never released "
+        "and which this version does not read. Checkpoints are now plain torch.save files "
+        "that open with torch.load(path, weights_only=True); their checksums live in "
+        "checkpoints.json beside them. Nothing on disk is changed.",
+        when="At the start of fit(resume=True) when the newest checkpoint has the old format, "
+        "or when px.load_checkpoint() opens such a file.",
+        causes=[
+            "A run_dir written by a development build of phalanx before the format changed.",
+        ],
+        fixes=[
+            "Start the run again in a new run_dir (resume=False).",
+            "Delete the old-format files from run_dir/checkpoints/ to resume from newer ones "
+            "beside them, if any.",
+        ],
+        example="# before\nlearner.fit(train, run_dir='runs/old', resume=True)\n"
+        "# after\nlearner.fit(train, run_dir='runs/new')",
+    ),
+    Explanation(
+        code="PX127",
+        title="a DataLoader passed as the dataset",
+        meaning="fit() takes the dataset itself (a map-style torch Dataset) and the GLOBAL "
+        "batch size: phalanx builds its own DataLoaders, because step s of every epoch must "
+        "use the same samples whoever computes it, and it splits each global batch among the "
+        "devices. A DataLoader in its place would be read as a dataset of batches.",
+        when="Before anything starts, when fit() checks its datasets (train or valid).",
+        causes=[
+            "A script ported from a plain training loop that built "
+            "DataLoader(dataset, batch_size=..., shuffle=True).",
+        ],
+        fixes=[
+            "Pass loader.dataset as the dataset and the loader's batch size as batch_size= "
+            "(the global batch). shuffle=, drop_last=, num_workers=, collate_fn= and "
+            "pin_memory= are fit() arguments too.",
+        ],
+        example="# before\nloader = DataLoader(data, batch_size=64, shuffle=True)\n"
+        "learner.fit(loader, epochs=3)\n"
+        "# after\nlearner.fit(data, batch_size=64, shuffle=True, epochs=3)",
+    ),
+    Explanation(
+        code="PX128",
+        title="a dataset without len() and indexing",
+        meaning="phalanx plans every epoch as a seeded permutation of sample indices, so that "
+        "each sample is used exactly once per epoch whoever computes it, and a failed step "
+        "is computed again with the same samples. That needs a map-style dataset: __len__ "
+        "and __getitem__. A stream (an IterableDataset, a generator) has neither: it cannot "
+        "have an exactly-once plan, and is refused.",
+        when="Before anything starts, when fit() checks its datasets (train or valid).",
+        causes=[
+            "An IterableDataset (webdataset, a streaming dataset, a database cursor).",
+            "A generator or a list iterator passed instead of a dataset.",
+        ],
+        fixes=[
+            "Use a map-style Dataset: index the records (a list of files or offsets) and "
+            "read record i in __getitem__.",
+            "For data that fits in memory, materialize the stream once: "
+            "TensorDataset(*map(torch.stack, zip(*stream))).",
+        ],
+        example="# before\nclass Stream(IterableDataset):\n    def __iter__(self): ...\n"
+        "# after\nclass Records(Dataset):\n    def __len__(self): return len(self.files)\n"
+        "    def __getitem__(self, i): return load(self.files[i])",
+    ),
 ]
 
 CATALOG: dict[str, Explanation] = {e.code: e for e in _ENTRIES}

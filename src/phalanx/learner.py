@@ -4,6 +4,7 @@ strategy (*where*), which drives the same training loop on one or several device
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -15,6 +16,7 @@ from torch.utils.data import Dataset
 
 from phalanx import ledger
 from phalanx.checkpoint import Checkpoints
+from phalanx.data import fingerprint
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
 from phalanx.events import Fanout, RunEnded, Sink
@@ -43,6 +45,7 @@ class FitResult:
     seconds: float = 0.0
     ledger_ok: bool | None = None  # every sample used exactly once in each finished epoch
     ledger_problems: list[str] = field(default_factory=list)
+    model_path: str | None = None  # run_dir/model.pt: the final state dict of a finished run
 
 
 class Learner:
@@ -133,7 +136,9 @@ class Learner:
             self.spec, config, train_size, has_valid=valid is not None, train=train, valid=valid
         )
         check_free_memory(labels, min_free_memory)
-        plan = Plan(train_size, batch_size, seed, shuffle, drop_last)
+        plan = Plan(
+            train_size, batch_size, seed, shuffle, drop_last, fingerprint(train, train_size)
+        )
         if sinks is None:
             from phalanx.sinks import default_sinks
 
@@ -143,6 +148,8 @@ class Learner:
         try:
             with handle_signals(self.interrupter), _keep_rng(labels):
                 result = self._dispatch(config, plan, train, valid, valid_size, emit)
+            if run_dir and result.interrupted is None:
+                result.model_path = save_final_model(run_dir, result.model)
             emit(
                 RunEnded(
                     result.history, result.steps, result.epochs, result.interrupted, result.seconds
@@ -235,6 +242,21 @@ class Learner:
 
     def _stop_reason(self) -> str | None:
         return self.interrupter.reason if self.interrupter.should_stop() else None
+
+
+FINAL_MODEL = "model.pt"
+
+
+def save_final_model(run_dir: str, model: nn.Module) -> str:
+    """``run_dir/model.pt``: the trained model's ``state_dict()`` (``torch.save``, atomically),
+    written when a run finishes (all epochs, ``max_steps`` or early stopping), never after an
+    interrupt or a failure. Load it with ``model.load_state_dict(torch.load(path,
+    weights_only=True))``."""
+    from phalanx.checkpoint.io import write_atomic
+
+    path = os.path.join(run_dir, FINAL_MODEL)
+    write_atomic(path, model.state_dict())
+    return path
 
 
 def _keep_rng(labels: list[str]) -> contextlib.AbstractContextManager[Any]:

@@ -15,7 +15,6 @@ Only the main member emits events and writes checkpoints.
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from phalanx import rng
 from phalanx.checkpoint import Checkpointer, should_save
 from phalanx.early_stopping import EarlyStopping
 from phalanx.events import (
@@ -197,27 +197,23 @@ class TrainLoop:
 
     # -- resume -------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """Everything a checkpoint holds."""
+        """Everything a checkpoint holds: the engine's state (``model``, ``optimizer``,
+        ``scheduler``, ...) at the top, so ``torch.load(path)["model"]`` is the model's state
+        dict, then ``loop``, ``early_stopping``, ``plan`` and ``rng``."""
         return {
-            "engine": self.engine.state_dict(),
+            **self.engine.state_dict(),
             "loop": self.state.state_dict(),
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
             "plan": self.s.plan.record(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            },
+            "rng": rng.capture(),
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
-        self.engine.load_state_dict(snap["engine"])
+        self.engine.load_state_dict(snap)
         self.state = TrainState.from_state_dict(snap["loop"])
         if self.early_stopping and snap.get("early_stopping"):
             self.early_stopping.load_state_dict(snap["early_stopping"])
-        torch.set_rng_state(snap["rng"]["torch"])
-        np.random.set_state(snap["rng"]["numpy"])
-        random.setstate(snap["rng"]["python"])
+        rng.restore(snap["rng"])
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> LoopResult:

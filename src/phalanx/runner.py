@@ -90,14 +90,32 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
     snap, info = found
     saved = snap.get("plan")
     if saved != plan.record():
-        raise CheckpointError(
-            f"{info.path} was written with plan {saved}, but this run has {plan.record()}; "
-            "resume with the same dataset, batch_size, seed, shuffle and drop_last, or use "
-            "a new run_dir"
-        )
+        raise CheckpointError(f"{info.path} {plan_mismatch(saved, plan.record())}")
     restore_fitting(loop, snap, info.path)
     st = loop.state
     emit(Resumed(info.path, st.epoch, st.step, st.global_step))
+
+
+def plan_mismatch(saved: Any, now: dict[str, object]) -> str:
+    """Why a checkpoint's plan record does not match this run's, and the fix."""
+    if not isinstance(saved, dict):
+        return f"has no plan record this version understands ({saved!r}); use a new run_dir"
+    if [k for k in now if saved.get(k) != now[k]] == ["fingerprint"]:
+        return (
+            f"was written with another training dataset of the same size ({now['samples']} "
+            f"samples): the contents of the samples phalanx checks differ (fingerprint "
+            f"{saved.get('fingerprint')!r} then, {now['fingerprint']!r} now). Resume with the "
+            "same dataset (a random_split needs a seeded generator=, e.g. "
+            "torch.Generator().manual_seed(0), to give the same split again), or use a new "
+            "run_dir"
+        )
+    changed = ", ".join(
+        f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]
+    )
+    return (
+        f"was written with another plan ({changed}); resume with the same dataset, "
+        "batch_size, seed, shuffle and drop_last, or use a new run_dir"
+    )
 
 
 def restore_fitting(loop: TrainLoop, snap: dict[str, Any], path: str) -> None:
