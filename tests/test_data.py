@@ -6,6 +6,7 @@ import random
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
@@ -54,3 +55,82 @@ def test_fingerprint_tells_equal_sized_datasets_apart_and_ignores_augmentation()
     assert fingerprint(half, 4) != fingerprint(
         TensorDataset(torch.ones(4, dtype=torch.bfloat16)), 4
     )
+
+
+# --- collate_fn and pin_memory through fit ---------------------------------------------
+
+
+class Sentences(Dataset[Any]):
+    """Sequences of different lengths: torch's default_collate cannot stack them."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.items = [
+            (torch.randn(int(torch.randint(1, 6, (), generator=g)), 4, generator=g), i % 3)
+            for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.items[i]
+
+
+def pad_collate(samples: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    """Pads the sequences to the longest one and returns a dict batch."""
+    longest = max(len(x) for x, _ in samples)
+    padded = torch.zeros(len(samples), longest, 4)
+    mask = torch.zeros(len(samples), longest)
+    for row, (x, _) in enumerate(samples):
+        padded[row, : len(x)] = x
+        mask[row, : len(x)] = 1.0
+    labels = torch.tensor([y for _, y in samples])
+    return {"x": padded, "mask": mask, "y": labels}
+
+
+def mean_pool_model() -> torch.nn.Module:
+    return torch.nn.Linear(4, 3)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def pooled_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    mask = batch["mask"].unsqueeze(-1)
+    pooled = (batch["x"] * mask).sum(1) / mask.sum(1)
+    return torch.nn.functional.cross_entropy(model(pooled), batch["y"])
+
+
+def fit_sentences(**kwargs: Any) -> Any:
+    import phalanx as px
+
+    learner = px.Learner(mean_pool_model, sgd, pooled_step)
+    return learner.fit(
+        Sentences(48),
+        Sentences(10),
+        epochs=2,
+        batch_size=8,
+        collate_fn=pad_collate,
+        sinks=[],
+        **kwargs,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_custom_collate_fn_is_used_for_training_and_validation_in_single_and_ddp() -> None:
+    import phalanx as px
+
+    with pytest.raises(px.TrainingFailed, match="stack expects each tensor to be equal size"):
+        px.Learner(mean_pool_model, sgd, pooled_step).fit(
+            Sentences(48), epochs=1, batch_size=8, sinks=[]
+        )
+    single = fit_sentences(pin_memory=True)
+    assert single.steps == 12 and single.ledger_ok
+    assert "valid/loss" in single.history[-1]
+    ddp = fit_sentences(strategy="ddp", devices="cpu:0,cpu:1", pin_memory=True)
+    assert ddp.steps == 12 and ddp.ledger_ok
+    assert ddp.history[-1]["valid/loss"] == pytest.approx(single.history[-1]["valid/loss"], 1e-5)
+    for a, b in zip(single.model.parameters(), ddp.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,26 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from phalanx import rng
 from phalanx.plan import Plan, split
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How samples become batches: ``fit(num_workers=, collate_fn=, pin_memory=)``, passed to
+    every DataLoader phalanx builds (training and validation). ``collate_fn`` None is torch's
+    ``default_collate``; ``pin_memory`` pins batches only where a CUDA device can use them."""
+
+    num_workers: int = 0
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    pin_memory: bool = False
+
+    def loader(self, dataset: Dataset[Any], batch_sampler: list[list[int]]) -> DataLoader[Any]:
+        return DataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=self.collate_fn or default_collate,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+        )
 
 
 class LocalBatches:
@@ -30,8 +51,7 @@ class LocalBatches:
         start_step: int,
         member: int,
         members: int,
-        num_workers: int = 0,
-        collate: Callable[[list[Any]], Any] = default_collate,
+        loading: Loading | None = None,
     ) -> None:
         order = plan.order(epoch)
         self.start = start_step
@@ -42,20 +62,14 @@ class LocalBatches:
         self.global_sizes = [
             len(plan.global_batch(epoch, s, order)) for s in range(start_step, plan.steps)
         ]
-        self._dataset, self._collate, self._num_workers = dataset, collate, num_workers
+        self._dataset, self._loading = dataset, loading or Loading()
         self._loader = self._iterate(start_step)
         self._current: tuple[int, Any] | None = None
 
     def _iterate(self, step: int) -> Iterator[Any]:
         """Collated slices from ``step`` on (empty slices are skipped: nothing to load)."""
         sampler = [s for s in self.slices[step - self.start :] if s]
-        loader = DataLoader(
-            self._dataset,
-            batch_sampler=sampler,
-            collate_fn=self._collate,
-            num_workers=self._num_workers,
-        )
-        return iter(loader)
+        return iter(self._loading.loader(self._dataset, sampler))
 
     def indices(self, step: int) -> list[int]:
         return self.slices[step - self.start]

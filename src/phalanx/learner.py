@@ -97,6 +97,10 @@ class Learner:
         preflight: bool = True,
         hang_timeout: timedelta = timedelta(seconds=60),
         num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        max_steps: int | None = None,
+        val_every_steps: int | None = None,
         min_free_memory: int | None = None,
         on_failure: Recovery | None = None,
         sinks: Sequence[Sink] | None = None,
@@ -129,6 +133,10 @@ class Learner:
             num_workers,
             min_free_memory,
             on_failure if on_failure is not None else Recovery(),
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            max_steps=max_steps,
+            val_every_steps=val_every_steps,
         )
         train_size = dataset_size(train, "training")
         valid_size = dataset_size(valid, "validation") if valid is not None else 0
