@@ -33,6 +33,7 @@ from phalanx.events import (
     Event,
     Notice,
     StepEnded,
+    Validated,
     ValidationStarted,
     WorkerFailed,
 )
@@ -148,6 +149,8 @@ class LoopSettings:
     seed: int
     has_valid: bool = False
     valid_batches: int = 0  # global batches of one validation pass
+    max_steps: int | None = None  # end the run after this many committed steps
+    val_every_steps: int | None = None  # validate after every N-th committed step too
 
 
 @dataclass
@@ -218,16 +221,30 @@ class TrainLoop:
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> LoopResult:
         try:
-            while self.state.epoch < self.s.epochs:
+            while self.state.epoch < self.s.epochs and not self._reached_max_steps():
                 self._epoch()
+                if self.state.step < self.s.plan.steps:  # max_steps ended it mid-epoch
+                    break
                 reason = self._end_epoch()
                 if reason:
                     self.emit(Notice(reason))
                     return LoopResult(self.state, None)
+            if self._reached_max_steps():
+                st = self.state
+                self.emit(
+                    Notice(
+                        f"max_steps={self.s.max_steps} reached (epoch {st.epoch}, "
+                        f"step {st.step} of {self.s.plan.steps})"
+                    )
+                )
+                self._checkpoint(epoch_end=False, force=True)
         except Interrupted as stop:
             self._checkpoint(epoch_end=False, force=True)
             return LoopResult(self.state, f"Training interrupted: {stop.reason}")
         return LoopResult(self.state, None)
+
+    def _reached_max_steps(self) -> bool:
+        return self.s.max_steps is not None and self.state.global_step >= self.s.max_steps
 
     def _epoch(self) -> None:
         st = self.state
@@ -239,7 +256,7 @@ class TrainLoop:
         self.engine.begin_epoch(st.epoch, st.step)
         if st.epoch_sums is None:
             st.epoch_sums = torch.zeros(_size(self.s.metrics), dtype=torch.float64)
-        while st.step < steps:
+        while st.step < steps and not self._reached_max_steps():
             self._step()
 
     def _step(self) -> None:
@@ -279,12 +296,39 @@ class TrainLoop:
         st.step += 1
         st.global_step += 1
         self._emit_step(vote, samples, time.perf_counter() - started)
+        metrics = self._validate_mid_epoch() if self._validating_now(vote) else None
         if self.checkpointer and should_save(st.global_step, False, self.checkpointer.config):
-            self._checkpoint(epoch_end=False)
+            self._checkpoint(epoch_end=False, metrics=metrics)
         if vote.stop:
             raise Interrupted(self.stop_requested() or "stop requested by another worker")
         if vote.regroup:
             raise Regroup()
+
+    def _validating_now(self, vote: Vote) -> bool:
+        """After every ``val_every_steps``-th committed step, unless the epoch ends here (its
+        own validation follows) or the run is stopping."""
+        every, st = self.s.val_every_steps, self.state
+        return (
+            every is not None
+            and st.global_step % every == 0
+            and st.step < self.s.plan.steps
+            and not vote.stop
+        )
+
+    def _validate_mid_epoch(self) -> dict[str, float]:
+        st = self.state
+        results = self._validate()
+        st.history.append({"epoch": st.epoch, "global_step": st.global_step, **results})
+        self.emit(Validated(st.epoch, st.step, st.global_step, results))
+        return results
+
+    def _validate(self) -> dict[str, float]:
+        """One pass over the validation set on every member: ``valid/<metric>`` values."""
+        self.emit(ValidationStarted(self.state.epoch, self.s.valid_batches))
+        sums = self.engine.evaluate()
+        with self._fails_as("metrics"):
+            valid = compute_all(self.s.metrics, sums)
+        return {f"valid/{k}": v for k, v in valid.items()}
 
     def _stopping(self) -> bool:
         return self.stop_requested() is not None
@@ -323,11 +367,7 @@ class TrainLoop:
         stats = LoopStats(lr=self.engine.lr(), samples_per_s=throughput)
         results.update({f"train/{m.name}": m.read(stats) for m in self.s.loop_metrics})
         if self.s.has_valid:
-            self.emit(ValidationStarted(st.epoch, self.s.valid_batches))
-            sums = self.engine.evaluate()
-            with self._fails_as("metrics"):
-                valid = compute_all(self.s.metrics, sums)
-            results.update({f"valid/{k}": v for k, v in valid.items()})
+            results.update(self._validate())
         st.history.append({"epoch": st.epoch, **results})
         self.emit(EpochEnded(st.epoch, results, time.time() - self.epoch_started))
         reason = self.early_stopping.update(st.epoch, results) if self.early_stopping else None
@@ -341,7 +381,7 @@ class TrainLoop:
         if self.checkpointer is None or not self.engine.is_main:
             return
         config = self.checkpointer.config
-        if not (force or should_save(self.state.global_step, epoch_end, config)):
+        if not (force or should_save(self.state.global_step, epoch_end, config, self.state.epoch)):
             return
         if force and self.saved_step == self.state.global_step:
             return  # a stop right after a save of this very state: nothing new to save

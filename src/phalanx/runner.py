@@ -60,6 +60,8 @@ def build_loop(
         seed=config.seed,
         has_valid=valid_size is not None,
         valid_batches=-(-(valid_size or 0) // config.batch_size),
+        max_steps=config.max_steps,
+        val_every_steps=config.val_every_steps,
     )
     stopping = copy.deepcopy(config.early_stopping)
     return TrainLoop(engine, settings, emit, checkpointer, stopping, stop_requested, on_failure)
