@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -421,3 +422,55 @@ def test_fit_with_an_empty_run_dir_writes_nothing(
     assert result.steps == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert result.run_dir is None
+
+
+# --- TensorBoard ---------------------------------------------------------------------------
+
+
+def test_tensorboard_sink_writes_steps_epochs_and_failures_as_text(tmp_path: Path) -> None:
+    """A real fit with an injected exception (retried): per-step and per-epoch scalars and the
+    failure's text land in the event file, read back with tensorboard's own reader."""
+    pytest.importorskip("tensorboard")
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.data import TensorDataset
+
+    import phalanx as px
+    from phalanx.sinks import TensorBoardSink
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g))
+    learner = px.Learner(
+        torch.nn.Linear(4, 3),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        px.cross_entropy_step,
+        metrics=[px.metrics.Accuracy()],
+    )
+    sink = TensorBoardSink(tmp_path / "tb")
+    result = learner.fit(
+        data,
+        data,
+        epochs=2,
+        batch_size=8,
+        val_every_steps=2,
+        faults=[px.Fault("exception", worker=0, step=3)],
+        sinks=[sink],
+    )
+    assert len(result.failures) == 1
+
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    scalars = board.Tags()["scalars"]
+    assert {"step/train/loss", "step/train/lr", "step/train/accuracy"} <= set(scalars)
+    assert {"epoch/train/loss", "epoch/valid/accuracy", "step/valid/loss"} <= set(scalars)
+    losses = board.Scalars("step/train/loss")
+    assert [s.step for s in losses] == list(range(1, 9))
+    epochs = board.Scalars("epoch/valid/loss")
+    assert [e.step for e in epochs] == [1, 2]
+    assert epochs[-1].value == pytest.approx(result.history[-1]["valid/loss"], rel=1e-6)
+    assert [s.step for s in board.Scalars("step/valid/loss")] == [2, 6]  # mid-epoch only
+    (failure,) = board.Tensors("failures/text_summary")
+    text = failure.tensor_proto.string_val[0].decode()
+    assert "worker 0 (rank 0) on device cpu failed at step 3" in text
+    assert "injected exception" in text and "-> retried" in text
+    assert failure.step == 3

@@ -1,4 +1,5 @@
-"""Sinks: where the training loop's events go (screen, JSONL log, CSV, end summary).
+"""Sinks: where the training loop's events go (screen, JSONL log, CSV, end summary, and
+TensorBoard with the ``tensorboard`` extra).
 
 Every sink has ``handle(event)`` and ``close()`` (see :class:`phalanx.events.Sink`) and runs
 in the caller's process.
@@ -15,6 +16,7 @@ from phalanx.sinks.csv import MetricsCsvSink
 from phalanx.sinks.jsonl import JsonlSink
 from phalanx.sinks.progress import ProgressSink
 from phalanx.sinks.summary import SummaryRow, SummarySink, render_summary, summarize
+from phalanx.sinks.tensorboard import TensorBoardSink
 
 __all__ = [
     "JsonlSink",
@@ -22,6 +24,7 @@ __all__ = [
     "ProgressSink",
     "SummaryRow",
     "SummarySink",
+    "TensorBoardSink",
     "default_sinks",
     "render_summary",
     "summarize",
