@@ -238,6 +238,31 @@ def test_state_torch_cannot_open_with_weights_only_is_named(tmp_path: Any) -> No
     check_weights_only(snap)
 
 
+def test_every_torch_scheduler_and_optimizer_state_opens_with_weights_only(tmp_path: Any) -> None:
+    """What the check lets through, torch opens (and the reverse): MultiStepLR keeps its
+    milestones in a collections.Counter, which weights_only loads and the scheduler needs."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    schedulers = torch.optim.lr_scheduler
+    state = {
+        "multistep": schedulers.MultiStepLR(optimizer, [2, 3]).state_dict(),
+        "onecycle": schedulers.OneCycleLR(optimizer, max_lr=0.1, total_steps=10).state_dict(),
+        "plateau": schedulers.ReduceLROnPlateau(optimizer).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "shape": torch.Size([2, 3]),
+        "tags": {"a", "b"},
+    }
+    path = tmp_path / "ckpt-000000001.pt"
+    write_atomic(path, state)
+    loaded = torch.load(path, weights_only=True)
+    restored = schedulers.MultiStepLR(torch.optim.SGD(model.parameters(), lr=1.0), [9])
+    restored.load_state_dict(loaded["multistep"])
+    for _ in range(3):
+        restored.optimizer.step()
+        restored.step()
+    assert restored.get_last_lr() == [pytest.approx(0.01)]  # decayed at 2 and 3
+
+
 def test_failed_write_leaves_the_old_file(tmp_path: Any) -> None:
     path = tmp_path / "ckpt-000000001.pt"
     write_atomic(path, {"x": 1})

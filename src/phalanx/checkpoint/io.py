@@ -21,7 +21,7 @@ import io
 import os
 import re
 import tempfile
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,23 +187,25 @@ def to_cpu(obj: Any) -> Any:
 
 
 _PLAIN = frozenset(
-    {bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size}
+    {bool, int, float, complex, str, bytes, bytearray, type(None), torch.dtype, torch.device}
 )
+_MAPPINGS = (dict, OrderedDict, Counter)  # (Counter: MultiStepLR's milestones)
+_SEQUENCES = (list, tuple, set, torch.Size)
 
 
 def check_weights_only(obj: Any, where: str = "checkpoint") -> None:
     """Raise :class:`~phalanx.errors.CheckpointError` naming the first value in ``obj`` that
-    ``torch.load(weights_only=True)`` would refuse (anything but dict, OrderedDict, list,
-    tuple, tensors, numbers, strings, bytes and None), so that a checkpoint always opens with
-    plain torch, and the error names the key instead of failing on load."""
+    ``torch.load(weights_only=True)`` would refuse (anything but dicts, OrderedDicts, Counters,
+    lists, tuples, sets, tensors, numbers, strings, bytes and None), so that a checkpoint
+    always opens with plain torch, and the error names the key instead of failing on load."""
     if type(obj) in _PLAIN or isinstance(obj, torch.Tensor):
         return
-    if type(obj) in (dict, OrderedDict):
+    if type(obj) in _MAPPINGS:
         for key, value in obj.items():
             check_weights_only(key, f"{where} (a key)")
             check_weights_only(value, f"{where}[{key!r}]")
         return
-    if type(obj) in (list, tuple):
+    if type(obj) in _SEQUENCES:
         for i, value in enumerate(obj):
             check_weights_only(value, f"{where}[{i}]")
         return
