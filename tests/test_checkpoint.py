@@ -23,7 +23,7 @@ from phalanx.checkpoint import (
     should_save,
     write_atomic,
 )
-from phalanx.checkpoint.io import OLD_MAGIC, check_weights_only, list_checkpoints, to_cpu
+from phalanx.checkpoint.io import OLD_MAGIC, check_weights_only, list_checkpoints, peek, to_cpu
 from phalanx.errors import CheckpointError, CheckpointFormatError, InvalidSettingError
 from phalanx.events import CheckpointDeleted, CheckpointSaved, CheckpointSkipped, Event
 
@@ -212,6 +212,23 @@ def test_truncated_flipped_and_foreign_files_are_rejected(tmp_path: Any) -> None
     path.write_bytes(data[:3])
     with pytest.raises(CheckpointError, match="truncated"):
         read_verified(path)
+
+
+def test_peek_reads_one_key_verified_without_loading_the_tensors(tmp_path: Any) -> None:
+    path = tmp_path / "ckpt-000000001.pt"
+    digest = write_atomic(path, {"plan": {"samples": 10}, "model": {"w": torch.ones(1000)}})
+    assert peek(path, "plan", digest) == {"samples": 10}
+    assert peek(path, "missing") is None
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        peek(path, "plan", digest)
+    path.write_bytes(bytes(data[:100]))
+    with pytest.raises(CheckpointError, match="truncated: expected"):
+        peek(path, "plan", digest)
+    with pytest.raises(CheckpointError, match="does not load"):
+        peek(path, "plan")
 
 
 def test_a_first_format_file_is_refused_with_its_own_code(tmp_path: Any) -> None:

@@ -423,3 +423,39 @@ def test_resume_with_another_dataset_of_the_same_size_raises_and_touches_nothing
     # the same data again (a fresh but equal dataset object) resumes
     again = fit(learner(), tmp_path, [], resume=True)
     assert again.steps == TOTAL_STEPS
+
+
+def test_another_dataset_is_refused_under_ddp_before_any_process_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan record of the checkpoint a resume would load is read in the caller (mapped,
+    not loaded), so under ddp the refusal comes before any worker process, as a
+    CheckpointError, not as a worker's failure."""
+    import multiprocessing
+
+    interrupted_run(tmp_path)
+    before = snapshot_files(tmp_path / "checkpoints")
+    started: list[str] = []
+
+    def start(self: Any) -> None:
+        started.append(self.name)
+        raise RuntimeError("a process was started")
+
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", start)
+    train, valid = datasets()
+    swapped = TensorDataset(train.tensors[0].flip(0), train.tensors[1].flip(0))
+    with pytest.raises(CheckpointError, match="another training dataset of the same size"):
+        learner().fit(
+            swapped,
+            valid,
+            epochs=EPOCHS,
+            batch_size=BATCH,
+            seed=7,
+            run_dir=str(tmp_path),
+            resume=True,
+            strategy="ddp",
+            devices="cpu:0,cpu:1",
+            sinks=[],
+        )
+    assert started == []
+    assert snapshot_files(tmp_path / "checkpoints") == before

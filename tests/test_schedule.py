@@ -172,7 +172,7 @@ def test_every_epochs_settings_name_the_fix() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_max_steps_and_mid_epoch_validation_under_ddp(tmp_path: Path) -> None:
+def test_max_steps_and_mid_epoch_validation_under_ddp_and_threads(tmp_path: Path) -> None:
     rec = Recorder()
     single = fit(max_steps=6, val_every_steps=2, model=plain_model)
     ddp = fit(
@@ -190,3 +190,15 @@ def test_max_steps_and_mid_epoch_validation_under_ddp(tmp_path: Path) -> None:
     for mine, ref in zip(ddp.history, single.history, strict=True):
         assert mine["valid/loss"] == pytest.approx(ref["valid/loss"], rel=1e-4)
     assert [s for _, s in list_checkpoints(tmp_path / "checkpoints")][-1] == 6
+    threads = fit(
+        None,
+        None,
+        plain_model,
+        max_steps=6,
+        val_every_steps=2,
+        strategy="threads",
+        devices="cpu:0,cpu:1",
+    )
+    assert [h.get("global_step") for h in threads.history] == [2, None, 6]
+    for mine, ref in zip(threads.history, single.history, strict=True):
+        assert mine["valid/loss"] == pytest.approx(ref["valid/loss"], rel=1e-4)

@@ -27,6 +27,7 @@ from phalanx.loop import StepAborted
 from phalanx.metrics import LoopMetric, Metric
 from phalanx.plan import Plan
 from phalanx.policy import Recovery
+from phalanx.runner import check_resume_plan
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
 from phalanx.validate import dataset_size, validate_fit
 
@@ -147,6 +148,7 @@ class Learner:
         plan = Plan(
             train_size, batch_size, seed, shuffle, drop_last, fingerprint(train, train_size)
         )
+        check_resume_plan(config, plan)  # before anything starts, as the checks above
         if sinks is None:
             from phalanx.sinks import default_sinks
 

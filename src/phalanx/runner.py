@@ -98,6 +98,31 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
     emit(Resumed(info.path, st.epoch, st.step, st.global_step))
 
 
+def check_resume_plan(config: FitConfig, plan: Plan) -> None:
+    """In the caller, before anything starts: the checkpoint a resume will load (the newest
+    that verifies) must have this run's plan, else CheckpointError (PX120) naming what
+    differs; a first-format file, CheckpointFormatError (PX126). Reads only the plan record
+    (the file is mapped, its tensors never read); the loading member checks it again."""
+    from phalanx.checkpoint.checkpointer import digest_of, read_index
+    from phalanx.checkpoint.io import list_checkpoints, peek
+    from phalanx.errors import CheckpointFormatError
+
+    if not (config.resume and config.run_dir):
+        return
+    folder = checkpoint_dir(config.run_dir)
+    index = read_index(folder)
+    for path, _ in reversed(list_checkpoints(folder)):
+        try:
+            saved = peek(path, "plan", digest_of(index.get(os.path.basename(path), {})))
+        except CheckpointFormatError:
+            raise
+        except CheckpointError:
+            continue  # the loading member skips it too, and says so
+        if saved != plan.record():
+            raise CheckpointError(f"{path} {plan_mismatch(saved, plan.record())}")
+        return
+
+
 def plan_mismatch(saved: Any, now: dict[str, object]) -> str:
     """Why a checkpoint's plan record does not match this run's, and the fix."""
     if not isinstance(saved, dict):

@@ -138,7 +138,7 @@ class Checkpointer:
         return payload, info
 
     def _digest(self, name: str) -> Digest | None:
-        return _digest_of(self._index.get(name, {}))
+        return digest_of(self._index.get(name, {}))
 
     # --- background thread -------------------------------------------------------------
 
@@ -244,7 +244,8 @@ def read_index(directory: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def _digest_of(meta: dict[str, Any]) -> Digest | None:
+def digest_of(meta: dict[str, Any]) -> Digest | None:
+    """The SHA-256 and length an index entry records (None when it has none)."""
     sha, size = meta.get("sha256"), meta.get("bytes")
     if isinstance(sha, str) and isinstance(size, int):
         return Digest(sha, size)
@@ -263,7 +264,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     name = os.fspath(path)
     if not os.path.isdir(name):
         folder = os.path.dirname(os.path.abspath(name))
-        digest = _digest_of(read_index(folder).get(os.path.basename(name), {}))
+        digest = digest_of(read_index(folder).get(os.path.basename(name), {}))
         return read_verified(name, digest)
     nested = os.path.join(name, "checkpoints")
     folder = nested if os.path.isdir(nested) else name
@@ -271,7 +272,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     reasons = []
     for file, _ in reversed(list_checkpoints(folder)):
         try:
-            return read_verified(file, _digest_of(index.get(os.path.basename(file), {})))
+            return read_verified(file, digest_of(index.get(os.path.basename(file), {})))
         except CheckpointFormatError:
             raise
         except CheckpointError as exc:

@@ -22,6 +22,7 @@ import os
 import re
 import tempfile
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,27 +123,75 @@ def read_verified(path: str | os.PathLike[str], expected: Digest | None = None) 
 
 def _verify(name: str, data: bytes, expected: Digest | None) -> None:
     """Check the format, then length and checksum against ``expected`` when known."""
-    if data.startswith(OLD_MAGIC):
+    head = data[: len(OLD_MAGIC)]
+    _check_format(name, head)
+    if expected is not None:
+        _check_digest(name, len(data), lambda: hashlib.sha256(data).hexdigest(), expected)
+    _check_torch_file(name, head, len(data))
+
+
+def _check_format(name: str, head: bytes) -> None:
+    """``head``: the file's first bytes (``len(OLD_MAGIC)`` of them when it has them)."""
+    if head.startswith(OLD_MAGIC):
         raise CheckpointFormatError(
             f"{name} was written by an earlier phalanx build (format 1: a header before "
             "torch's bytes), which this version does not read; start a new run_dir, or delete "
             "the file to resume from the checkpoints beside it"
         )
-    if expected is not None:
-        if len(data) < expected.size:
-            raise CheckpointError(
-                f"{name}: truncated: expected {expected.size} bytes, found {len(data)}"
-            )
-        if len(data) > expected.size:
-            raise CheckpointError(
-                f"{name}: trailing data: expected {expected.size} bytes, found {len(data)}"
-            )
-        if hashlib.sha256(data).hexdigest() != expected.sha256:
-            raise CheckpointError(f"{name}: checksum mismatch (file is damaged)")
-    if not data.startswith(_ZIP_MAGIC):
-        if len(data) < len(_ZIP_MAGIC) and _ZIP_MAGIC.startswith(data):
-            raise CheckpointError(f"{name}: truncated: {len(data)} bytes")
+
+
+def _check_torch_file(name: str, head: bytes, size: int) -> None:
+    if not head.startswith(_ZIP_MAGIC):
+        if size < len(_ZIP_MAGIC) and _ZIP_MAGIC.startswith(head):
+            raise CheckpointError(f"{name}: truncated: {size} bytes")
         raise CheckpointError(f"{name}: not a phalanx checkpoint (not a torch.save file)")
+
+
+def _check_digest(name: str, size: int, sha256: Callable[[], str], expected: Digest) -> None:
+    if size < expected.size:
+        raise CheckpointError(f"{name}: truncated: expected {expected.size} bytes, found {size}")
+    if size > expected.size:
+        raise CheckpointError(
+            f"{name}: trailing data: expected {expected.size} bytes, found {size}"
+        )
+    if sha256() != expected.sha256:
+        raise CheckpointError(f"{name}: checksum mismatch (file is damaged)")
+
+
+def peek(path: str | os.PathLike[str], key: str, expected: Digest | None = None) -> Any:
+    """``payload[key]`` of a checkpoint, verified as :func:`read_verified` does but without
+    holding the file in memory: the checksum is computed in chunks and torch maps the file
+    (``mmap=True``), so the tensors are never read. For checks in the caller's process
+    before a run starts (the plan record)."""
+    name = os.fspath(path)
+    try:
+        size = os.path.getsize(name)
+        with open(name, "rb") as f:
+            head = f.read(len(OLD_MAGIC))
+    except OSError as exc:
+        raise CheckpointError(f"{name}: cannot read: {exc}") from exc
+    _check_format(name, head)
+    if expected is not None:
+        _check_digest(name, size, lambda: _file_sha256(name), expected)
+    _check_torch_file(name, head, size)
+    try:
+        payload = torch.load(name, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        detail = " ".join(str(exc).split())[:300]
+        raise CheckpointError(
+            f"{name}: payload does not load: {type(exc).__name__}: {detail}"
+        ) from exc
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{name}: payload is a {type(payload).__name__}, not a dict")
+    return payload.get(key)
+
+
+def _file_sha256(name: str) -> str:
+    digest = hashlib.sha256()
+    with open(name, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[str, int]]:
