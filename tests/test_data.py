@@ -134,3 +134,44 @@ def test_a_custom_collate_fn_is_used_for_training_and_validation_in_single_and_d
     assert ddp.history[-1]["valid/loss"] == pytest.approx(single.history[-1]["valid/loss"], 1e-5)
     for a, b in zip(single.model.parameters(), ddp.model.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_fingerprint_of_random_splits() -> None:
+    """minGPT's case: an unseeded random_split gives another training set of the same size
+    on each run; a seeded one gives the same."""
+    full = TensorDataset(torch.arange(100.0).reshape(50, 2))
+
+    def split(seed: int) -> Any:
+        return torch.utils.data.random_split(full, [40, 10], torch.Generator().manual_seed(seed))[0]
+
+    assert fingerprint(split(1), 40) == fingerprint(split(1), 40)
+    assert fingerprint(split(1), 40) != fingerprint(split(2), 40)
+
+
+class LazyFile(Dataset[Any]):
+    """Opens its file on first access, as PX119's fix advises: picklable until then."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fh: Any = None
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.fh = self.fh or open(self.path, "rb")  # noqa: SIM115 (kept open on purpose)
+        self.fh.seek(i)
+        return torch.tensor(list(self.fh.read(1)))
+
+
+def test_fingerprint_leaves_a_lazily_opening_dataset_picklable(tmp_path: Any) -> None:
+    import pickle
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(10)))
+    data = LazyFile(str(path))
+    first = fingerprint(data, 10)
+    assert data.fh is None  # the copy opened it, not the dataset ddp will send
+    pickle.dumps(data)
+    path.write_bytes(bytes(range(10, 20)))
+    assert fingerprint(LazyFile(str(path)), 10) != first

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import random
 from collections.abc import Callable, Iterator
@@ -111,6 +113,10 @@ def fingerprint(dataset: Dataset[Any], size: int) -> str:
     datasets of the same size apart (another ``random_split``, another file). A sample that
     raises counts as its exception's type: reading the dataset fails later, in a step, where
     failures are handled."""
+    # A shallow copy reads the samples: a dataset that opens its file on first access (as
+    # it should, to pickle for ddp workers) keeps that handle on the copy, not on itself.
+    with contextlib.suppress(Exception):  # (an object copy refuses: read the original)
+        dataset = copy.copy(dataset)
     count = min(FINGERPRINT_SAMPLES, size)
     picks = np.random.default_rng(_FINGERPRINT_SEED).choice(size, count, replace=False)
     digest = hashlib.sha256()
