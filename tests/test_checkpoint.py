@@ -465,3 +465,31 @@ def test_error_is_raised_by_next_save_and_by_close(tmp_path: Any) -> None:
         ckpt.close()
     assert not ckpt._thread.is_alive()
     assert list_checkpoints(tmp_path) == []
+
+
+def test_saving_a_step_again_never_leaves_its_old_checksum_listed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A death between a re-saved file's rename and the index's write: the new file must not
+    be judged against the old file's checksum (it would be skipped as damaged)."""
+    from phalanx.checkpoint import checkpointer
+
+    with Checkpointer(tmp_path, Checkpoints(), Recorder()) as ckpt:
+        ckpt.save({"w": torch.tensor([1.0])}, step=4, epoch=0, metric=None)
+    written = checkpointer.write_atomic
+
+    def write_then_die(path: Any, payload: Any) -> Any:
+        written(path, payload)
+        raise KeyboardInterrupt("killed before the index was written")
+
+    monkeypatch.setattr(checkpointer, "write_atomic", write_then_die)
+    ckpt = Checkpointer(tmp_path, Checkpoints(), Recorder())
+    ckpt.save({"w": torch.tensor([2.0])}, step=4, epoch=1, metric=None)
+    with pytest.raises(CheckpointError):
+        ckpt.close()
+    monkeypatch.undo()
+    rec = Recorder()
+    with Checkpointer(tmp_path, Checkpoints(), rec) as ckpt:
+        loaded = ckpt.load_latest()
+    assert loaded is not None and torch.equal(loaded[0]["w"], torch.tensor([2.0]))
+    assert rec.of(CheckpointSkipped) == []

@@ -166,6 +166,8 @@ class Checkpointer:
         name = checkpoint_name(job.step)
         path = os.path.join(self.directory, name)
         meta = {"step": job.step, "epoch": job.epoch, "metric": job.metric}
+        if self._index.pop(name, None) is not None:  # the same step again (an epoch end that
+            self._write_index()  # is a step multiple too): never leave its old checksum listed
         digest = write_atomic(path, {**job.state, META_KEY: {"format": FORMAT, **meta}})
         self._index[name] = {**meta, "sha256": digest.sha256, "bytes": digest.size}
         self._write_index()
