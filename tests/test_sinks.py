@@ -25,6 +25,7 @@ from phalanx.events import (
     RunEnded,
     RunStarted,
     StepEnded,
+    Validated,
     ValidationStarted,
     WorkerFailed,
 )
@@ -284,6 +285,18 @@ def test_progress_plain_mode_survives_events_out_of_order() -> None:
     assert "epoch 4 step 2/4 (global 7)" in out
     assert "epoch 4 done in 0.2s: no metrics" in out
     assert "resumed from ckpt.pt at epoch 4, step 1 (global step 7)" in out
+
+
+def test_mid_epoch_validation_in_progress_and_summary() -> None:
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)
+    sink = ProgressSink(console, every=1)
+    sink.handle(Validated(epoch=1, step=2, global_step=6, metrics={"valid/loss": 0.75}))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "epoch 2, step 6: valid/loss 0.7500" in out
+    history = [{"epoch": 0, "global_step": 2, "valid/loss": 0.5}, {"epoch": 0, "valid/loss": 0.7}]
+    rows = summarize(history)
+    assert [(r.split, r.metric) for r in rows] == [("valid", "loss")]  # no global_step row
+    assert rows[0] == SummaryRow("valid", "loss", 0.5, 1, 0.7, 1)
 
 
 def test_progress_terminal_mode_runs_a_full_sequence_and_stops() -> None:
