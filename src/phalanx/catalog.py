@@ -380,21 +380,28 @@ _ENTRIES = [
         title="checkpoint cannot be used or saved",
         meaning="A checkpoint could not be used or written: resume=True without a run_dir, "
         "a resume whose newest valid checkpoint was written with another plan (dataset "
-        "size, batch_size, seed, shuffle, drop_last), or a checkpoint write that failed "
-        "during training. Checkpoints that are truncated or fail their checksum are skipped "
-        "(and named); when none is left, the run starts from scratch with a warning instead.",
-        when="Before anything starts (resume=True without run_dir), at the start of "
-        "fit(resume=True) (another plan), or during training when a checkpoint is written "
-        "(the run stops with this code, phase checkpoint).",
+        "size, batch_size, seed, shuffle, drop_last, or another dataset of the same size: "
+        "the plan records a fingerprint of a few samples' contents), or a checkpoint write "
+        "that failed during training. Checkpoints that are truncated or fail their checksum "
+        "are skipped (and named); when none is left, the run starts from scratch with a "
+        "warning instead.",
+        when="Before anything starts (resume=True without run_dir; a resume with another "
+        "plan, checked in the calling process before any worker starts), or during training "
+        "when a checkpoint is written (the run stops with this code, phase checkpoint).",
         causes=[
             "resume=True with no run_dir.",
             "Resuming with another batch_size, dataset, seed, shuffle or drop_last.",
-            "A full disk or a read-only run_dir; state that cannot be pickled.",
+            "An unseeded random_split (or a reshuffled file list) that gives another "
+            "training set of the same size on each run.",
+            "A full disk or a read-only run_dir; state that torch.load(weights_only=True) "
+            "could not open (the message names the key).",
         ],
         fixes=[
             "Pass the run_dir of the run to continue; drop resume=True to start fresh.",
             "Resume with the same dataset, batch_size, seed, shuffle and drop_last, or use "
             "a new run_dir.",
+            "Seed the split: random_split(data, sizes, generator=torch.Generator()"
+            ".manual_seed(0)).",
             "Free disk space or fix run_dir's permissions; phalanx writes checkpoints "
             "atomically, so older ones survive.",
         ],
