@@ -145,9 +145,9 @@ class Learner:
             self.spec, config, train_size, has_valid=valid is not None, train=train, valid=valid
         )
         check_free_memory(labels, min_free_memory)
-        plan = Plan(
-            train_size, batch_size, seed, shuffle, drop_last, fingerprint(train, train_size)
-        )
+        # Only a run that writes checkpoints needs the data's fingerprint (it reads samples).
+        sample_hash = fingerprint(train, train_size) if run_dir else ""
+        plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
         check_resume_plan(config, plan)  # before anything starts, as the checks above
         if sinks is None:
             from phalanx.sinks import default_sinks
