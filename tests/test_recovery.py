@@ -474,7 +474,7 @@ def test_too_few_workers_left_aborts(tmp_path: Path) -> None:
     assert root.signal == signal.SIGKILL
     assert root.action == "aborted"
     first = str(err).splitlines()[0]
-    for part in ("device cpu:1", "rank 1", "step 5"):
+    for part in ("device cpu:1", "rank 1", "at step 6 "):  # step 5, 1-based
         assert part in first, (part, first)
     assert rec.generations() == []  # nobody went on
     assert max(e.global_step for e in rec.steps()) == 5
@@ -660,7 +660,7 @@ def test_a_nan_loss_on_one_worker_stops_the_run_at_once_in_every_mode(
     assert [(f.worker, f.step, f.attempt, f.action) for f in err.failures] == [(1, 3, 0, "aborted")]
     share = Plan(len(DATA), FIT["batch_size"], FIT["seed"]).local_batch(0, 3, 1, 2)
     assert err.root_cause.sample_indices == share
-    assert "the loss is nan at step 3" in str(err).splitlines()[0]
+    assert "the loss is nan at step 4" in str(err).splitlines()[0]  # step 3, 1-based
 
 
 # -- 5. out of memory on one worker: split, never a restart --------------------------------------

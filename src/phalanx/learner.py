@@ -19,7 +19,7 @@ from phalanx.checkpoint import Checkpoints
 from phalanx.data import fingerprint
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
-from phalanx.events import Fanout, RunEnded, Sink
+from phalanx.events import Fanout, RunEnded, RunOpened, Sink
 from phalanx.failures import FailedHere, WorkerFailure
 from phalanx.faults import Fault
 from phalanx.interrupt import Interrupter, handle_signals
@@ -149,11 +149,14 @@ class Learner:
         sample_hash = fingerprint(train, train_size) if run_dir else ""
         plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
         check_resume_plan(config, plan)  # before anything starts, as the checks above
+        opened = _open_run(config)  # run.json; an earlier run's files moved aside
         if sinks is None:
             from phalanx.sinks import default_sinks
 
             sinks = default_sinks(run_dir)
         emit = Fanout(list(sinks))
+        if opened is not None:
+            emit(opened)
         self.interrupter.reset()
         try:
             with handle_signals(self.interrupter), _keep_rng(labels):
@@ -267,6 +270,15 @@ def save_final_model(run_dir: str, model: nn.Module) -> str:
     path = os.path.join(run_dir, FINAL_MODEL)
     write_atomic(path, model.state_dict())
     return path
+
+
+def _open_run(config: FitConfig) -> RunOpened | None:
+    """With a run_dir: name the run (:func:`phalanx.runinfo.open_run`), after every check."""
+    if not config.run_dir:
+        return None
+    from phalanx.runinfo import open_run
+
+    return open_run(config.run_dir, config, config.resume)[0]
 
 
 def _keep_rng(labels: list[str]) -> contextlib.AbstractContextManager[Any]:

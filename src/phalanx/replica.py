@@ -245,7 +245,7 @@ class Replica:
                     value = float(loss.detach())
                     if not math.isfinite(value):
                         raise NonFiniteLossError(
-                            f"the loss is {value} at step {step} on samples "
+                            f"the loss is {value} at step {step + 1} on samples "
                             f"{_short(samples[a:b])}; lower the learning rate, clip "
                             "gradients (grad_clip_norm=) or check these samples"
                         )
