@@ -116,7 +116,7 @@ def test_cli_version_and_documented_exit_codes(capsys: pytest.CaptureFixture[str
     assert capsys.readouterr().out.strip() == f"phalanx {__version__}"
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for code in ("0 ", "1 ", "2 ", "130", "141"):
+    for code in ("0 ", "1 ", "2 ", "130", "141", "143"):
         assert re.search(rf"^  {code}", out, re.M), code
 
 

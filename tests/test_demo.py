@@ -150,3 +150,41 @@ def test_chaos_demo_survives_three_failures_with_the_clean_accuracy(tmp_path: Pa
     clean = re.search(r"clean run, same seed, no failures: validation accuracy ([\d.]+)", out)
     assert clean, out[-2000:]
     assert final_accuracy(out) == float(clean.group(1)) >= 0.95
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_checkpoints_exits_130_and_resume_finishes(tmp_path: Path) -> None:
+    """Ctrl-C is not success: the demo stops after its step with the checkpoint written,
+    says so, exits 130 (as Python's KeyboardInterrupt does); --resume finishes the run."""
+    import json
+    import signal
+
+    events = tmp_path / "run" / "events.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "demo", "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (events.exists() and '"StepEnded"' in events.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "interrupted after step" in err and "--resume" in err
+    assert "final validation accuracy" not in out  # not reported as a finished run
+    ended = [json.loads(line) for line in events.read_text().splitlines()][-1]
+    assert ended["event"] == "RunEnded" and ended["interrupted"]
+    assert list((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))
+    resumed = demo(tmp_path, "--resume", timeout=100)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert final_accuracy(resumed.stdout) >= 0.95

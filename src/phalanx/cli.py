@@ -9,7 +9,9 @@ Exit statuses (also in ``phalanx --help``):
 - 2: a usage error (bad arguments; ``--help`` returns 0, no command prints the help and
   returns 2), or an optional dependency is missing (scikit-learn for ``demo``, matplotlib
   for ``plot``);
-- 130: interrupted (Ctrl-C, SIGTERM: the run stopped after a step and saved a checkpoint);
+- 130: interrupted by Ctrl-C (the run stopped after a step and saved a checkpoint);
+- 143: ended by SIGTERM (likewise; the exit status of a process ended by SIGTERM, so a batch
+  system can requeue the job);
 - 141: stdout was closed before the output was written (``phalanx explain | head -2``):
   nothing more is printed.
 """
@@ -29,7 +31,8 @@ EXIT_CODES = """exit status:
   1    training failed or a configuration error (the report on stderr); explain: unknown
        code; report, plot: no run in that folder
   2    usage error, or a missing optional dependency (scikit-learn, matplotlib)
-  130  interrupted (Ctrl-C or SIGTERM; the run saved a checkpoint: demo --resume goes on)
+  130  interrupted by Ctrl-C (the run saved a checkpoint: demo --resume goes on)
+  143  ended by SIGTERM (likewise; a batch system can requeue the job)
   141  stdout closed early (e.g. piped into head): the rest of the output is dropped
 """
 
@@ -65,8 +68,12 @@ def _demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:
-        print("phalanx demo: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # fit's, after the checkpoint (.result)
+        result = getattr(exc, "result", None)
+        step = f" after step {result.steps}" if result is not None else ""
+        where = f" --run-dir {args.run_dir}" if args.run_dir != "runs/demo" else ""
+        resume = f"; `phalanx demo --resume{where}` goes on from here" if result else ""
+        print(f"phalanx demo: interrupted{step}{resume}", file=sys.stderr)
         return 130
 
 

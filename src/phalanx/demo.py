@@ -76,8 +76,9 @@ def train_step(model: nn.Module, batch: list[torch.Tensor]) -> px.StepOutput:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Train on digits with the CLI's settings. 0 when the run trains to its end (its
-    validation accuracy is printed, not judged), 130 when it was interrupted; a failed run
-    raises its TrainingFailed (the CLI prints it and returns 1)."""
+    validation accuracy is printed, not judged), 130 when it was stopped by a stop request;
+    Ctrl-C raises KeyboardInterrupt and SIGTERM px.FitTerminated out of ``fit`` (the CLI
+    returns 130, and exits 143), a failed run its TrainingFailed (the CLI returns 1)."""
     faults = check_args(args)  # every argument, before anything is moved or written
     train, valid = load_digits_split()
     # One intra-op thread: with batches this small, a second torch thread only adds

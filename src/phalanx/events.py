@@ -70,6 +70,9 @@ class StepEnded(Event):
     samples: int  # samples in this global batch
     samples_per_s: float
     metrics: dict[str, float] = field(default_factory=dict)
+    # "16-mixed": the gradients overflowed, so every member skipped the optimizer step (the
+    # step still counts: its samples were used, the loss scale backed off)
+    skipped: bool = False
 
 
 @dataclass

@@ -27,6 +27,7 @@ from phalanx.loop import StepAborted
 from phalanx.metrics import LoopMetric, Metric
 from phalanx.plan import Plan
 from phalanx.policy import Recovery
+from phalanx.precision import Precision
 from phalanx.runner import check_resume_plan
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
 from phalanx.validate import dataset_size, validate_fit
@@ -56,6 +57,15 @@ class Learner:
     :class:`~phalanx.StepOutput` with outputs and targets for classification metrics.
     ``grad_accumulation=k`` computes each global batch in ``k`` micro-batches per device:
     the same math with less memory (the optimizer steps once per global batch).
+
+    ``optimizer`` is a factory: a torch optimizer class or a ``functools.partial`` of one gets
+    ``model.parameters()``; a function whose first parameter is named ``model`` (or annotated
+    ``nn.Module``) gets the model, for parameter groups; any other function gets the
+    parameters. ``lr_scheduler(optimizer)`` builds the scheduler, stepped after every
+    optimizer step (``lr_scheduler_interval="step"``) or after every epoch (``"epoch"``).
+    ``precision`` is ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, plus a gradient
+    scaler for 16-mixed, built with ``grad_scaler`` as keyword arguments of
+    ``torch.amp.GradScaler``); see :mod:`phalanx.precision`.
     """
 
     def __init__(
@@ -67,9 +77,21 @@ class Learner:
         lr_scheduler: SchedulerFactory | None = None,
         grad_accumulation: int = 1,
         grad_clip_norm: float | None = None,
+        *,
+        precision: str = "32",
+        grad_scaler: dict[str, float] | None = None,
+        lr_scheduler_interval: str = "step",
     ) -> None:
         self.spec = TrainSpec(
-            model, optimizer, step, list(metrics), lr_scheduler, grad_accumulation, grad_clip_norm
+            model,
+            optimizer,
+            step,
+            list(metrics),
+            lr_scheduler,
+            grad_accumulation,
+            grad_clip_norm,
+            precision=Precision(str(precision), dict(grad_scaler or {})),
+            lr_scheduler_interval=lr_scheduler_interval,
         )
         self.interrupter = Interrupter()
 
@@ -110,8 +132,10 @@ class Learner:
 
         ``batch_size`` is the GLOBAL batch, split among devices. Raises a ConfigError before
         anything starts when the configuration is wrong, and TrainingFailed when a worker
-        failed and the run could not go on. Interrupts (SIGINT, SIGTERM, :meth:`stop`) are
-        not failures: the run checkpoints and returns with ``interrupted`` set.
+        failed and the run could not go on. Interrupts are not failures: the run finishes
+        its step and checkpoints; then :meth:`stop` returns with ``interrupted`` set, Ctrl-C
+        raises ``KeyboardInterrupt`` and SIGTERM ``px.FitTerminated``
+        (a SystemExit with code 143), each carrying the result as ``.result``.
         ``run_dir=""`` is the same as None: nothing is written.
         """
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
@@ -168,12 +192,13 @@ class Learner:
                     result.history, result.steps, result.epochs, result.interrupted, result.seconds
                 )
             )
-            return result
         except BaseException:
             emit(RunEnded([], 0, 0, None, 0.0, failed=True))
             raise
         finally:
             emit.close()
+        self.interrupter.raise_if_signalled(result)  # Ctrl-C, SIGTERM: not a success
+        return result
 
     def _dispatch(
         self,

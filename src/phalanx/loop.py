@@ -59,6 +59,9 @@ class Vote:
     # failed members whose step broke its contract (engines whose vote sees only the local
     # failure count them all; the others leave 0 and the loop counts ``failures``)
     contract: int = 0
+    # members whose gradients were not finite ("16-mixed" precision): every member skips
+    # the optimizer step of this step together (policy answer "skip")
+    overflow: int = 0
 
 
 class Engine(Protocol):
@@ -78,7 +81,9 @@ class Engine(Protocol):
         self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]
     ) -> Vote: ...
 
-    def commit(self) -> None: ...
+    def commit(self, skip: bool = False) -> None: ...
+
+    def end_epoch(self) -> None: ...
 
     def discard(self) -> None: ...
 
@@ -271,21 +276,24 @@ class TrainLoop:
             # this step ends the run after this step.
             vote = self.engine.attempt(st.epoch, st.step, st.global_step, self._stopping)
             contract = max(vote.contract, sum(f.breaks_step_contract for f in vote.failures))
-            action = decide(attempt, vote.failed, vote.splittable, contract=contract)
+            action = decide(
+                attempt, vote.failed, vote.splittable, contract=contract, overflow=vote.overflow
+            )
             for failure in vote.failures:
                 failure.action = _ACTION_NAMES.get(action, action)
                 failure.attempt = attempt
                 self.failures.append(failure)
                 self.on_failure(failure)
             absorbed += vote.failures
-            if action == "commit":
+            if action in ("commit", "skip"):
                 break
             self.engine.discard()
             if action == "abort":
                 raise StepAborted(st.global_step, vote.failures, poison=attempt > 0)
             if action == "retry":
                 attempt += 1
-        self.engine.commit()
+        skipped = action == "skip"
+        self.engine.commit(skip=skipped)
         for failure in absorbed:  # (ddp: the supervisor sets its own copy's, the same way)
             failure.recovery_seconds = max(0.0, time.time() - failure.time)
         st.ledger.append([st.epoch, st.step, st.global_step, *vote.ledger])
@@ -295,7 +303,7 @@ class TrainLoop:
         st.epoch_samples += samples
         st.step += 1
         st.global_step += 1
-        self._emit_step(vote, samples, time.perf_counter() - started)
+        self._emit_step(vote, samples, time.perf_counter() - started, skipped)
         metrics = self._validate_mid_epoch() if self._validating_now(vote) else None
         if self.checkpointer and should_save(st.global_step, False, self.checkpointer.config):
             self._checkpoint(epoch_end=False, metrics=metrics)
@@ -333,7 +341,7 @@ class TrainLoop:
     def _stopping(self) -> bool:
         return self.stop_requested() is not None
 
-    def _emit_step(self, vote: Vote, samples: int, seconds: float) -> None:
+    def _emit_step(self, vote: Vote, samples: int, seconds: float, skipped: bool) -> None:
         st = self.state
         stats = LoopStats(lr=self.engine.lr(), samples_per_s=samples / max(seconds, 1e-9))
         assert st.epoch_sums is not None
@@ -352,6 +360,7 @@ class TrainLoop:
                 samples,
                 stats.samples_per_s,
                 running,
+                skipped,
             )
         )
 
@@ -369,6 +378,7 @@ class TrainLoop:
         if self.s.has_valid:
             results.update(self._validate())
         st.history.append({"epoch": st.epoch, **results})
+        self.engine.end_epoch()  # a per-epoch scheduler steps (after train/lr was read)
         self.emit(EpochEnded(st.epoch, results, time.time() - self.epoch_started))
         reason = self.early_stopping.update(st.epoch, results) if self.early_stopping else None
         st.epoch, st.step, st.epoch_sums, st.epoch_samples = st.epoch + 1, 0, None, 0

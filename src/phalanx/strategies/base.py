@@ -49,11 +49,13 @@ def guarded_commit(
     identity: Identity,
     step: int,
     epoch: int,
+    skip: bool = False,
 ) -> None:
-    """The optimizer phase. A failure here leaves this replica's weights unknown: fatal."""
+    """The optimizer phase (``skip``: the vote found overflowed gradients, see
+    :meth:`Trainable.commit`). A failure here leaves this replica's weights unknown: fatal."""
     try:
         faults.check(step, "optimizer")
-        trainable.commit()
+        trainable.commit(skip)
     except Exception as exc:
         raise FailedHere(failure_of(exc, identity, "optimizer", step, epoch)) from exc
 

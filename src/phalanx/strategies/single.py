@@ -72,6 +72,7 @@ class SingleEngine:
             self.micro,
         )
         failures = [res.failure] if res.failure else []
+        overflow = not failures and self.trainable.overflowed()
         return Vote(
             failed=len(failures),
             stop=stop(),
@@ -79,10 +80,14 @@ class SingleEngine:
             failures=failures,
             splittable=int(res.splittable),
             ledger=res.ledger,
+            overflow=int(overflow),
         )
 
-    def commit(self) -> None:
-        guarded_commit(self.trainable, self.faults, self.identity, self.step, self.epoch)
+    def commit(self, skip: bool = False) -> None:
+        guarded_commit(self.trainable, self.faults, self.identity, self.step, self.epoch, skip)
+
+    def end_epoch(self) -> None:
+        self.trainable.end_epoch()
 
     def discard(self) -> None:
         self.trainable.discard()

@@ -146,6 +146,8 @@ class ThreadsEngine:
         self.timeout = config.hang_timeout.total_seconds()
         self.micro = spec.grad_accumulation
         self.trainables = [Trainable(spec, device, config.seed) for device in self.devices]
+        for other in self.trainables[1:]:
+            other.share_scaler(self.main)  # one loss scale: the main replica's
         self.identities = [
             Identity(worker=i, rank=i, device=label) for i, label in enumerate(self.labels)
         ]
@@ -218,9 +220,11 @@ class ThreadsEngine:
             head += torch.tensor(outcome.vote_head(), dtype=torch.float64)
             if outcome.failure is not None:
                 failures.append(outcome.failure)
+        overflow = False
         if not failures:
             try:
                 self._reduce_grads()
+                overflow = self.main.overflowed()  # of the summed gradients
             except Exception as exc:
                 failures.append(self._failure(exc, 0, "sync", global_step, epoch, None))
         fingerprint = cast(ledger.Fingerprint, tuple(head[2:].tolist()))
@@ -231,6 +235,7 @@ class ThreadsEngine:
             failures=failures,
             splittable=int(head[1].item()),
             ledger=fingerprint,
+            overflow=int(overflow),
         )
 
     def _task(
@@ -338,8 +343,8 @@ class ThreadsEngine:
                 else:
                     p.grad.add_(g)
 
-    def commit(self) -> None:
-        guarded_commit(self.main, self.faults[0], self.identities[0], self.step, self.epoch)
+    def commit(self, skip: bool = False) -> None:
+        guarded_commit(self.main, self.faults[0], self.identities[0], self.step, self.epoch, skip)
         for i in range(1, len(self.trainables)):
             try:
                 self.faults[i].check(self.step, "optimizer")
@@ -360,6 +365,9 @@ class ThreadsEngine:
                 q.grad = None
             for b, c in zip(source.buffers(), other.model.buffers(), strict=True):
                 c.copy_(b)
+
+    def end_epoch(self) -> None:
+        self.main.end_epoch()
 
     def discard(self) -> None:
         self.main.discard()

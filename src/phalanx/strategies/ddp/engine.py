@@ -27,7 +27,9 @@ from phalanx.strategies.base import evaluate_local, guarded_commit
 from phalanx.trainable import Trainable
 
 PhaseHook = Callable[[int, str], None]
-HEAD = 5 + ledger.WIDTH  # failed, stop, regroup, splittable, contract, ledger fingerprint
+# failed, stop, regroup, splittable, contract, ledger fingerprint, overflow
+HEAD = 6 + ledger.WIDTH
+OVERFLOW = HEAD - 1  # members whose gradients overflowed ("16-mixed"): all skip the step
 
 
 @dataclass
@@ -46,7 +48,7 @@ class DdpEngine:
     DDP module built over this generation's process group.
 
     The vote is one all-reduce of
-    ``[failed, stop, regroup, splittable, contract, *ledger, *sums]``:
+    ``[failed, stop, regroup, splittable, contract, *ledger, overflow, *sums]``:
     a failed step costs nothing extra and metrics need no collective of their own.
     """
 
@@ -127,7 +129,9 @@ class DdpEngine:
         failed, splittable, *computed = res.vote_head()
         contract = float(res.failure is not None and res.failure.breaks_step_contract)
         regroup = float(self.regroup_requested())
-        head = [failed, float(stop()), regroup, splittable, contract, *computed]
+        # After backward DDP has reduced the gradients: every member finds the same overflow.
+        overflow = float(res.failure is None and self.trainable.overflowed())
+        head = [failed, float(stop()), regroup, splittable, contract, *computed, overflow]
         vote = torch.cat([torch.tensor(head, dtype=torch.float64), res.sums]).to(self.device)
         dist.all_reduce(vote)
         self.m.replica.unvoted = None  # the vote carries it from here
@@ -140,12 +144,13 @@ class DdpEngine:
             regroup=bool(v[2].item() > 0),
             splittable=int(v[3].item()),
             contract=int(v[4].item()),
-            ledger=cast(ledger.Fingerprint, tuple(v[5:HEAD].tolist())),
+            ledger=cast(ledger.Fingerprint, tuple(v[5:OVERFLOW].tolist())),
+            overflow=int(v[OVERFLOW].item()),
             sums=v[HEAD:],
             failures=[res.failure] if res.failure else [],
         )
 
-    def commit(self) -> None:
+    def commit(self, skip: bool = False) -> None:
         """Buffers first (a collective that can still fail with nothing changed), then the
         optimizer: once it has stepped, nothing here can fail because of a peer, so a step
         is never applied on one member and then computed again after a regroup. (The
@@ -154,8 +159,11 @@ class DdpEngine:
             for buf in self.trainable.model.buffers():
                 dist.broadcast(buf, src=0)
         guarded_commit(
-            self.trainable, self.m.faults, self.m.replica.identity, self.step, self.epoch
+            self.trainable, self.m.faults, self.m.replica.identity, self.step, self.epoch, skip
         )
+
+    def end_epoch(self) -> None:
+        self.trainable.end_epoch()
 
     def discard(self) -> None:
         self.trainable.discard()

@@ -46,6 +46,7 @@ from phalanx.report import is_secondary
 from phalanx.runner import build_loop, make_checkpointer, start_run
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.engine import DdpEngine, Member, hand_over
+from phalanx.strategies.ddp.identity import announce
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
@@ -302,6 +303,8 @@ class Worker:
             torch.set_num_threads(a.threads)
         else:
             torch.cuda.set_device(self.device)
+        # Until it joins a generation (preflight): its slot and the full world.
+        announce(a.slot, len(cfg.devices), self.label, a.slot, -1, a.store_port)
         try:
             self.before_training(a.unpack)
             if cfg.preflight and not a.replacement:
@@ -397,6 +400,7 @@ class Worker:
         self.generation, self.members = gen.number, list(gen.members)
         rank, world = gen.rank_of(a.slot), len(gen.members)
         self.rank = rank
+        announce(rank, world, self.label, a.slot, gen.number, a.store_port)  # env, ps title
         self.on_phase(self.step, "regroup")
         member.trainable.discard()  # gradients of a step the old group never committed
         self.arrive(store, gen, rank)
