@@ -4,6 +4,7 @@ strategy (*where*), which drives the same training loop on one or several device
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -15,6 +16,7 @@ from torch.utils.data import Dataset
 
 from phalanx import ledger
 from phalanx.checkpoint import Checkpoints
+from phalanx.data import fingerprint
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
 from phalanx.events import Fanout, RunEnded, RunOpened, Sink
@@ -26,6 +28,7 @@ from phalanx.metrics import LoopMetric, Metric
 from phalanx.plan import Plan
 from phalanx.policy import Recovery
 from phalanx.precision import Precision
+from phalanx.runner import check_resume_plan
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
 from phalanx.validate import dataset_size, validate_fit
 
@@ -44,6 +47,7 @@ class FitResult:
     seconds: float = 0.0
     ledger_ok: bool | None = None  # every sample used exactly once in each finished epoch
     ledger_problems: list[str] = field(default_factory=list)
+    model_path: str | None = None  # run_dir/model.pt: the final state dict of a finished run
 
 
 class Learner:
@@ -116,6 +120,10 @@ class Learner:
         preflight: bool = True,
         hang_timeout: timedelta = timedelta(seconds=60),
         num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        max_steps: int | None = None,
+        val_every_steps: int | None = None,
         min_free_memory: int | None = None,
         on_failure: Recovery | None = None,
         sinks: Sequence[Sink] | None = None,
@@ -150,6 +158,10 @@ class Learner:
             num_workers,
             min_free_memory,
             on_failure if on_failure is not None else Recovery(),
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            max_steps=max_steps,
+            val_every_steps=val_every_steps,
         )
         train_size = dataset_size(train, "training")
         valid_size = dataset_size(valid, "validation") if valid is not None else 0
@@ -157,7 +169,10 @@ class Learner:
             self.spec, config, train_size, has_valid=valid is not None, train=train, valid=valid
         )
         check_free_memory(labels, min_free_memory)
-        plan = Plan(train_size, batch_size, seed, shuffle, drop_last)
+        # Only a run that writes checkpoints needs the data's fingerprint (it reads samples).
+        sample_hash = fingerprint(train, train_size) if run_dir else ""
+        plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
+        check_resume_plan(config, plan)  # before anything starts, as the checks above
         opened = _open_run(config)  # run.json; an earlier run's files moved aside
         if sinks is None:
             from phalanx.sinks import default_sinks
@@ -170,6 +185,8 @@ class Learner:
         try:
             with handle_signals(self.interrupter), _keep_rng(labels):
                 result = self._dispatch(config, plan, train, valid, valid_size, emit)
+            if run_dir and result.interrupted is None:
+                result.model_path = save_final_model(run_dir, result.model)
             emit(
                 RunEnded(
                     result.history, result.steps, result.epochs, result.interrupted, result.seconds
@@ -263,6 +280,21 @@ class Learner:
 
     def _stop_reason(self) -> str | None:
         return self.interrupter.reason if self.interrupter.should_stop() else None
+
+
+FINAL_MODEL = "model.pt"
+
+
+def save_final_model(run_dir: str, model: nn.Module) -> str:
+    """``run_dir/model.pt``: the trained model's ``state_dict()`` (``torch.save``, atomically),
+    written when a run finishes (all epochs, ``max_steps`` or early stopping), never after an
+    interrupt or a failure. Load it with ``model.load_state_dict(torch.load(path,
+    weights_only=True))``."""
+    from phalanx.checkpoint.io import write_atomic
+
+    path = os.path.join(run_dir, FINAL_MODEL)
+    write_atomic(path, model.state_dict())
+    return path
 
 
 def _open_run(config: FitConfig) -> RunOpened | None:

@@ -289,7 +289,7 @@ class Worker:
         first = plan.local_batch(0, 0, slot, len(cfg.devices))
         faults.check(0, "preflight")
         result = replica.run(
-            lambda: default_collate([self.a.train[i] for i in first]),
+            lambda: (cfg.collate_fn or default_collate)([self.a.train[i] for i in first]),
             first,
             len(plan.global_batch(0, 0)),
             0,
