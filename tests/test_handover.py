@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from phalanx.strategies.ddp.engine import TensorSlot, fill_tensors, split_tensors, tensor_slots
+from phalanx.strategies.ddp.handover import TensorSlot, fill_tensors, split_tensors, tensor_slots
 
 
 def snapshot_like() -> dict[str, object]:

@@ -15,7 +15,7 @@ from phalanx.loop import Vote
 from phalanx.plan import Plan
 from phalanx.replica import Identity, Replica
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.base import evaluate_local, guarded_commit
+from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
 from phalanx.trainable import Trainable
 
 
@@ -71,15 +71,7 @@ class SingleEngine:
             epoch,
             self.micro,
         )
-        failures = [res.failure] if res.failure else []
-        return Vote(
-            failed=len(failures),
-            stop=stop(),
-            sums=res.sums,
-            failures=failures,
-            splittable=int(res.splittable),
-            ledger=res.ledger,
-        )
+        return member_vote(res, stop())
 
     def commit(self) -> None:
         guarded_commit(self.trainable, self.faults, self.identity, self.step, self.epoch)
