@@ -6,15 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.faults import FaultInjector
 from phalanx.loop import Vote
-from phalanx.plan import Plan
 from phalanx.replica import Identity, Replica
-from phalanx.spec import FitConfig, TrainSpec
+from phalanx.run import RunInputs
 from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
 from phalanx.trainable import Trainable
 
@@ -25,24 +23,12 @@ class SingleEngine:
     is_main = True
     rank = 0
 
-    def __init__(
-        self,
-        spec: TrainSpec,
-        config: FitConfig,
-        plan: Plan,
-        train: Dataset[Any],
-        valid: Dataset[Any] | None,
-        valid_size: int,
-    ) -> None:
+    def __init__(self, run: RunInputs) -> None:
+        config, spec = run.config, run.spec
         label = config.devices[0]
         device = torch_device(label)
-        self.config, self.plan, self.train, self.valid, self.valid_size = (
-            config,
-            plan,
-            train,
-            valid,
-            valid_size,
-        )
+        self.config, self.plan = config, run.plan
+        self.train, self.valid, self.valid_size = run.train, run.valid, run.valid_size
         self.trainable = Trainable(spec, device, config.seed)
         self.identity = Identity(worker=0, rank=0, device=label)
         self.faults = FaultInjector(config.faults, 0)

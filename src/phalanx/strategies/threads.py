@@ -50,16 +50,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.failures import FailedHere, WorkerFailure
 from phalanx.faults import FaultInjector
 from phalanx.loop import Vote, pack_vote, unpack_vote
-from phalanx.plan import Plan
 from phalanx.replica import Identity, LocalResult, Replica
-from phalanx.spec import FitConfig, TrainSpec
+from phalanx.run import RunInputs
 from phalanx.strategies.base import evaluate_local, failure_of, guarded_commit, member_vote
 from phalanx.trainable import Trainable
 
@@ -124,22 +122,10 @@ class ThreadsEngine:
         """The main replica's: failures outside a step (checkpoint, metrics) happen there."""
         return self.identities[0]
 
-    def __init__(
-        self,
-        spec: TrainSpec,
-        config: FitConfig,
-        plan: Plan,
-        train: Dataset[Any],
-        valid: Dataset[Any] | None,
-        valid_size: int,
-    ) -> None:
-        self.config, self.plan, self.train, self.valid, self.valid_size = (
-            config,
-            plan,
-            train,
-            valid,
-            valid_size,
-        )
+    def __init__(self, run: RunInputs) -> None:
+        config, spec = run.config, run.spec
+        self.config, self.plan = config, run.plan
+        self.train, self.valid, self.valid_size = run.train, run.valid, run.valid_size
         self.labels = list(config.devices)
         self.devices = [torch_device(label) for label in self.labels]
         self.timeout = config.hang_timeout.total_seconds()

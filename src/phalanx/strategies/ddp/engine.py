@@ -14,12 +14,13 @@ from torch.utils.data import Dataset
 
 from phalanx import ledger
 from phalanx.data import LocalBatches
+from phalanx.devices import torch_device
 from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
 from phalanx.loop import Vote, pack_vote, unpack_vote
 from phalanx.plan import Plan
 from phalanx.replica import Identity, LocalResult, Replica
-from phalanx.spec import FitConfig
+from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
 from phalanx.strategies.ddp.group import GenerationGroup
 from phalanx.trainable import Trainable
@@ -36,6 +37,21 @@ class Member:
     replica: Replica
     faults: FaultInjector
     device: torch.device
+
+    @classmethod
+    def build(
+        cls, spec: TrainSpec, config: FitConfig, slot: int, faults_after: int, on_phase: PhaseHook
+    ) -> Member:
+        """The replica of worker ``slot`` on its device (the model factory runs here). A
+        replacement fires only the faults after ``faults_after``, its predecessor's fall."""
+        label = config.devices[slot]
+        device = torch_device(label)
+        trainable = Trainable(spec, device, config.seed)
+        faults = FaultInjector([f for f in config.faults if f.step > faults_after], slot)
+        identity = Identity(worker=slot, rank=slot, device=label)
+        metrics = spec.summed_metrics()
+        replica = Replica(trainable.module, device, identity, metrics, faults, on_phase=on_phase)
+        return cls(slot, trainable, replica, faults, device)
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,8 @@ from torch.utils.data import Dataset
 from phalanx.devices import torch_device
 from phalanx.events import Event
 from phalanx.failures import FailedHere, WorkerFailure, from_exception
-from phalanx.faults import FaultInjector
 from phalanx.loop import Regroup, StepAborted, TrainLoop
 from phalanx.plan import Plan
-from phalanx.replica import Identity, Replica
 from phalanx.report import is_secondary
 from phalanx.runner import build_loop, make_checkpointer, start_run
 from phalanx.spec import FitConfig, TrainSpec
@@ -64,7 +62,6 @@ from phalanx.strategies.ddp.protocol import (
     Ready,
     Relay,
 )
-from phalanx.trainable import Trainable
 
 T = TypeVar("T")
 EXIT_TOLD = 3  # exited because the supervisor said so (not a failure)
@@ -295,28 +292,14 @@ class Worker:
         checked = a.config.preflight and not a.replacement
         if checked:  # (building the replica is part of it: a death there stops the run)
             self.on_phase(0, "preflight")
-        member = self.before_training(self.build_member)
+        member = self.before_training(
+            lambda: Member.build(a.spec, a.config, a.slot, a.faults_after, self.on_phase)
+        )
         if checked:
             self.before_training(lambda: preflight(member, a.config, a.plan, a.train))
         if a.replacement:
             self.send(Ready(a.slot))
         return member
-
-    def build_member(self) -> Member:
-        cfg = self.a.config
-        trainable = Trainable(self.a.spec, self.device, cfg.seed)
-        later = [f for f in cfg.faults if f.step > self.a.faults_after]
-        faults = FaultInjector(later, self.a.slot)
-        identity = Identity(worker=self.a.slot, rank=self.a.slot, device=self.label)
-        replica = Replica(
-            trainable.module,
-            self.device,
-            identity,
-            self.a.spec.summed_metrics(),
-            faults,
-            on_phase=self.on_phase,
-        )
-        return Member(self.a.slot, trainable, replica, faults, self.device)
 
     def before_training(self, build: Callable[[], T]) -> T:
         """``build()``; an exception there (the model factory raised, the model does not
