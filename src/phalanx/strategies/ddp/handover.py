@@ -6,9 +6,9 @@ rank at the furthest position is the source, and the members behind it get its s
 Members at the furthest position hold the same state already (every member applies the
 same reduced gradients), so a shrink or a rebuild moves nothing.
 
-The snapshot travels as torch's pytree sees it (:func:`torch.utils._pytree.tree_flatten`):
-its structure and its non-tensor leaves, with each tensor replaced by a :class:`TensorSlot`
-(shape, dtype, device), as one pickled object, then each tensor in its own broadcast; a
+The snapshot travels as a skeleton: the snapshot with each tensor replaced by a
+:class:`TensorSlot` (index, shape, dtype, device; torch's pytree maps the leaves), as one
+pickled object, then each tensor in its own broadcast; a
 barrier of all members ends it, so nobody enters a step's collectives while a peer still
 receives. No process ever holds a pickled copy of the whole state.
 """
@@ -84,30 +84,28 @@ def _keep_metadata(state: Any) -> Any:
 
 
 def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
-    """``state`` as (skeleton, tensors): the skeleton pickles without any tensor in it."""
-    leaves, spec = pytree.tree_flatten(_keep_metadata(state))
+    """``state`` as (skeleton, tensors): the skeleton is ``state`` with each tensor replaced
+    by a :class:`TensorSlot`, so it pickles without any tensor in it."""
     tensors: list[torch.Tensor] = []
-    shape: list[Any] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            shape.append(TensorSlot(len(tensors), tuple(leaf.shape), leaf.dtype, str(leaf.device)))
-            tensors.append(leaf)
-        else:
-            shape.append(leaf)
-    return (pytree.treespec_dumps(spec), shape), tensors
+
+    def take(tensor: torch.Tensor) -> TensorSlot:
+        tensors.append(tensor)
+        return TensorSlot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, str(tensor.device))
+
+    return pytree.tree_map_only(torch.Tensor, take, _keep_metadata(state)), tensors
 
 
 def tensor_slots(skeleton: Any) -> list[TensorSlot]:
     """The tensors a skeleton stands for, in the order they travel."""
-    _, leaves = skeleton
-    return [leaf for leaf in leaves if isinstance(leaf, TensorSlot)]
+    found = [leaf for leaf in pytree.tree_leaves(skeleton) if isinstance(leaf, TensorSlot)]
+    return sorted(found, key=lambda slot: slot.index)
 
 
 def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """The inverse of :func:`split_tensors`."""
-    spec, leaves = skeleton
-    filled = [tensors[leaf.index] if isinstance(leaf, TensorSlot) else leaf for leaf in leaves]
-    return pytree.tree_unflatten(filled, pytree.treespec_loads(spec))
+    return pytree.tree_map_only(
+        TensorSlot, lambda slot: tensors[slot.index], _keep_metadata(skeleton)
+    )
 
 
 def hand_over(loop: TrainLoop, group: GenerationGroup, subgroup: SubgroupFactory) -> int:
