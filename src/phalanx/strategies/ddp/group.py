@@ -80,19 +80,22 @@ class GenerationGroup:
         return self.pg
 
     # -- collectives ----------------------------------------------------------------------
+    # Through torch's functions (not the group's methods): a worker blocked in one then has
+    # its innermost Python frame in torch.distributed, which tells the supervisor's hang
+    # finder that it waits for a peer rather than hangs itself.
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the members, in place."""
         with _broken_on_error("all_reduce"):
-            self._group().allreduce(tensor).wait()
+            dist.all_reduce(tensor, group=self._group())
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """``src``'s ``tensor`` into every member's, in place."""
         with _broken_on_error("broadcast"):
-            self._group().broadcast(tensor, src).wait()
+            dist.broadcast(tensor, group=self._group(), group_src=src)
 
     def barrier(self) -> None:
         with _broken_on_error("barrier"):
-            self._group().barrier().wait()
+            dist.barrier(group=self._group())
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """``src``'s picklable ``obj``, on every member (its length first, then its bytes)."""
