@@ -109,6 +109,58 @@ def test_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
         assert "--resume" in out and "--fault" in out and "--seed" in out
 
 
+def test_cli_version_and_documented_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    from phalanx import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"phalanx {__version__}"
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for code in ("0 ", "1 ", "2 ", "130", "141", "143"):
+        assert re.search(rf"^  {code}", out, re.M), code
+
+
+@pytest.mark.parametrize("argv", [["report", "--help"], ["plot", "--help"]])
+def test_cli_report_and_plot_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 0
+    assert "RUN_DIR" in capsys.readouterr().out
+
+
+def test_cli_report_and_plot_of_an_empty_folder_fail_helpfully(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["report", str(tmp_path)]) == 1
+    assert "no run in" in capsys.readouterr().out
+    assert cli.main(["plot", str(tmp_path)]) == 1
+    assert "no committed steps" in capsys.readouterr().err
+
+
+def test_demo_strategy_is_one_of_the_three(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--strategy", "thread"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'thread'" in err and "threads" in err
+
+
+@pytest.mark.parametrize("reader", ["head -2", "true"])
+def test_explain_into_a_closed_pipe_is_quiet(reader: str) -> None:
+    """``true`` exits before phalanx writes: the write meets a closed pipe for sure."""
+    result = subprocess.run(
+        f"{sys.executable} -m phalanx explain | {reader}; echo status ${{PIPESTATUS[0]}}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        timeout=60,
+    )
+    *shown, status = result.stdout.splitlines()
+    assert result.stderr == ""
+    if reader == "true":
+        assert shown == [] and status == "status 141"
+    else:
+        assert shown == list_codes().splitlines()[:2]
+
+
 def test_cli_without_command_prints_help_and_returns_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -452,7 +452,7 @@ def test_nan_loss_names_step_and_samples() -> None:
     assert root.sample_indices == plan_first_batch
     samples = ", ".join(str(i) for i in plan_first_batch)
     first_line = str(err).splitlines()[0]
-    assert f"the loss is nan at step 0 on samples [{samples}]" in first_line
+    assert f"the loss is nan at step 1 on samples [{samples}]" in first_line  # 1-based
     assert "lower the learning rate" in first_line and "grad_clip_norm" in first_line
     assert err.code == "PX107"
 

@@ -263,7 +263,7 @@ def test_fault_is_named_within_seconds(
 
     # One report whose first line names the root cause.
     first = str(err).splitlines()[0]
-    at = "in validation of epoch 0" if in_validation else f"step {FAULT_STEP}"
+    at = "in validation of epoch 1" if in_validation else f"step {FAULT_STEP + 1} "  # 1-based
     for part in (f"device cpu:{rank}", f"rank {rank}", at, f"({phase})"):
         assert part in first, (part, first)
     if kind == "exception":
@@ -413,7 +413,7 @@ def test_without_preflight_a_model_bug_fails_in_step_0_forward() -> None:
     assert (root.step, root.phase, root.exception_type) == (0, "forward", "RuntimeError")
     assert err.code == "PX204"
     first = str(err).splitlines()[0]
-    assert f"device cpu:{root.worker}" in first and "at step 0 (forward)" in first
+    assert f"device cpu:{root.worker}" in first and "at step 1 (forward)" in first
     assert "cannot be multiplied" in first
     assert all(f.phase == "forward" and f.step == 0 for f in err.failures), err.failures
     assert {f.worker for f in err.failures} == {0, 1}

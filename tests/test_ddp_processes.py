@@ -69,7 +69,7 @@ def test_sys_exit_in_a_step_is_that_workers_failure() -> None:
     assert err.code == "PX204"
     assert [f.action for f in err.failures if f.worker == 1] == ["retried", "aborted"]
     first = str(err).splitlines()[0]
-    assert "device cpu:1" in first and f"step {EXIT_STEP}" in first and "SystemExit" in first
+    assert "device cpu:1" in first and f"step {EXIT_STEP + 1} " in first and "SystemExit" in first
 
 
 @pytest.mark.timeout(90)

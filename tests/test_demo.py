@@ -2,7 +2,8 @@
 
 The single-device demo must pass 95% validation accuracy and print the summary; the chaos
 demo must show three injected failures (kill, hang, exception), each with what was done
-about it, and end with the accuracy of the clean run and an exact data ledger.
+about it, and end with the accuracy of the clean run and an exact data ledger. The exit
+status says whether the run trained to its end, not whether it reached an accuracy.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def test_demo_resumes_and_a_new_demo_run_starts_over(tmp_path: Path) -> None:
         return max(int(p.stem.split("-")[1]) for p in checkpoints.glob("ckpt-*.pt"))
 
     first = demo(tmp_path, "--epochs", "2", timeout=110)
-    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]  # below 95%
+    # below 95% accuracy after 2 epochs, but it trained to its end: status 0
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert newest() == 46  # 23 steps an epoch
     resumed = demo(tmp_path, "--epochs", "8", "--resume", timeout=110)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -85,6 +87,20 @@ def test_demo_resumes_and_a_new_demo_run_starts_over(tmp_path: Path) -> None:
     assert "starting over in" in again.stdout, again.stdout[:2000]
     assert "resumed from" not in again.stdout
     assert newest() == 23  # the new run's own checkpoints only
+    # the last run's checkpoints and files were moved aside, not deleted
+    (earlier,) = (tmp_path / "run" / "earlier").iterdir()
+    assert (earlier / "checkpoints").is_dir() and (earlier / "run.json").exists()
+
+
+def test_a_mistyped_argument_moves_or_deletes_nothing(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "run" / "checkpoints" / "ckpt-000000007.pt"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"the last run's")
+    for args in (["--strategy", "thread"], ["--devices", "cpu:0,cpu:0"], ["--fault", "kil:1@3"]):
+        run = demo(tmp_path, *args, timeout=60)
+        assert run.returncode in (1, 2), run.stdout + run.stderr
+        assert checkpoint.read_bytes() == b"the last run's", args
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"], args
 
 
 @pytest.mark.timeout(120)
@@ -124,6 +140,51 @@ def test_chaos_demo_survives_three_failures_with_the_clean_accuracy(tmp_path: Pa
     assert [r[4] for r in rows] == ["respawned", "respawned", "retried"], table
     assert [(r[0], r[2], r[4]) for r in rows] == [(w, s, a) for w, s, a in live]
     assert "rejoin" in out  # a replacement came back in
+    assert "Survived 3 failure(s): 1 crash, 1 hang, 1 exception." in out
+    # the last replacement may still be starting when the run ends (a few seconds)
+    assert re.search(r"Final world size: [23] of 3 worker\(s\) \(generation \d\)\.", out)
+    fates = re.findall(r"Respawn: worker (\d) \(cpu:\1\), (\w+) at step (\d+): (.*)", out)
+    assert [f[:3] for f in fates] == [r[:3] for r in rows[:2]], fates  # worker, kind, step
+    assert fates[0][3].startswith("its replacement joined generation"), fates
+    assert "now a clean run with the same seed and no faults" in out
     clean = re.search(r"clean run, same seed, no failures: validation accuracy ([\d.]+)", out)
     assert clean, out[-2000:]
     assert final_accuracy(out) == float(clean.group(1)) >= 0.95
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_checkpoints_exits_130_and_resume_finishes(tmp_path: Path) -> None:
+    """Ctrl-C is not success: the demo stops after its step with the checkpoint written,
+    says so, exits 130 (as Python's KeyboardInterrupt does); --resume finishes the run."""
+    import json
+    import signal
+
+    events = tmp_path / "run" / "events.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "demo", "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (events.exists() and '"StepEnded"' in events.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "interrupted after step" in err and "--resume" in err
+    assert "final validation accuracy" not in out  # not reported as a finished run
+    ended = [json.loads(line) for line in events.read_text().splitlines()][-1]
+    assert ended["event"] == "RunEnded" and ended["interrupted"]
+    assert list((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))
+    resumed = demo(tmp_path, "--resume", timeout=100)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert final_accuracy(resumed.stdout) >= 0.95

@@ -1,5 +1,7 @@
-"""SIGTERM to a real training process: it finishes the step, checkpoints, exits 0, and a
-second run with resume=True continues from that step and completes."""
+"""SIGTERM to a real training process: it finishes the step, checkpoints, exits with 143
+(fit raises px.FitTerminated, a SystemExit), and a second run with resume=True continues
+from that step and completes. Ctrl-C raises KeyboardInterrupt after
+the checkpoint; learner.stop() returns."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from phalanx.interrupt import Interrupter, handle_signals
+from phalanx.interrupt import FitTerminated, Interrupter, handle_signals
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -63,8 +65,16 @@ def main(argv):
     global SLEEP
     run_dir, resume, SLEEP, out, state = argv[0], argv[1] == "1", float(argv[2]), argv[3], argv[4]
     learner = px.Learner(make_model, make_optimizer, train_step)
-    result = learner.fit(dataset(), epochs={EPOCHS}, batch_size={BATCH}, run_dir=run_dir,
-                         resume=resume, seed=3)
+    try:
+        result = learner.fit(dataset(), epochs={EPOCHS}, batch_size={BATCH}, run_dir=run_dir,
+                             resume=resume, seed=3)
+    except px.FitTerminated as stopped:  # checkpointed; exits 143 so the job is requeued
+        save(stopped.result, out, state)
+        raise
+    save(result, out, state)
+
+
+def save(result, out, state):
     torch.save(result.model.state_dict(), state)
     with open(out, "w") as fh:
         json.dump({{"interrupted": result.interrupted, "steps": result.steps,
@@ -145,7 +155,7 @@ def straight_run(script: Path, tmp: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_exits_zero_and_resume_completes(tmp_path: Path) -> None:
+def test_sigterm_checkpoints_exits_143_and_resume_completes(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT, encoding="utf-8")
     events_path = tmp_path / "run" / "events.jsonl"
@@ -168,7 +178,7 @@ def test_sigterm_checkpoints_exits_zero_and_resume_completes(tmp_path: Path) -> 
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
-    assert code == 0, logs(tmp_path, "first")
+    assert code == 143, logs(tmp_path, "first")  # 128 + SIGTERM: a batch system requeues it
 
     first = json.loads((tmp_path / "first.json").read_text())
     assert first["interrupted"] == "Training interrupted: received SIGTERM"
@@ -288,3 +298,82 @@ def test_a_stop_during_a_step_ends_the_run_after_that_step(strategy: str, tmp_pa
     assert result.interrupted == "Training interrupted: asked mid-step"
     assert result.steps == step + 1  # that step finished, no other began
     assert (tmp_path / "run" / "checkpoints" / f"ckpt-{step + 1:09d}.pt").is_file()
+
+
+class SignalWhenRead(StopWhenRead):
+    """Raises ``signum`` in this process when sample ``index`` is loaded (mid-step)."""
+
+    def __init__(self, signum: int, index: int) -> None:
+        super().__init__(None, index)
+        self.signum = signum
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.index:
+            signal.raise_signal(self.signum)
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize("strategy", ["single", "threads"])
+@pytest.mark.parametrize(
+    ("signum", "raised"),
+    [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, FitTerminated)],
+)
+def test_a_signal_checkpoints_then_raises(
+    strategy: str, signum: int, raised: type[BaseException], tmp_path: Path
+) -> None:
+    """Ctrl-C ends as Python's Ctrl-C does (KeyboardInterrupt), SIGTERM as a SystemExit with
+    code 143; each after the step finished and the checkpoint was written."""
+    import phalanx as px
+    from phalanx.plan import Plan
+
+    step = 5
+    index = Plan(SAMPLES, BATCH, seed=3).global_batch(0, step)[0]
+    learner = px.Learner(lambda: torch.nn.Linear(4, 2), torch.optim.SGD, px.cross_entropy_step)
+    devices = "cpu:0,cpu:1" if strategy == "threads" else "cpu"
+    with pytest.raises(raised) as info:
+        learner.fit(
+            SignalWhenRead(signum, index), epochs=EPOCHS, batch_size=BATCH, seed=3,
+            strategy=strategy, devices=devices, run_dir=str(tmp_path / "run"), sinks=[],
+        )  # fmt: skip
+    name = signal.Signals(signum).name
+    result = info.value.result  # type: ignore[attr-defined]
+    assert result.interrupted == f"Training interrupted: received {name}"
+    assert result.steps == step + 1
+    assert (tmp_path / "run" / "checkpoints" / f"ckpt-{step + 1:09d}.pt").is_file()
+    if signum == signal.SIGINT:
+        assert type(info.value) is KeyboardInterrupt  # exactly: uncaught, ends as Ctrl-C does
+    else:
+        assert isinstance(info.value, SystemExit) and info.value.code == 143
+
+
+class SignalAtStep:
+    """A sink (it runs in the calling process, the ddp supervisor) that raises SIGINT there
+    when step ``step`` has ended, as a terminal's Ctrl-C would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def handle(self, event: Any) -> None:
+        if getattr(event, "global_step", None) == self.step and type(event).__name__ == "StepEnded":
+            signal.raise_signal(signal.SIGINT)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_ddp_checkpoints_then_raises_keyboard_interrupt(tmp_path: Path) -> None:
+    import phalanx as px
+    from ddp_helpers import make_data, mlp, sgd, slow_step
+
+    learner = px.Learner(mlp, sgd, slow_step)
+    with pytest.raises(KeyboardInterrupt) as info:
+        learner.fit(
+            make_data(64), epochs=2, batch_size=8, strategy="ddp", devices="cpu:0,cpu:1",
+            run_dir=str(tmp_path / "run"), sinks=[SignalAtStep(2)],
+        )  # fmt: skip
+    assert type(info.value) is KeyboardInterrupt  # exactly: Python then exits as by Ctrl-C
+    result = info.value.result  # type: ignore[attr-defined]
+    assert result.interrupted == "Training interrupted: received SIGINT"
+    assert 2 <= result.steps < 16
+    assert (tmp_path / "run" / "checkpoints" / f"ckpt-{result.steps:09d}.pt").is_file()

@@ -32,6 +32,13 @@ def test_a_failure_that_cannot_split_makes_it_a_plain_retry_or_abort() -> None:
     assert decide(1, 1, splittable=0) == "abort"
 
 
+def test_a_gradient_overflow_skips_the_step_but_a_failure_comes_first() -> None:
+    assert decide(0, 0, overflow=2) == "skip"  # 16-mixed: every member skips together
+    assert decide(0, 0, overflow=0) == "commit"
+    assert decide(0, 1, overflow=1) == "retry"  # a failed attempt is retried, not skipped
+    assert decide(1, 1, overflow=2) == "abort"
+
+
 def test_respawn_until_max_restarts_then_shrink_then_abort() -> None:
     policy = px.Recovery(mode="respawn", max_restarts=2, min_workers=2)
     history: list[WorkerFailure] = []

@@ -26,18 +26,22 @@ from phalanx.events import (
     StepEnded,
     ValidationStarted,
     WorkerFailed,
+    to_record,
 )
 from phalanx.failures import WorkerFailure
 from phalanx.sinks import (
     JsonlSink,
     MetricsCsvSink,
     ProgressSink,
+    RunFileSink,
+    StepsCsvSink,
     SummaryRow,
     SummarySink,
     default_sinks,
     render_summary,
     summarize,
 )
+from phalanx.sinks.steps import BASE
 
 ANSI = re.compile(r"\x1b\[")
 
@@ -248,6 +252,14 @@ def test_csv_resume_keeps_finished_epochs_and_fresh_run_starts_clean(tmp_path: P
 # -- progress --------------------------------------------------------------------------------
 
 
+def _plain_lines(out: str) -> list[str]:
+    """Plain output's lines without their timestamps (every line must have one)."""
+    lines = out.splitlines()
+    for line in lines:
+        assert re.match(r"\d\d:\d\d:\d\d ", line), line
+    return [line[9:] for line in lines]
+
+
 def test_progress_plain_mode_writes_plain_lines_without_ansi() -> None:
     console = Console(file=io.StringIO(), force_terminal=False, width=80)
     sink = ProgressSink(console, every=2)
@@ -256,21 +268,37 @@ def test_progress_plain_mode_writes_plain_lines_without_ansi() -> None:
     sink.close()
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert not ANSI.search(out)
-    lines = out.splitlines()
+    lines = _plain_lines(out)
     step_lines = [x for x in lines if " step " in x and "global" in x]
     assert len(step_lines) == 4  # 8 global steps, every 2
     assert (
-        "epoch 1/2 step 2/4 (global 2): 128/250 samples  loss 0.5000  lr 1.00e-03  1,234 samples/s"
+        "epoch 1/2 step 2/4 (global 2): 128/250 samples  loss 0.5000  lr 0.001000  1,234 samples/s"
     ) in lines
     assert any(x.startswith("epoch 2/2 step 4/4 (global 8): 250/250 samples  loss") for x in lines)
     assert any(x.startswith("epoch 2/2 done in 1.5s: train/loss 0.6000") for x in lines)
     assert "checkpoint skipped: runs/x/ckpt-3.pt: bad checksum" in lines
+    # the failure's step 5 (0-based over the run) is the 6th step, the 2nd of epoch 2
     assert (
-        "worker 1 (rank 1) on device cpu:1 failed at step 5 of epoch 2/2 (backward): "
+        "worker 1 (rank 1) on device cpu:1 failed at step 6 (epoch 2/2, step 2/4) (backward): "
         "RuntimeError: boom [not markup] -> retried"
     ) in lines
     assert "warning: early stopping: valid/loss did not improve" in lines
     assert any("Training 2 epoch(s) on cpu:0, cpu:1 (strategy ddp)" in x for x in lines)
+
+
+def test_small_learning_rates_and_throughput_read_as_numbers() -> None:
+    """A learning rate of 2e-5 must not print as 0.0000, nor throughput with 4 decimals."""
+    console = Console(file=io.StringIO(), force_terminal=False, width=160)
+    sink = ProgressSink(console, every=1)
+    step = _step(0, 0, 1)
+    step.lr = 2e-5
+    sink.handle(step)
+    metrics = {"train/lr": 2e-5, "train/samples_per_s": 1234.5678, "train/loss": 0.25}
+    sink.handle(EpochEnded(epoch=0, metrics=metrics, seconds=1.0))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "lr 2.000e-05" in out and "0.0000" not in out
+    assert "train/samples_per_s 1,235" in out and "1234.5678" not in out
+    assert "train/loss 0.2500" in out
 
 
 def test_progress_plain_mode_survives_events_out_of_order() -> None:
@@ -282,7 +310,9 @@ def test_progress_plain_mode_survives_events_out_of_order() -> None:
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert "epoch 4 step 2/4 (global 7)" in out
     assert "epoch 4 done in 0.2s: no metrics" in out
-    assert "resumed from ckpt.pt at epoch 4, step 1 (global step 7)" in out
+    assert (
+        "resumed from ckpt.pt after 7 committed step(s): next is epoch 4 step 2 (global 8)" in out
+    )
 
 
 def test_progress_terminal_mode_runs_a_full_sequence_and_stops() -> None:
@@ -300,7 +330,7 @@ def test_progress_terminal_mode_runs_a_full_sequence_and_stops() -> None:
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert ANSI.search(out)
     assert "epoch 2/2 done in 1.5s" in out
-    assert "failed at step 5" in out and "boom [not markup]" in out
+    assert "failed at step 6" in out and "boom [not markup]" in out
     assert "early stopping" in out
 
 
@@ -318,7 +348,14 @@ def test_default_sinks_with_and_without_run_dir(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "a"
     sinks = default_sinks(str(run_dir), console)
     assert run_dir.is_dir()
-    assert [type(s) for s in sinks] == [ProgressSink, SummarySink, JsonlSink, MetricsCsvSink]
+    assert [type(s) for s in sinks] == [
+        ProgressSink,
+        SummarySink,
+        JsonlSink,
+        MetricsCsvSink,
+        StepsCsvSink,
+        RunFileSink,
+    ]
     for e in full_run():
         for s in sinks:
             s.handle(e)
@@ -332,6 +369,15 @@ def test_default_sinks_with_and_without_run_dir(tmp_path: Path) -> None:
         "valid/accuracy",
     ]
     assert "Learner Summary" in console.file.getvalue()  # type: ignore[attr-defined]
+    steps = _read_csv(run_dir / "steps.csv")
+    assert steps[0][:8] == list(BASE)
+    assert [(r["global_step"], r["epoch"], r["step"]) for r in steps[1]][:5] == [
+        ("1", "1", "1"),
+        ("2", "1", "2"),
+        ("3", "1", "3"),
+        ("4", "1", "4"),
+        ("5", "2", "1"),
+    ]
 
 
 # -- a sink that raises -------------------------------------------------------------------------
@@ -421,3 +467,41 @@ def test_fit_with_an_empty_run_dir_writes_nothing(
     assert result.steps == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert result.run_dir is None
+
+
+def test_a_failed_run_ends_with_its_committed_steps_and_the_report_to_follow() -> None:
+    """The poison report: no "Trained 0 epoch(s), 0 step(s)" after committed steps, and no
+    "see the report above" above the report (it comes after the summary)."""
+    console = Console(file=io.StringIO(), width=120)
+    sink = SummarySink(console)
+    sink.handle(RunStarted("runs/x", "single", ["cpu"], 8, 23, 64, 1437, 360))
+    for g in range(1, 6):
+        sink.handle(_step(0, g - 1, g))
+    first = _failure()
+    first.action = "retried"
+    sink.handle(WorkerFailed(first, "retried"))
+    again = _failure()
+    again.action = "aborted"
+    sink.handle(WorkerFailed(again, "aborted"))
+    sink.handle(RunEnded([], 0, 0, None, 0.0, failed=True))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "Training failed after 5 committed step(s) (0 epoch(s) finished); the error " in out
+    assert "Trained 0" not in out and "report above" not in out and "Survived" not in out
+    assert "2 failure(s): 2 exception (retried, aborted)." in out
+    assert "Failures and recoveries" in out
+    assert "fit(..., run_dir='runs/x', resume=True)" in out
+
+
+def test_a_log_line_turns_back_into_its_event() -> None:
+    from phalanx.events import Beat, GenerationStarted, WorkerState, WorkersTick, from_record
+
+    events = [
+        *full_run(),
+        WorkerState(1, "cpu:1", "fallen", rank=1, generation=2, pid=7, detail="hang"),
+        GenerationStarted(3, [0, 2], ["cpu:0", "cpu:2"], "worker 1 hang: shrunk"),
+        WorkersTick([Beat(0, "forward", 5, 12.5, 60.0)]),
+    ]
+    for event in events:
+        record = json.loads(json.dumps({**to_record(event), "run": "r1"}))
+        assert from_record(record) == event
+    assert from_record({"event": "NoSuchEvent"}) is None

@@ -113,7 +113,7 @@ def test_root_cause_is_the_failure_that_ended_the_run_not_a_recovered_one() -> N
         px.Learner(mlp, sgd, mse_step).fit(make_data(N), batch_size=BATCH, faults=faults, sinks=[])
     err = info.value
     assert (err.root_cause.step, err.root_cause.phase) == (3, "optimizer")
-    assert "failed at step 3 (optimizer)" in str(err).splitlines()[0]
+    assert "failed at step 4 (optimizer)" in str(err).splitlines()[0]  # step 3, 1-based
     assert [f.action for f in err.failures] == ["retried", "aborted"]
 
 

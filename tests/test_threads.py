@@ -162,7 +162,7 @@ def test_poison_batch_names_device_step_phase_and_message(worker: int, tmp_path:
     err = info.value
     first = str(err).splitlines()[0]
     assert f"device cpu:{worker}" in first
-    assert "step 3" in first
+    assert "at step 4 " in first  # step 3, 1-based
     assert "(backward)" in first
     assert "injected exception" in first
     root = err.root_cause

@@ -6,6 +6,7 @@ from phalanx.early_stopping import EarlyStopping
 from phalanx.errors import ConfigError, InvalidStepError, PhalanxError, TrainingFailed
 from phalanx.failures import WorkerFailure
 from phalanx.faults import Fault
+from phalanx.interrupt import FitTerminated
 from phalanx.learner import FitResult, Learner
 from phalanx.policy import Recovery
 from phalanx.step import StepOutput, cross_entropy_step, mse_step
@@ -16,6 +17,7 @@ __all__ = [
     "EarlyStopping",
     "Fault",
     "FitResult",
+    "FitTerminated",
     "InvalidStepError",
     "Learner",
     "PhalanxError",

@@ -637,6 +637,51 @@ _ENTRIES = [
         example="# before\nlearner.fit(train, strategy='ddp', devices='cpu:0,cuda:0')\n"
         "# after\nlearner.fit(train, strategy='ddp', devices='cuda:0,cuda:1')",
     ),
+    Explanation(
+        code="PX130",
+        title="unknown or unusable precision",
+        meaning="precision= names how the step computes: '32' (float32), 'bf16-mixed' "
+        "(autocast to bfloat16) or '16-mixed' (autocast to float16 with a gradient scaler). "
+        "The value given is none of these, the device cannot compute in it, or grad_scaler= "
+        "was given without '16-mixed' or with an argument torch.amp.GradScaler does not take.",
+        when="Before training, when fit() checks the Learner's settings.",
+        causes=[
+            "Another library's spelling: 'fp16', 'bf16', 16 or 'mixed'.",
+            "bf16-mixed on a GPU without bfloat16 support (before Ampere).",
+            "grad_scaler={'init_scale': ...} with precision='32' or 'bf16-mixed' (bf16 needs "
+            "no scaler), or a misspelt key.",
+        ],
+        fixes=[
+            "Use precision='16-mixed' or 'bf16-mixed' (Lightning's names), or '32'.",
+            "On a GPU without bf16, use '16-mixed'.",
+            "Pass grad_scaler only with '16-mixed', with keys among init_scale, "
+            "growth_factor, backoff_factor, growth_interval.",
+        ],
+        example="# before\npx.Learner(model, adam, step, precision='fp16')\n"
+        "# after\npx.Learner(model, adam, step, precision='16-mixed')",
+    ),
+    Explanation(
+        code="PX131",
+        title="an optimizer instead of an optimizer factory",
+        meaning="The Learner got an optimizer (or scheduler) object. Every replica builds "
+        "its own optimizer over its own copy of the model, so phalanx needs something it can "
+        "call: a torch optimizer class, a functools.partial of one, or a function.",
+        when="Before training, when fit() checks the Learner's settings.",
+        causes=[
+            "A script ported from plain DDP: optimizer = torch.optim.SGD(model.parameters()) "
+            "built first, then handed to the Learner.",
+            "A scheduler object instead of a function of the optimizer.",
+        ],
+        fixes=[
+            "Pass the class with its settings: functools.partial(torch.optim.SGD, lr=0.1).",
+            "Or a function: def make_optimizer(model): return torch.optim.AdamW(groups) "
+            "(a first parameter named model gets the model, for parameter groups).",
+            "For schedulers: lr_scheduler=functools.partial(StepLR, step_size=10).",
+        ],
+        example="# before\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "px.Learner(model, opt, step)\n"
+        "# after\npx.Learner(model, functools.partial(torch.optim.SGD, lr=0.1), step)",
+    ),
 ]
 
 CATALOG: dict[str, Explanation] = {e.code: e for e in _ENTRIES}

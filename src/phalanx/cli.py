@@ -1,16 +1,40 @@
-"""The ``phalanx`` command: ``phalanx explain [CODE]`` and ``phalanx demo``.
+"""The ``phalanx`` command: ``explain [CODE]``, ``demo``, ``report RUN_DIR``, ``plot RUN_DIR``.
 
-:func:`main` returns the exit status instead of exiting (``--help`` returns 0, a usage error
-2, no subcommand prints the help and returns 2), so it can be called from tests.
+:func:`main` returns the exit status instead of exiting, so it can be called from tests.
+Exit statuses (also in ``phalanx --help``):
+
+- 0: done (``demo``: the run trained to its end, whatever its accuracy);
+- 1: training failed, or a configuration error (the report or the error, with its PX code,
+  on stderr); ``explain``: an unknown code; ``report``/``plot``: no run in that folder;
+- 2: a usage error (bad arguments; ``--help`` returns 0, no command prints the help and
+  returns 2), or an optional dependency is missing (scikit-learn for ``demo``, matplotlib
+  for ``plot``);
+- 130: interrupted by Ctrl-C (the run stopped after a step and saved a checkpoint);
+- 143: ended by SIGTERM (likewise; the exit status of a process ended by SIGTERM, so a batch
+  system can requeue the job);
+- 141: stdout was closed before the output was written (``phalanx explain | head -2``):
+  nothing more is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from phalanx import catalog
+from phalanx import __version__, catalog
 from phalanx.errors import PhalanxError
+
+STRATEGIES = ("single", "threads", "ddp")
+EXIT_CODES = """exit status:
+  0    done (demo: the run trained to its end, whatever its accuracy)
+  1    training failed or a configuration error (the report on stderr); explain: unknown
+       code; report, plot: no run in that folder
+  2    usage error, or a missing optional dependency (scikit-learn, matplotlib)
+  130  interrupted by Ctrl-C (the run saved a checkpoint: demo --resume goes on)
+  143  ended by SIGTERM (likewise; a batch system can requeue the job)
+  141  stdout closed early (e.g. piped into head): the rest of the output is dropped
+"""
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -44,9 +68,43 @@ def _demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:
-        print("phalanx demo: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # fit's, after the checkpoint (.result)
+        result = getattr(exc, "result", None)
+        step = f" after step {result.steps}" if result is not None else ""
+        where = f" --run-dir {args.run_dir}" if args.run_dir != "runs/demo" else ""
+        resume = f"; `phalanx demo --resume{where}` goes on from here" if result else ""
+        print(f"phalanx demo: interrupted{step}{resume}", file=sys.stderr)
         return 130
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from phalanx.runview import report_run
+
+    return report_run(args.run_dir, Console())
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from phalanx.plot import load_run, plot_run  # matplotlib only once it draws
+
+    data = load_run(args.run_dir)
+    if not data.steps:
+        print(f"phalanx plot: no committed steps in {args.run_dir}/events.jsonl", file=sys.stderr)
+        return 1
+    try:
+        drawn = plot_run(args.run_dir, args.output)
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] != "matplotlib":
+            raise
+        print(
+            "phalanx plot needs matplotlib, which is not installed: pip install 'phalanx[plot]'",
+            file=sys.stderr,
+        )
+        return 2
+    kinds = ", ".join(f"{len(v)} {k}" for k, v in drawn.by_step.items()) or "no failures"
+    print(f"wrote {drawn.path} ({len(data.steps)} steps, {kinds})")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phalanx",
         description="Data-parallel PyTorch training that names every worker failure.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     explain = sub.add_parser(
@@ -65,11 +126,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("code", nargs="?", metavar="CODE", help="e.g. PX113 (or px113)")
     explain.set_defaults(handler=_explain)
+    _add_demo(sub)
 
+    report = sub.add_parser(
+        "report",
+        help="print a run's summary from its folder",
+        description="The end of a run as it was printed live (summary table, failures and "
+        "recoveries, world size, respawns, where its files are), read from RUN_DIR.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.set_defaults(handler=_report)
+
+    plot = sub.add_parser(
+        "plot",
+        help="draw a run's loss and failures to a PNG",
+        description="Loss and validation metrics against step and wall time, failures "
+        "marked by kind, world size and generations below. Needs matplotlib "
+        "(pip install 'phalanx[plot]').",
+    )
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("-o", "--output", metavar="FILE", help="default: RUN_DIR/run.png")
+    plot.set_defaults(handler=_plot)
+    return parser
+
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser(
         "demo",
         help="train a small model and watch failures being named and survived",
-        description="Train a small classifier data-parallel, optionally injecting faults.",
+        description="Train a small classifier data-parallel, optionally injecting faults. "
+        "Exit status 0 when the run trains to its end (its accuracy is printed, not judged).",
     )
     demo.add_argument("--epochs", type=int, default=8, help="epochs to train (default 8)")
     demo.add_argument(
@@ -78,11 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--devices", default="cpu", help='e.g. "cpu", "cpu:0,cpu:1", "cuda:0,cuda:1", "auto"'
     )
-    demo.add_argument("--strategy", default="single", help="single, threads or ddp")
+    demo.add_argument("--strategy", default="single", choices=STRATEGIES)
     demo.add_argument(
         "--run-dir",
         default="runs/demo",
-        help="checkpoints and logs go here; without --resume, its checkpoints are replaced",
+        help="checkpoints and logs go here; without --resume, the last run's files move to "
+        "RUN_DIR/earlier/<its run id>/",
     )
     demo.add_argument("--resume", action="store_true", help="resume from --run-dir")
     demo.add_argument(
@@ -90,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="KIND:WORKER@STEP",
-        help="inject a fault, e.g. kill:1@30 (repeatable)",
+        help="inject a fault, e.g. kill:1@30 (STEP counts from 0: the 31st step; repeatable)",
     )
     demo.add_argument(
         "--chaos",
@@ -101,15 +188,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.set_defaults(handler=_demo)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv`` (``sys.argv[1:]`` when ``None``); return the exit status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader of our stdout left (`| head`): drop the rest quietly, and keep Python
+        # from complaining again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2)
+    except SystemExit as exc:  # --help, --version (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 2
     handler = getattr(args, "handler", None)
     if handler is None:

@@ -186,6 +186,21 @@ class MixedDeviceTypesError(ConfigError):
     code = "PX123"
 
 
+class PrecisionError(ConfigError):
+    """``precision=`` is not one of "32", "bf16-mixed", "16-mixed", the device cannot run it
+    (bf16 on a GPU without bf16 support), or ``grad_scaler=`` is given without "16-mixed" or
+    names an argument ``torch.amp.GradScaler`` does not take."""
+
+    code = "PX130"
+
+
+class OptimizerInstanceError(ConfigError):
+    """An optimizer (or scheduler) object was passed where phalanx needs a factory: each
+    replica builds its own optimizer over its own model's parameters."""
+
+    code = "PX131"
+
+
 def all_error_classes() -> list[type[PhalanxError]]:
     """Every error class defined here, base first (used by the catalog's consistency test)."""
     found: list[type[PhalanxError]] = []

@@ -22,7 +22,22 @@ class Event:
 
 
 @dataclass
+class RunOpened(Event):
+    """The caller's process opened a run, before any worker starts (see
+    :mod:`phalanx.runinfo`). ``run_id`` is new for a fresh run and kept by a resumed one;
+    ``session`` counts the processes that trained it (1 for a fresh run)."""
+
+    run_id: str
+    run_dir: str
+    session: int = 1
+    resumed: bool = False
+
+
+@dataclass
 class RunStarted(Event):
+    """Epochs and ``start_epoch`` are 0-based here (files keep the loop's indices); every
+    line shown to people says ``epoch start_epoch + 1``."""
+
     run_dir: str
     strategy: str
     devices: list[str]
@@ -55,6 +70,9 @@ class StepEnded(Event):
     samples: int  # samples in this global batch
     samples_per_s: float
     metrics: dict[str, float] = field(default_factory=dict)
+    # "16-mixed": the gradients overflowed, so every member skipped the optimizer step (the
+    # step still counts: its samples were used, the loss scale backed off)
+    skipped: bool = False
 
 
 @dataclass
@@ -108,6 +126,58 @@ class Notice(Event):
     level: str = "info"
 
 
+WORKER_STATES = ("starting", "preflight", "training", "joining", "fallen", "replaced", "finished")
+
+
+@dataclass
+class WorkerState(Event):
+    """A worker's process changed state (one of :data:`WORKER_STATES`): ``starting`` (spawned,
+    importing), ``preflight`` (its lone first step), ``training`` (a member of generation
+    ``generation`` with rank ``rank``), ``joining`` (a replacement, or forming a new
+    generation), ``fallen`` (died or hung), ``replaced`` (a fallen worker whose slot has a new
+    process), ``finished``. ``worker`` is the slot (the device's index), stable for life."""
+
+    worker: int
+    device: str
+    state: str
+    rank: int | None = None
+    generation: int | None = None
+    pid: int | None = None
+    detail: str = ""
+
+
+@dataclass
+class Beat:
+    """One worker's latest heartbeat: ``phase`` of the step with 0-based global index
+    ``step``, entered at ``since`` (wall clock); ``limit``: seconds without progress before it
+    counts as hung (None while not watched: starting, joining)."""
+
+    worker: int
+    phase: str
+    step: int
+    since: float
+    limit: float | None = None
+
+
+@dataclass
+class WorkersTick(Event):
+    """Heartbeats of the live workers, a few times a second (ddp). Only live displays use
+    it; the JSONL log leaves it out."""
+
+    beats: list[Beat]
+
+
+@dataclass
+class GenerationStarted(Event):
+    """Generation ``number`` announced: ``members`` (worker slots, in rank order) train
+    together from here; ``cause`` says why (start, a fall, a rejoin, a rebuild)."""
+
+    number: int
+    members: list[int]
+    devices: list[str]
+    cause: str = ""
+
+
 @dataclass
 class WorkerFailed(Event):
     failure: WorkerFailure
@@ -140,6 +210,34 @@ def to_record(event: Event) -> dict[str, Any]:
     record: dict[str, Any] = {"event": type(event).__name__}
     record.update(dataclasses.asdict(event))
     return record
+
+
+def _event_types() -> dict[str, type[Event]]:
+    found: dict[str, type[Event]] = {}
+    todo: list[type[Event]] = [Event]
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo += cls.__subclasses__()
+    return found
+
+
+def from_record(record: dict[str, Any]) -> Event | None:
+    """The event a :func:`to_record` dict (or a line of ``events.jsonl``) holds; None for
+    an unknown event name. Fields the class does not have (``run``) are left out; a
+    ``WorkerFailed``'s failure and a tick's beats become their dataclasses again."""
+    cls = _event_types().get(str(record.get("event")))
+    if cls is None or cls is Event:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {k: v for k, v in record.items() if k in names}
+    if cls is WorkerFailed:
+        failure = dict(fields["failure"])
+        known = {f.name for f in dataclasses.fields(WorkerFailure)}
+        fields["failure"] = WorkerFailure(**{k: v for k, v in failure.items() if k in known})
+    if cls is WorkersTick:
+        fields["beats"] = [Beat(**b) for b in fields.get("beats", [])]
+    return cls(**fields)
 
 
 class Fanout:

@@ -60,6 +60,8 @@ class WorkerFailure:
     # the whole run, across generations (out-of-memory splits are not new attempts). None
     # outside a step.
     attempt: int | None = None
+    # A hang: when the worker last made progress (wall clock), so its cost counts from there.
+    last_progress: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,14 +139,16 @@ def failure_of(
 
 def headline(f: WorkerFailure) -> str:
     """One line: ``training worker on device cpu:1 (rank 1, host h, pid p) failed at step 57
-    (backward): RuntimeError: <original message>``."""
+    (backward): RuntimeError: <original message>``. Steps and epochs are 1-based here (step
+    57 is ``WorkerFailure.step == 56``)."""
     who = f"rank {f.rank}, host {f.host}"
     if f.pid is not None:
         who += f", pid {f.pid}"
-    if f.phase == "validation":
-        at = f"in validation of epoch {f.epoch}"
+    # Shown 1-based, as every line people read (the record keeps 0-based indices).
+    if f.phase == "validation" and f.epoch is not None:
+        at = f"in validation of epoch {f.epoch + 1}"
     elif f.step is not None:
-        at = f"at step {f.step}"
+        at = f"at step {f.step + 1}"
     else:
         at = "before its first step"
     return f"training worker on device {f.device} ({who}) failed {at} ({f.phase}): {cause(f)}"

@@ -132,7 +132,8 @@ class FaultInjector:
 
 
 def fire(fault: Fault) -> None:
-    where = f"worker {fault.worker}, step {fault.step}, phase {fault.phase}"
+    # As the fault was written (its step counts from 0: the lines shown say step + 1).
+    where = f"fault {fault.kind}:{fault.worker}@{fault.step}/{fault.phase}"
     if fault.kind == "exception":
         raise InjectedFault(f"injected exception ({where})")
     if fault.kind == "oom":

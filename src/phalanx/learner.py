@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from phalanx.checkpoint import Checkpoints
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
-from phalanx.events import Fanout, RunEnded, Sink
+from phalanx.events import Fanout, RunEnded, RunOpened, Sink
 from phalanx.failures import FailedHere
 from phalanx.faults import Fault
 from phalanx.interrupt import Interrupter, handle_signals
@@ -23,6 +23,7 @@ from phalanx.loop import StepAborted
 from phalanx.metrics import LoopMetric, Metric
 from phalanx.plan import Plan
 from phalanx.policy import Recovery
+from phalanx.precision import Precision
 from phalanx.run import FitResult, RunEnd, RunInputs, finish, stopped
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
 from phalanx.validate import dataset_size, validate_fit
@@ -35,6 +36,15 @@ class Learner:
     :class:`~phalanx.StepOutput` with outputs and targets for classification metrics.
     ``grad_accumulation=k`` computes each global batch in ``k`` micro-batches per device:
     the same math with less memory (the optimizer steps once per global batch).
+
+    ``optimizer`` is a factory: a torch optimizer class or a ``functools.partial`` of one gets
+    ``model.parameters()``; a function whose first parameter is named ``model`` (or annotated
+    ``nn.Module``) gets the model, for parameter groups; any other function gets the
+    parameters. ``lr_scheduler(optimizer)`` builds the scheduler, stepped after every
+    optimizer step (``lr_scheduler_interval="step"``) or after every epoch (``"epoch"``).
+    ``precision`` is ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast, plus a gradient
+    scaler for 16-mixed, built with ``grad_scaler`` as keyword arguments of
+    ``torch.amp.GradScaler``); see :mod:`phalanx.precision`.
     """
 
     def __init__(
@@ -46,6 +56,10 @@ class Learner:
         lr_scheduler: SchedulerFactory | None = None,
         grad_accumulation: int = 1,
         grad_clip_norm: float | None = None,
+        *,
+        precision: str = "32",
+        grad_scaler: dict[str, float] | None = None,
+        lr_scheduler_interval: str = "step",
     ) -> None:
         self.spec = TrainSpec(
             model=model,
@@ -55,6 +69,8 @@ class Learner:
             lr_scheduler=lr_scheduler,
             grad_accumulation=grad_accumulation,
             grad_clip_norm=grad_clip_norm,
+            precision=Precision(str(precision), dict(grad_scaler or {})),
+            lr_scheduler_interval=lr_scheduler_interval,
         )
         self.interrupter = Interrupter()
 
@@ -91,8 +107,10 @@ class Learner:
 
         ``batch_size`` is the GLOBAL batch, split among devices. Raises a ConfigError before
         anything starts when the configuration is wrong, and TrainingFailed when a worker
-        failed and the run could not go on. Interrupts (SIGINT, SIGTERM, :meth:`stop`) are
-        not failures: the run checkpoints and returns with ``interrupted`` set.
+        failed and the run could not go on. Interrupts are not failures: the run finishes
+        its step and checkpoints; then :meth:`stop` returns with ``interrupted`` set, Ctrl-C
+        raises ``KeyboardInterrupt`` and SIGTERM ``px.FitTerminated``
+        (a SystemExit with code 143), each carrying the result as ``.result``.
         ``run_dir=""`` is the same as None: nothing is written.
         """
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
@@ -132,11 +150,14 @@ class Learner:
             valid=valid,
             valid_size=valid_size,
         )
+        opened = _open_run(config)  # run.json; an earlier run's files moved aside
         if sinks is None:
             from phalanx.sinks import default_sinks
 
             sinks = default_sinks(run_dir)
         emit = Fanout(list(sinks))
+        if opened is not None:
+            emit(opened)
         self.interrupter.reset()
         try:
             with handle_signals(self.interrupter), _keep_rng(labels):
@@ -146,12 +167,13 @@ class Learner:
                     result.history, result.steps, result.epochs, result.interrupted, result.seconds
                 )
             )
-            return result
         except BaseException:
             emit(RunEnded([], 0, 0, None, 0.0, failed=True))
             raise
         finally:
             emit.close()
+        self.interrupter.raise_if_signalled(result)  # Ctrl-C, SIGTERM: not a success
+        return result
 
     def _dispatch(self, run: RunInputs, emit: Fanout) -> RunEnd:
         """Train with the run's strategy; raises TrainingFailed when it stopped."""
@@ -204,6 +226,15 @@ class Learner:
 
     def _stop_reason(self) -> str | None:
         return self.interrupter.reason if self.interrupter.should_stop() else None
+
+
+def _open_run(config: FitConfig) -> RunOpened | None:
+    """With a run_dir: name the run (:func:`phalanx.runinfo.open_run`), after every check."""
+    if not config.run_dir:
+        return None
+    from phalanx.runinfo import open_run
+
+    return open_run(config.run_dir, config, config.resume)[0]
 
 
 def _keep_rng(labels: list[str]) -> contextlib.AbstractContextManager[Any]:

@@ -23,6 +23,9 @@ WIDTH = 4  # count, sum, sum of squares, hash sum
 Fingerprint = tuple[float, float, float, float]
 EMPTY: Fingerprint = (0.0, 0.0, 0.0, 0.0)
 _MASK = (1 << 64) - 1
+# ledger.json's "steps" rows: the step's place (0-based epoch and step within it, and the
+# number of steps committed before it) and the fingerprint of the samples computed.
+COLUMNS = ("epoch", "step", "global_step", "count", "sum", "sum_of_squares", "hash_sum")
 
 
 def mix(index: int) -> int:
@@ -82,6 +85,11 @@ def write(run_dir: str | None, entries: list[list[float]], problems: list[str]) 
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "ledger.json")
     with open(path + ".tmp", "w") as fh:
-        doc = {"exactly_once": not problems, "problems": problems, "steps": entries}
+        doc = {
+            "exactly_once": not problems,
+            "problems": problems,
+            "columns": list(COLUMNS),
+            "steps": entries,
+        }
         json.dump(doc, fh)
     os.replace(path + ".tmp", path)

@@ -58,13 +58,16 @@ class Vote:
     # failed members whose step broke its contract (engines whose vote sees only the local
     # failure count them all; the others leave 0 and the loop counts ``failures``)
     contract: int = 0
+    # members whose gradients were not finite ("16-mixed" precision): every member skips
+    # the optimizer step of this step together (policy answer "skip")
+    overflow: int = 0
 
 
 # The vote's layout on the wire: these fields (booleans travel as 0/1 and come back as "any
 # member"), then the ledger fingerprint, then the metric sums. One member packs its own
 # vote; the sum of the members' packed votes (an all-reduce, or a sum over threads) unpacks
 # to the step's vote. A new field needs its name here and nowhere else.
-VOTE_FIELDS = ("failed", "stop", "regroup", "splittable", "contract")
+VOTE_FIELDS = ("failed", "stop", "regroup", "splittable", "contract", "overflow")
 _FLAGS = ("stop", "regroup")
 
 
@@ -106,7 +109,9 @@ class Engine(Protocol):
         self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]
     ) -> Vote: ...
 
-    def commit(self) -> None: ...
+    def commit(self, skip: bool = False) -> None: ...
+
+    def end_epoch(self) -> None: ...
 
     def discard(self) -> None: ...
 
@@ -287,21 +292,24 @@ class TrainLoop:
             # this step ends the run after this step.
             vote = self.engine.attempt(st.epoch, st.step, st.global_step, self._stopping)
             contract = max(vote.contract, sum(f.breaks_step_contract for f in vote.failures))
-            action = decide(attempt, vote.failed, vote.splittable, contract=contract)
+            action = decide(
+                attempt, vote.failed, vote.splittable, contract=contract, overflow=vote.overflow
+            )
             for failure in vote.failures:
                 failure.action = _ACTION_NAMES.get(action, action)
                 failure.attempt = attempt
                 self.failures.append(failure)
                 self.on_failure(failure)
             absorbed += vote.failures
-            if action == "commit":
+            if action in ("commit", "skip"):
                 break
             self.engine.discard()
             if action == "abort":
                 raise StepAborted(st.global_step, vote.failures, poison=attempt > 0)
             if action == "retry":
                 attempt += 1
-        self.engine.commit()
+        skipped = action == "skip"
+        self.engine.commit(skip=skipped)
         for failure in absorbed:  # (ddp: the supervisor sets its own copy's, the same way)
             failure.recovery_seconds = max(0.0, time.time() - failure.time)
         st.ledger.append([st.epoch, st.step, st.global_step, *vote.ledger])
@@ -311,7 +319,7 @@ class TrainLoop:
         st.epoch_samples += samples
         st.step += 1
         st.global_step += 1
-        self._emit_step(vote, samples, time.perf_counter() - started)
+        self._emit_step(vote, samples, time.perf_counter() - started, skipped)
         if self.checkpointer and should_save(st.global_step, False, self.checkpointer.config):
             self._checkpoint(epoch_end=False)
         if vote.stop:
@@ -322,7 +330,7 @@ class TrainLoop:
     def _stopping(self) -> bool:
         return self.stop_requested() is not None
 
-    def _emit_step(self, vote: Vote, samples: int, seconds: float) -> None:
+    def _emit_step(self, vote: Vote, samples: int, seconds: float, skipped: bool) -> None:
         st = self.state
         stats = LoopStats(lr=self.engine.lr(), samples_per_s=samples / max(seconds, 1e-9))
         assert st.epoch_sums is not None
@@ -341,6 +349,7 @@ class TrainLoop:
                 samples,
                 stats.samples_per_s,
                 running,
+                skipped,
             )
         )
 
@@ -362,6 +371,7 @@ class TrainLoop:
                 valid = compute_all(self.s.metrics, sums)
             results.update({f"valid/{k}": v for k, v in valid.items()})
         st.history.append({"epoch": st.epoch, **results})
+        self.engine.end_epoch()  # a per-epoch scheduler steps (after train/lr was read)
         self.emit(EpochEnded(st.epoch, results, time.time() - self.epoch_started))
         reason = self.early_stopping.update(st.epoch, results) if self.early_stopping else None
         st.epoch, st.step, st.epoch_sums, st.epoch_samples = st.epoch + 1, 0, None, 0

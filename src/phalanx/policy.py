@@ -20,7 +20,7 @@ from typing import Literal
 
 from phalanx.failures import WorkerFailure
 
-StepAction = Literal["commit", "retry", "split", "abort"]
+StepAction = Literal["commit", "skip", "retry", "split", "abort"]
 
 MAX_RETRIES = 1
 
@@ -31,6 +31,7 @@ def decide(
     splittable: int = 0,
     max_retries: int = MAX_RETRIES,
     contract: int = 0,
+    overflow: int = 0,
 ) -> StepAction:
     """The commit rule of one step attempt, the same on every member.
 
@@ -41,9 +42,12 @@ def decide(
     run stops at once). When every failure is such an out-of-memory, the step is tried
     again with the split ("split": no retry is used up, the global batch and the math are
     unchanged). Otherwise a step is retried once, then the run aborts (poison batch).
+    ``overflow`` counts the members whose gradients were not finite under ``"16-mixed"``
+    precision: with no failure, the step is committed without an optimizer step ("skip",
+    on every member; the loss scale backs off). Not a failure: nothing is retried.
     """
     if failed == 0:
-        return "commit"
+        return "skip" if overflow else "commit"
     if contract:
         return "abort"
     if splittable == failed:

@@ -30,6 +30,7 @@ from phalanx.faults import FaultInjector
 from phalanx.ledger import EMPTY, Fingerprint, fingerprint
 from phalanx.metrics import Metric, pack_states, total_size
 from phalanx.plan import bounds
+from phalanx.precision import LossScaler
 from phalanx.step import StepOutput, as_step_output
 
 StepFn = Callable[[nn.Module, Any], Any]
@@ -43,19 +44,33 @@ ZERO_PASS = ZeroPass()
 
 
 class StepModule(nn.Module):
-    """``forward(batch)`` runs ``step(model, batch)`` and returns (loss, outputs, targets)."""
+    """``forward(batch)`` runs ``step(model, batch)`` and returns (loss, outputs, targets).
 
-    def __init__(self, model: nn.Module, step: StepFn) -> None:
+    ``autocast`` gives the context the step runs in (mixed precision; a null context by
+    default); ``scaler`` (``"16-mixed"``) scales each loss before its backward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        step: StepFn,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
         super().__init__()
         self.model = model
         self.step = step
+        self.autocast = autocast
+        self.scaler: LossScaler | None = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any]:
         if isinstance(batch, ZeroPass):
             params = [p for p in self.model.parameters() if p.requires_grad]
             zero = torch.stack([p.sum() for p in params]).sum() * 0.0
             return zero, None, None
-        out = as_step_output(self.step(self.model, batch))
+        with self.autocast():
+            out = as_step_output(self.step(self.model, batch))
         return out.loss, out.outputs, out.targets
 
 
@@ -245,12 +260,12 @@ class Replica:
                     value = float(loss.detach())
                     if not math.isfinite(value):
                         raise NonFiniteLossError(
-                            f"the loss is {value} at step {step} on samples "
+                            f"the loss is {value} at step {step + 1} on samples "
                             f"{_short(samples[a:b])}; lower the learning rate, clip "
                             "gradients (grad_clip_norm=) or check these samples"
                         )
                 with tracker.enter("backward"), self.faults.inside_backward(step, self.module):
-                    (loss * ((b - a) * self.world / global_samples)).backward()
+                    self.module.backward(loss * ((b - a) * self.world / global_samples))
                     tracker.synced = last
             with tracker.enter("metrics"):
                 self.faults.check(step, "metrics")

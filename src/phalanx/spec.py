@@ -6,6 +6,8 @@ Both are plain picklable dataclasses: the ddp strategy sends them to every worke
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -19,6 +21,7 @@ from phalanx.early_stopping import EarlyStopping
 from phalanx.faults import Fault
 from phalanx.metrics import LoopMetric, Metric
 from phalanx.policy import Recovery
+from phalanx.precision import Precision
 
 ModelSource = Callable[[], nn.Module] | nn.Module
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -36,6 +39,14 @@ class TrainSpec:
     lr_scheduler: SchedulerFactory | None = None
     grad_accumulation: int = 1
     grad_clip_norm: float | None = None
+    precision: Precision = field(default_factory=Precision)
+    lr_scheduler_interval: str = "step"  # or "epoch": the scheduler steps once per epoch
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer factory's result: see :func:`factory_takes_model` for what it gets."""
+        if factory_takes_model(self.optimizer):
+            return self.optimizer(model)
+        return self.optimizer(model.parameters())
 
     def build_model(self) -> nn.Module:
         """A fresh replica: the factory's result, or a deep copy of the given module."""
@@ -83,3 +94,32 @@ class FitConfig:
     num_workers: int = 0
     min_free_memory: int | None = None
     recovery: Recovery = field(default_factory=Recovery)  # ddp: what to do when a worker falls
+
+
+def factory_takes_model(factory: Callable[..., Any]) -> bool:
+    """Whether the optimizer factory is called with the model rather than its parameters.
+
+    A torch optimizer class (or a ``functools.partial`` of one) gets ``model.parameters()``.
+    Any other callable gets the model when its first parameter is named ``model`` or
+    ``module``, or is annotated as an ``nn.Module``: it can then build parameter groups from
+    ``model.named_parameters()`` (weight decay for weights, none for biases and norms).
+    Otherwise it gets ``model.parameters()``, as a plain ``def make_optimizer(params)`` expects.
+    """
+    target = factory
+    while isinstance(target, functools.partial):
+        target = target.func
+    if isinstance(target, type) and issubclass(target, torch.optim.Optimizer):
+        return False
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    if not parameters:
+        return False
+    first = parameters[0]
+    if first.name in ("model", "module"):
+        return True
+    annotation = first.annotation
+    if isinstance(annotation, str):  # postponed annotations: "nn.Module", "torch.nn.Module"
+        return annotation.rsplit(".", 1)[-1] == "Module"
+    return isinstance(annotation, type) and issubclass(annotation, nn.Module)

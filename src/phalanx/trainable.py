@@ -2,40 +2,72 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
+from phalanx.precision import LossScaler, step_scheduler_quietly
 from phalanx.replica import StepModule
 from phalanx.spec import TrainSpec
 
 
 class Trainable:
-    """Builds the model on ``device`` and the optimizer and scheduler over its parameters.
+    """Builds the model on ``device``, the optimizer (see ``TrainSpec.build_optimizer``),
+    the scheduler, and under ``"16-mixed"`` precision the loss scaler.
 
-    ``commit()`` is the step's last phase: clip gradients, step the optimizer and the
-    scheduler, clear gradients. ``discard()`` clears gradients of a failed attempt.
+    ``commit()`` is the step's last phase: clip gradients, step the optimizer (unless the
+    vote said skip: a gradient overflow under ``"16-mixed"``) and a per-step scheduler, clear
+    gradients. ``end_epoch()`` steps a per-epoch scheduler. ``discard()`` clears gradients
+    of a failed attempt.
     """
 
     def __init__(self, spec: TrainSpec, device: torch.device, seed: int) -> None:
         torch.manual_seed(seed)  # the same initial weights on every replica
         self.model = spec.build_model().to(device)
-        self.module = StepModule(self.model, spec.step)
-        self.optimizer = spec.optimizer(self.model.parameters())
+        self.module = StepModule(
+            self.model, spec.step, functools.partial(spec.precision.autocast, device)
+        )
+        self.optimizer = spec.build_optimizer(self.model)
         self.scheduler = spec.lr_scheduler(self.optimizer) if spec.lr_scheduler else None
+        self.scheduler_per_epoch = spec.lr_scheduler_interval == "epoch"
+        self.scaler: LossScaler | None = spec.precision.scaler(device, self.optimizer)
+        self.module.scaler = self.scaler
         self.clip = spec.grad_clip_norm
         self.micro_batches = spec.grad_accumulation
         self.model.train()
 
-    def commit(self) -> None:
-        if self.clip is not None:
+    def share_scaler(self, main: Trainable) -> None:
+        """Scale losses with ``main``'s scaler (threads: only the main replica steps)."""
+        self.scaler = self.module.scaler = main.scaler
+
+    def overflowed(self) -> bool:
+        """After the synchronised backward: unscale the gradients (16-mixed); True when one
+        is not finite. This member's part of the vote; always False without a scaler."""
+        return self.scaler.unscale() if self.scaler is not None else False
+
+    def commit(self, skip: bool = False) -> None:
+        if not skip and self.clip is not None:
+            if self.scaler is not None:
+                self.scaler.ensure_unscaled()  # (the vote's check has unscaled them)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        elif skip:
+            self.scaler.skip()
+        else:
+            self.scaler.step()
+        if self.scheduler is not None and not self.scheduler_per_epoch:
+            step_scheduler_quietly(self.scheduler, optimizer_stepped=not skip)
         self.optimizer.zero_grad(set_to_none=True)
 
+    def end_epoch(self) -> None:
+        if self.scheduler is not None and self.scheduler_per_epoch:
+            self.scheduler.step()
+
     def discard(self) -> None:
+        if self.scaler is not None:
+            self.scaler.reset()
         self.optimizer.zero_grad(set_to_none=True)
 
     def lr(self) -> float:
@@ -46,6 +78,7 @@ class Trainable:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -53,3 +86,5 @@ class Trainable:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])

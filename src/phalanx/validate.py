@@ -25,6 +25,8 @@ from phalanx.errors import (
     LambdaStepError,
     MissingMainGuardError,
     NotPicklableError,
+    OptimizerInstanceError,
+    PrecisionError,
     RunDirInUseError,
     UnknownStrategyError,
 )
@@ -54,6 +56,8 @@ def validate_fit(
     """Every check before launch. ``train`` and ``valid`` (the datasets) are checked for
     pickling under ddp when given."""
     _validate_numbers(spec, config)
+    _validate_factories(spec)
+    _validate_precision(spec, config.devices)
     _validate_run_dir(config)
     _validate_data(config, train_size)
     _validate_strategy(config)
@@ -83,6 +87,64 @@ def _validate_numbers(spec: TrainSpec, config: FitConfig) -> None:
         raise InvalidSettingError("hang_timeout must be a positive timedelta")
     if config.resume and not config.run_dir:
         raise CheckpointError("resume=True needs run_dir= (where the checkpoints are)")
+
+
+def _validate_factories(spec: TrainSpec) -> None:
+    """Optimizer and scheduler are factories (PX131): each replica builds its own."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    opt = spec.optimizer
+    if isinstance(opt, torch.optim.Optimizer) or not callable(opt):
+        name = type(opt).__name__
+        raise OptimizerInstanceError(
+            f"optimizer= got a {name} object, but each replica builds its own optimizer over "
+            f"its own model: pass a factory, e.g. functools.partial(torch.optim.{name}, lr=...)"
+            " (the class gets model.parameters()), or a function def make_optimizer(model) "
+            "returning the optimizer (it gets the model, for parameter groups)"
+        )
+    sched = spec.lr_scheduler
+    if sched is not None and (
+        isinstance(sched, LRScheduler | ReduceLROnPlateau) or not callable(sched)
+    ):
+        name = type(sched).__name__
+        raise OptimizerInstanceError(
+            f"lr_scheduler= got a {name} object; pass a function of the optimizer, e.g. "
+            f"functools.partial(torch.optim.lr_scheduler.{name}, ...): each replica builds its "
+            "own scheduler over its own optimizer"
+        )
+    if spec.lr_scheduler_interval not in ("step", "epoch"):
+        raise InvalidSettingError(
+            f"lr_scheduler_interval={spec.lr_scheduler_interval!r}; pass 'step' (the scheduler "
+            "steps after every optimizer step) or 'epoch' (once after every epoch)"
+        )
+
+
+def _validate_precision(spec: TrainSpec, devices: list[str]) -> None:
+    from phalanx.precision import PRECISIONS, SCALER_ARGS
+
+    precision = spec.precision
+    if precision.name not in PRECISIONS:
+        raise PrecisionError(
+            f"precision={precision.name!r} is unknown; use one of "
+            f"{', '.join(repr(p) for p in PRECISIONS)} (Lightning's names)"
+        )
+    unknown = sorted(set(precision.scaler_args) - set(SCALER_ARGS))
+    if precision.scaler_args and precision.name != "16-mixed":
+        raise PrecisionError(
+            f"grad_scaler= was given with precision={precision.name!r}; only '16-mixed' uses a "
+            "gradient scaler: drop grad_scaler= or pass precision='16-mixed'"
+        )
+    if unknown:
+        raise PrecisionError(
+            f"grad_scaler= has {', '.join(unknown)}, which torch.amp.GradScaler does not take; "
+            f"use {', '.join(SCALER_ARGS)}"
+        )
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if precision.name == "bf16-mixed" and cuda and not torch.cuda.is_bf16_supported():
+        raise PrecisionError(
+            f"precision='bf16-mixed' but {cuda[0]} does not support bfloat16; use "
+            "precision='16-mixed' on this GPU"
+        )
 
 
 def _validate_run_dir(config: FitConfig) -> None:

@@ -14,12 +14,16 @@ from phalanx.events import Sink
 from phalanx.sinks.csv import MetricsCsvSink
 from phalanx.sinks.jsonl import JsonlSink
 from phalanx.sinks.progress import ProgressSink
+from phalanx.sinks.runfile import RunFileSink
+from phalanx.sinks.steps import StepsCsvSink
 from phalanx.sinks.summary import SummaryRow, SummarySink, render_summary, summarize
 
 __all__ = [
     "JsonlSink",
     "MetricsCsvSink",
     "ProgressSink",
+    "RunFileSink",
+    "StepsCsvSink",
     "SummaryRow",
     "SummarySink",
     "default_sinks",
@@ -28,14 +32,23 @@ __all__ = [
 ]
 
 
-def default_sinks(run_dir: str | Path | None, console: Console | None = None) -> list[Sink]:
+def default_sinks(
+    run_dir: str | Path | None, console: Console | None = None, every_steps: int = 1
+) -> list[Sink]:
     """Progress and summary on ``console`` (one shared stdout Console when ``None``); with a
-    ``run_dir`` (created if missing) also ``run_dir/events.jsonl`` and ``run_dir/metrics.csv``.
-    Progress comes before summary, so the live display stops before the summary prints."""
+    ``run_dir`` (created if missing) also ``run_dir/events.jsonl``, ``run_dir/metrics.csv``
+    (epoch rows), ``run_dir/steps.csv`` (a row every ``every_steps`` steps) and the end of
+    ``run_dir/run.json``. Progress comes before summary, so the live display stops before
+    the summary prints."""
     console = console if console is not None else Console()
     sinks: list[Sink] = [ProgressSink(console), SummarySink(console)]
     if run_dir is not None:
         folder = Path(run_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        sinks += [JsonlSink(folder / "events.jsonl"), MetricsCsvSink(folder / "metrics.csv")]
+        sinks += [
+            JsonlSink(folder / "events.jsonl"),
+            MetricsCsvSink(folder / "metrics.csv"),
+            StepsCsvSink(folder / "steps.csv", every=every_steps),
+            RunFileSink(folder),
+        ]
     return sinks

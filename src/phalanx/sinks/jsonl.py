@@ -1,8 +1,11 @@
 """JSONL event log: one JSON object per line, one line per event.
 
 Every line is flushed as it is written, so a run that crashes keeps every event up to the
-crash. The file is opened in append mode: a resumed run adds to the same log, and each run
-starts with a ``RunStarted`` line.
+crash. The file is opened in append mode: a resumed run adds to the same log (a fresh run
+finds none: :mod:`phalanx.runinfo` moves an earlier run's files aside). Once a
+``RunOpened`` event has named the run, every line carries its id as ``"run"``, so the
+sessions of a resumed run can be told apart from anything else in the file. Heartbeats
+(``WorkersTick``) are for live displays only and are not written.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import math
 from pathlib import Path
 from typing import IO, Any
 
-from phalanx.events import Event, to_record
+from phalanx.events import Event, RunOpened, WorkersTick, to_record
 
 
 def json_safe(value: Any) -> Any:
@@ -44,12 +47,20 @@ class JsonlSink:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._file: IO[str] | None = None
+        self.run_id: str | None = None
 
     def handle(self, event: Event) -> None:
+        if isinstance(event, WorkersTick):
+            return
+        if isinstance(event, RunOpened):
+            self.run_id = event.run_id
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8", buffering=1)
-        line = json.dumps(json_safe(to_record(event)), allow_nan=False)
+        record = to_record(event)
+        if self.run_id is not None:
+            record["run"] = self.run_id
+        line = json.dumps(json_safe(record), allow_nan=False)
         self._file.write(line + "\n")
         self._file.flush()
 

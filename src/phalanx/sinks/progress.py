@@ -1,22 +1,30 @@
 """What the user watches while training: live bars on a terminal, plain lines elsewhere.
 
 Terminal (``console.is_terminal``): a rich live display with an epoch bar and a step bar
-(with ETA) showing loss, lr and samples/s, updated on every ``StepEnded``. Epoch results,
-failures, notices, resumes and skipped checkpoints are printed above the bars.
+(with ETA) showing loss, lr and samples/s, updated on every ``StepEnded``, and under them
+the worker panel (:mod:`phalanx.sinks.workers`): one row per worker and, while the others
+wait on a silent worker, a line naming it. Narrow terminals get fewer columns (under 120:
+no sample count; under 100: loss and throughput only), never broken bars. Epoch results,
+failures, notices, resumes and skipped checkpoints are printed above the bars, wrapped at
+word boundaries.
 
-Not a terminal (a log file, CI): plain lines with no ANSI codes: one every ``every`` global
-steps, one per epoch end, one per notice, failure, resume and skipped checkpoint.
+Not a terminal (a log file, CI): plain lines with no ANSI codes, each starting with the
+event's time (``HH:MM:SS``): one every ``every`` global steps, one per epoch end, one per
+notice, failure, resume, skipped checkpoint and change of a worker's state, and one when the
+others start waiting on a silent worker (again every ``REPEAT_WAITING`` seconds of it).
 
-Epochs are shown 1-based (events carry 0-based epochs). Events may arrive in any order or
-with gaps (e.g. ``StepEnded`` with no ``RunStarted``): missing context is shown as unknown.
+Steps and epochs are shown 1-based (events carry 0-based indices, see docs/artefacts.md).
+Events may arrive in any order or with gaps (e.g. ``StepEnded`` with no ``RunStarted``):
+missing context is shown as unknown.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -39,18 +47,40 @@ from phalanx.events import (
     StepEnded,
     ValidationStarted,
     WorkerFailed,
+    WorkerState,
+    WorkersTick,
 )
 from phalanx.failures import cause
+from phalanx.sinks.format import fmt_metric, fmt_number
+from phalanx.sinks.workers import LivePanel, Waiting, Workers
 
 _LEVEL_STYLE = {"warning": "yellow", "warn": "yellow", "error": "bold red"}
+REPEAT_WAITING = 10.0  # plain mode: seconds between two lines about the same wait
+WIDE, MEDIUM = 120, 100  # console widths for the full step info, and for lr
 
 
-def _step_info(e: StepEnded) -> str:
-    return f"loss {e.loss:.4f}  lr {e.lr:.2e}  {e.samples_per_s:,.0f} samples/s"
+def _step_info(e: StepEnded, width: int = WIDE) -> str:
+    loss = f"loss {fmt_number(e.loss)}"
+    if width < MEDIUM:
+        return f"{loss}  {e.samples_per_s:,.0f}/s"
+    return f"{loss}  lr {fmt_number(e.lr)}  {e.samples_per_s:,.0f} samples/s"
 
 
 def _metrics_line(metrics: dict[str, float]) -> str:
-    return "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    return "  ".join(f"{k} {fmt_metric(k, v)}" for k, v in metrics.items())
+
+
+class _Display(Progress):
+    """rich's Progress with the worker panel drawn under the bars."""
+
+    def __init__(self, *columns: Any, panel: LivePanel, **kwargs: Any) -> None:
+        self.panel = panel  # before Progress's constructor: it renders once
+        super().__init__(*columns, **kwargs)
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        if self.tasks:
+            yield from super().get_renderables()
+        yield self.panel
 
 
 class ProgressSink:
@@ -60,18 +90,28 @@ class ProgressSink:
     :meth:`close` stops the live display; it is safe to call more than once.
     """
 
-    def __init__(self, console: Console | None = None, every: int = 10) -> None:
+    def __init__(
+        self,
+        console: Console | None = None,
+        every: int = 10,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.console = console if console is not None else Console()
         self.every = every
+        self.clock = clock
         self.live = self.console.is_terminal
+        self.workers = Workers()
+        self._waiting: tuple[Waiting, float] | None = None  # plain mode: the wait last told
+        self._steps: int | None = None  # steps per epoch (RunStarted)
+        self._when = clock()  # the time of the event being handled
         self.epochs: int | None = None
         self._epoch: int | None = None  # the epoch the step bar shows
         self._batch: int | None = None  # global batch and samples of an epoch (RunStarted)
         self._epoch_samples = 0
         self._progress: Progress | None = None
-        self._epoch_task = TaskID(0)
+        self._epoch_task: TaskID | None = None
         self._step_task = TaskID(0)
         self._handlers: dict[type[Event], Callable[[Any], None]] = {
             RunStarted: self._run_started,
@@ -83,6 +123,8 @@ class ProgressSink:
             Resumed: self._resumed,
             Notice: self._notice,
             WorkerFailed: self._worker_failed,
+            WorkerState: self._worker_state,
+            WorkersTick: self._tick,
             RunEnded: lambda _e: self.close(),
         }
 
@@ -92,6 +134,9 @@ class ProgressSink:
         handler = self._handlers.get(type(event))
         if handler is None:
             return
+        self._when = event.time
+        if isinstance(event, (RunStarted, StepEnded)):
+            self.workers.update(event)  # in-process strategies: rows follow the steps
         try:
             handler(event)
         except Exception:
@@ -106,32 +151,46 @@ class ProgressSink:
     # -- helpers ---------------------------------------------------------------------------
 
     def _say(self, text: str, style: str | None = None) -> None:
-        self.console.print(
-            Text(text, style=(style or "") if self.live else ""), soft_wrap=True, highlight=False
-        )
+        """One line above the bars (wrapped at word boundaries), or a plain line that starts
+        with the time of the event it tells."""
+        if self.live:
+            self.console.print(Text(text, style=style or ""), highlight=False)
+            return
+        stamp = time.strftime("%H:%M:%S", time.localtime(self._when))
+        self.console.print(Text(f"{stamp} {text}"), soft_wrap=True, highlight=False)
 
     def _epoch_label(self, epoch: int) -> str:
         total = f"/{self.epochs}" if self.epochs is not None else ""
         return f"epoch {epoch + 1}{total}"
 
-    def _bars(self) -> Progress:
-        """The live display, started on first use."""
+    def _display(self) -> Progress:
+        """The live display (bars and worker panel), started on first use."""
         if self._progress is None:
-            self._progress = Progress(
+            wide = self.console.width >= WIDE
+            self._progress = _Display(
                 TextColumn("{task.description}"),
-                BarColumn(),
+                BarColumn(bar_width=40 if wide else 20),
                 MofNCompleteColumn(),
                 TimeRemainingColumn(),
                 TextColumn("{task.fields[info]}"),
                 console=self.console,
+                panel=LivePanel(self.workers, self.clock),
             )
-            self._epoch_task = self._progress.add_task("epochs", total=self.epochs, info="")
-            self._step_task = self._progress.add_task("steps", total=None, info="")
+            self._epoch_task = None
             self._progress.start()
         return self._progress
 
+    def _bars(self) -> Progress:
+        """The live display with its epoch and step bars."""
+        display = self._display()
+        if self._epoch_task is None:
+            self._epoch_task = display.add_task("epochs", total=self.epochs, info="")
+            self._step_task = display.add_task("steps", total=None, info="")
+        return display
+
     def _show_epoch(self, epoch: int, steps: int | None, done: int) -> None:
         bars = self._bars()
+        assert self._epoch_task is not None
         self._epoch = epoch
         bars.reset(self._step_task, total=steps, completed=done, info="")
         bars.update(self._step_task, description=self._epoch_label(epoch))
@@ -142,13 +201,14 @@ class ProgressSink:
     def _samples_done(self, e: StepEnded) -> str:
         """Samples of the epoch processed so far, of all devices together (every global
         batch is full but an epoch's last)."""
-        if self._batch is None:
+        if self._batch is None or (self.live and self.console.width < WIDE):
             return ""
         done = min((e.step + 1) * self._batch, self._epoch_samples)
         return f"{done:,}/{self._epoch_samples:,} samples  "
 
     def _run_started(self, e: RunStarted) -> None:
         self.epochs = e.epochs
+        self._steps = e.steps_per_epoch
         self._batch = e.batch_size
         self._epoch_samples = min(e.steps_per_epoch * e.batch_size, e.train_samples)
         self._say(
@@ -178,12 +238,12 @@ class ProgressSink:
             self._step_task,
             completed=e.step + 1,
             total=e.steps_in_epoch,
-            info=self._samples_done(e) + _step_info(e),
+            info=self._samples_done(e) + _step_info(e, self.console.width),
         )
 
     def _validation_started(self, e: ValidationStarted) -> None:
         if self.live:
-            label = f"{self._epoch_label(e.epoch)} (validating {e.batches} batches)"
+            label = f"{self._epoch_label(e.epoch)} (valid)"
             self._bars().update(self._step_task, description=label)
 
     def _epoch_ended(self, e: EpochEnded) -> None:
@@ -191,6 +251,7 @@ class ProgressSink:
         self._say(f"{self._epoch_label(e.epoch)} done in {e.seconds:.1f}s: {metrics}")
         if self.live:
             bars = self._bars()
+            assert self._epoch_task is not None
             bars.update(self._epoch_task, completed=e.epoch + 1, total=self.epochs)
             bars.update(self._step_task, description=self._epoch_label(e.epoch))
 
@@ -199,8 +260,8 @@ class ProgressSink:
 
     def _resumed(self, e: Resumed) -> None:
         self._say(
-            f"resumed from {e.path} at {self._epoch_label(e.epoch)}, step {e.step} "
-            f"(global step {e.global_step})",
+            f"resumed from {e.path} after {e.global_step} committed step(s): next is "
+            f"{self._epoch_label(e.epoch)} step {e.step + 1} (global {e.global_step + 1})",
             "cyan",
         )
 
@@ -208,13 +269,45 @@ class ProgressSink:
         prefix = "" if e.level == "info" else f"{e.level}: "
         self._say(f"{prefix}{e.text}", _LEVEL_STYLE.get(e.level))
 
+    def _where(self, step: int | None, epoch: int | None, phase: str) -> str:
+        """A failure's place for people, 1-based: ``at step 27 (epoch 2/8, step 4/23)``."""
+        if phase == "validation" and epoch is not None:
+            return f"in validation of {self._epoch_label(epoch)}"
+        if step is None:
+            return "before its first step"
+        at = f"at step {step + 1}"
+        if epoch is not None and self._steps:
+            within = step - epoch * self._steps + 1
+            at += f" ({self._epoch_label(epoch)}, step {within}/{self._steps})"
+        elif epoch is not None:
+            at += f" ({self._epoch_label(epoch)})"
+        return at
+
     def _worker_failed(self, e: WorkerFailed) -> None:
         f = e.failure
-        at = f"at step {f.step}" if f.step is not None else "before its first step"
-        if f.epoch is not None:
-            at += f" of {self._epoch_label(f.epoch)}"
         self._say(
-            f"worker {f.worker} (rank {f.rank}) on device {f.device} failed {at} "
-            f"({f.phase}): {cause(f)} -> {e.action}",
+            f"worker {f.worker} (rank {f.rank}) on device {f.device} failed "
+            f"{self._where(f.step, f.epoch, f.phase)} ({f.phase}): {cause(f)} -> {e.action}",
             "bold red",
         )
+
+    def _worker_state(self, e: WorkerState) -> None:
+        line = self.workers.update(e)
+        if self.live:
+            self._display()  # the panel shows it (the display starts with the first worker)
+        elif line:
+            self._say(line)
+
+    def _tick(self, e: WorkersTick) -> None:
+        self.workers.update(e)
+        if self.live:
+            self._display()
+            return
+        wait = self.workers.waiting(e.time)
+        told = self._waiting
+        if wait is None:
+            self._waiting = None
+            return
+        if told is None or told[0].worker != wait.worker or e.time - told[1] >= REPEAT_WAITING:
+            self._waiting = (wait, e.time)
+            self._say(wait.text())

@@ -7,14 +7,26 @@ when the run ends (:class:`~phalanx.events.RunEnded`) and prints nothing before 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from phalanx.events import Event, RunEnded
+from phalanx.events import (
+    CheckpointSaved,
+    EpochEnded,
+    Event,
+    GenerationStarted,
+    RunEnded,
+    RunOpened,
+    RunStarted,
+    StepEnded,
+    WorkerFailed,
+    WorkerState,
+)
+from phalanx.failures import WorkerFailure
 
 _SPLIT_ORDER = {"train": 0, "valid": 1, "test": 2}
 
@@ -63,9 +75,11 @@ def summarize(history: list[dict[str, Any]]) -> list[SummaryRow]:
     return rows
 
 
-def _fmt(value: float) -> str:
+def _fmt(value: float, metric: str = "") -> str:
     if math.isnan(value) or math.isinf(value):
         return str(value)
+    if metric.endswith("samples_per_s"):
+        return f"{value:,.0f}"
     return f"{value:.3f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
 
 
@@ -82,7 +96,12 @@ def render_summary(history: list[dict[str, Any]], console: Console) -> None:
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(
-            r.split, r.metric, _fmt(r.min), str(r.min_epoch), _fmt(r.max), str(r.max_epoch)
+            r.split,
+            r.metric,
+            _fmt(r.min, r.metric),
+            str(r.min_epoch),
+            _fmt(r.max, r.metric),
+            str(r.max_epoch),
         )
     console.print(table)
 
@@ -99,30 +118,196 @@ def format_duration(seconds: float) -> str:
     return f"{h}h {m:02d}m {sec:02d}s" if h else f"{m}m {sec:02d}s"
 
 
-class SummarySink:
-    """Prints the summary table and the run's end on :class:`RunEnded`; ignores the rest.
+def lost_seconds(f: WorkerFailure) -> float | None:
+    """What a failure cost: from the failure (a hang: from the worker's last progress) to
+    the run's next committed step; None when no step was committed after it."""
+    if f.recovery_seconds is None:
+        return None
+    since = f.last_progress
+    stalled = max(0.0, f.time - since) if since is not None else 0.0
+    return f.recovery_seconds + stalled
 
-    The end line gives steps, epochs and time; an interrupted run adds its
-    ``interrupted`` line (``Training interrupted: <reason>``, as ``FitResult`` has it); a
-    failed run adds ``Training failed``.
+
+def step_label(step: int | None) -> str:
+    """A failure's step for people: its 0-based global index shown 1-based (``-``: none)."""
+    return "-" if step is None else str(step + 1)
+
+
+def render_failures(failures: list[WorkerFailure], console: Console) -> None:
+    """The failures of a run and what was done about each ("Failures and recoveries"). Steps
+    are 1-based; ``lost`` is :func:`lost_seconds`."""
+    table = Table(title="Failures and recoveries", title_justify="left")
+    for column in ("worker", "device", "kind", "step", "phase", "action"):
+        table.add_column(column)
+    table.add_column("lost", justify="right")
+    for f in failures:
+        lost = lost_seconds(f)
+        table.add_row(
+            str(f.worker),
+            f.device,
+            f.kind,
+            step_label(f.step),
+            f.phase,
+            f.action or "",
+            f"{lost:.1f}s" if lost is not None else "-",
+        )
+    console.print(table)
+    console.print(
+        "lost: from the failure (a hang: its last progress) to the next committed step",
+        highlight=False,
+        style="dim",
+    )
+
+
+@dataclass
+class RunStory:
+    """What the end of a run tells, gathered from its events (also replayed from files by
+    ``phalanx report``)."""
+
+    run_id: str | None = None
+    run_dir: str = ""
+    devices: list[str] = field(default_factory=list)
+    steps_per_epoch: int | None = None
+    committed: int = 0  # global steps committed (the last StepEnded's global_step)
+    epochs_done: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[WorkerFailed] = field(default_factory=list)
+    members: list[int] | None = None  # the last generation's
+    generation: int = 0
+    states: list[WorkerState] = field(default_factory=list)
+    checkpoints: int = 0
+
+    def take(self, event: Event) -> None:
+        if isinstance(event, RunOpened):
+            self.run_id, self.run_dir = event.run_id, event.run_dir
+        elif isinstance(event, RunStarted):
+            self.devices, self.steps_per_epoch = list(event.devices), event.steps_per_epoch
+            self.run_dir = event.run_dir or self.run_dir
+            self.committed = event.start_epoch * event.steps_per_epoch + event.start_step
+            self.epochs_done = event.start_epoch
+        elif isinstance(event, StepEnded):
+            self.committed = event.global_step
+        elif isinstance(event, EpochEnded):
+            self.epochs_done = event.epoch + 1
+            self.history.append({"epoch": event.epoch, **event.metrics})
+        elif isinstance(event, WorkerFailed):
+            self.failures.append(event)
+        elif isinstance(event, GenerationStarted):
+            self.members, self.generation = list(event.members), event.number
+        elif isinstance(event, WorkerState):
+            self.states.append(event)
+        elif isinstance(event, CheckpointSaved):
+            self.checkpoints += 1
+
+    def survived(self, failed: bool) -> list[WorkerFailure]:
+        """Failures the run went on after (all but the one that stopped it)."""
+        return [e.failure for e in self.failures if not (failed and e.action == "aborted")]
+
+    def respawn_fates(self) -> list[str]:
+        """For each respawned worker: did its replacement join, and where."""
+        fates = []
+        for e in self.failures:
+            if e.action != "respawned":
+                continue
+            f = e.failure
+            mine = [s for s in self.states if s.worker == f.worker and s.time >= f.time]
+            start = next((i for i, s in enumerate(mine) if s.state == "joining"), len(mine))
+            later = mine[start:]  # from the replacement's start
+            joined = next((s for s in later if s.state == "training"), None)
+            fell = next((s for s in later if s.state == "fallen"), None)
+            what = f"worker {f.worker} ({f.device}), {f.kind} at step {step_label(f.step)}: "
+            if joined is not None and (fell is None or joined.time < fell.time):
+                what += f"its replacement joined generation {joined.generation}"
+                if fell is not None:
+                    what += ", then fell too"
+            elif fell is not None:
+                what += "its replacement fell before joining"
+            else:
+                what += "its replacement had not joined when the run ended"
+            fates.append(what)
+        return fates
+
+
+def _count_kinds(failures: list[WorkerFailure]) -> str:
+    """``1 crash, 2 exception (retried, aborted)``: failures by kind, with what was done."""
+    kinds: dict[str, list[str]] = {}
+    for f in failures:
+        kinds.setdefault(f.kind, []).append(f.action or "?")
+    parts = []
+    for kind, actions in kinds.items():
+        parts.append(
+            f"{len(actions)} {kind}" + (f" ({', '.join(actions)})" if len(actions) > 1 else "")
+        )
+    return ", ".join(parts)
+
+
+def end_lines(story: RunStory, end: RunEnded) -> list[str]:
+    """How the run ended, for people: steps, failures survived, the final world size, each
+    respawn's fate, where checkpoints and logs are, how to resume."""
+    lines = []
+    if end.failed:
+        lines.append(
+            f"Training failed after {story.committed} committed step(s) "
+            f"({story.epochs_done} epoch(s) finished); the error report follows."
+        )
+    else:
+        lines.append(
+            f"Trained {end.epochs} epoch(s), {end.steps} step(s) in {format_duration(end.seconds)}."
+        )
+    survived = story.survived(end.failed)
+    if survived and not end.failed:
+        lines.append(f"Survived {len(survived)} failure(s): {_count_kinds(survived)}.")
+    elif story.failures:
+        every = [e.failure for e in story.failures]
+        lines.append(f"{len(every)} failure(s): {_count_kinds(every)}.")
+    if story.devices:
+        world = len(story.members) if story.members is not None else len(story.devices)
+        lines.append(
+            f"Final world size: {world} of {len(story.devices)} worker(s)"
+            + (f" (generation {story.generation})." if story.generation else ".")
+        )
+    lines += [f"Respawn: {fate}." for fate in story.respawn_fates()]
+    if story.run_dir:
+        folder = story.run_dir
+        lines.append(
+            f"Run {story.run_id or '?'}: checkpoints in {folder}/checkpoints, logs in "
+            f"{folder} (run.json, events.jsonl, metrics.csv, steps.csv); "
+            f"`phalanx report {folder}` and `phalanx plot {folder}` show it again."
+        )
+        lines.append(
+            f"To continue after an interruption: fit(..., run_dir={folder!r}, resume=True) "
+            "(phalanx demo: --resume)."
+        )
+    return lines
+
+
+class SummarySink:
+    """Prints the summary table and the run's end on :class:`RunEnded` (before that it only
+    gathers the run's story: failures, generations, workers' states).
+
+    The end says steps, epochs and time (a failed run: the steps committed before it
+    stopped, and that the error report follows), the failures survived with the table of
+    failures and recoveries, the final world size, each respawn's fate, where checkpoints
+    and logs are and how to resume; an interrupted run adds its ``interrupted`` line
+    (``Training interrupted: <reason>``, as ``FitResult`` has it).
     """
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console if console is not None else Console()
+        self.story = RunStory()
 
     def handle(self, event: Event) -> None:
         if not isinstance(event, RunEnded):
+            self.story.take(event)
             return
-        render_summary(event.history, self.console)
-        self.console.print(
-            f"Trained {event.epochs} epoch(s), {event.steps} step(s) "
-            f"in {format_duration(event.seconds)}.",
-            highlight=False,
-        )
+        render_summary(event.history or self.story.history, self.console)
+        if self.story.failures:
+            render_failures([e.failure for e in self.story.failures], self.console)
+        for line in end_lines(self.story, event):  # a log file gets whole lines
+            self.console.print(line, highlight=False, soft_wrap=not self.console.is_terminal)
         if event.interrupted:
             self.console.print(Text(event.interrupted, style="yellow"))
-        if event.failed:
-            self.console.print(Text("Training failed (see the report above).", style="bold red"))
+        self.story = RunStory()
 
     def close(self) -> None:
         """Nothing to release."""

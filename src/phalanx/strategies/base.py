@@ -43,8 +43,11 @@ def evaluate_local(
     return sums
 
 
-def member_vote(result: LocalResult, stop: bool, regroup: bool = False) -> Vote:
-    """One member's vote on its own result, before it is summed with the others'."""
+def member_vote(
+    result: LocalResult, stop: bool, regroup: bool = False, overflow: bool = False
+) -> Vote:
+    """One member's vote on its own result, before it is summed with the others'
+    (``overflow``: its gradients are not finite, under "16-mixed")."""
     failure = result.failure
     return Vote(
         failed=int(failure is not None),
@@ -53,6 +56,7 @@ def member_vote(result: LocalResult, stop: bool, regroup: bool = False) -> Vote:
         splittable=int(result.splittable),
         contract=int(failure is not None and failure.breaks_step_contract),
         ledger=result.ledger,
+        overflow=int(overflow),
         sums=result.sums,
         failures=[failure] if failure is not None else [],
     )
@@ -64,11 +68,13 @@ def guarded_commit(
     identity: Identity,
     step: int,
     epoch: int,
+    skip: bool = False,
 ) -> None:
-    """The optimizer phase. A failure here leaves this replica's weights unknown: fatal."""
+    """The optimizer phase (``skip``: the vote found overflowed gradients, see
+    :meth:`Trainable.commit`). A failure here leaves this replica's weights unknown: fatal."""
     try:
         faults.check(step, "optimizer")
-        trainable.commit()
+        trainable.commit(skip)
     except Exception as exc:
         raise FailedHere(failure_of(exc, identity, "optimizer", step, epoch)) from exc
 

@@ -57,10 +57,14 @@ class SingleEngine:
             epoch,
             self.micro,
         )
-        return member_vote(res, stop())
+        overflow = res.failure is None and self.trainable.overflowed()
+        return member_vote(res, stop(), overflow=overflow)
 
-    def commit(self) -> None:
-        guarded_commit(self.trainable, self.faults, self.identity, self.step, self.epoch)
+    def commit(self, skip: bool = False) -> None:
+        guarded_commit(self.trainable, self.faults, self.identity, self.step, self.epoch, skip)
+
+    def end_epoch(self) -> None:
+        self.trainable.end_epoch()
 
     def discard(self) -> None:
         self.trainable.discard()

@@ -131,6 +131,8 @@ class ThreadsEngine:
         self.timeout = config.hang_timeout.total_seconds()
         self.micro = spec.grad_accumulation
         self.trainables = [Trainable(spec, device, config.seed) for device in self.devices]
+        for other in self.trainables[1:]:
+            other.share_scaler(self.main)  # one loss scale: the main replica's
         self.identities = [
             Identity(worker=i, rank=i, device=label) for i, label in enumerate(self.labels)
         ]
@@ -184,15 +186,17 @@ class ThreadsEngine:
         tasks = [self._task(i, step, global_step, epoch, seed) for i in range(len(self.replicas))]
         results = self._gather(tasks, global_step, epoch)
         votes = [self._vote_of(i, outcome, step, global_step) for i, outcome in enumerate(results)]
+        overflow = False
         if not any(v.failed for v in votes):
             try:
                 self._reduce_grads()
+                overflow = self.main.overflowed()  # of the summed gradients
             except Exception as exc:
                 failure = self._failure(exc, 0, "sync", global_step, epoch, None)
                 votes.append(member_vote(LocalResult(votes[0].sums * 0, failure), False))
         total = torch.stack([pack_vote(v) for v in votes]).sum(dim=0)
         vote = unpack_vote(total, [f for v in votes for f in v.failures])
-        vote.stop = stop()
+        vote.stop, vote.overflow = stop(), int(overflow)
         return vote
 
     def _vote_of(
@@ -312,8 +316,8 @@ class ThreadsEngine:
                 else:
                     p.grad.add_(g)
 
-    def commit(self) -> None:
-        guarded_commit(self.main, self.faults[0], self.identities[0], self.step, self.epoch)
+    def commit(self, skip: bool = False) -> None:
+        guarded_commit(self.main, self.faults[0], self.identities[0], self.step, self.epoch, skip)
         for i in range(1, len(self.trainables)):
             try:
                 self.faults[i].check(self.step, "optimizer")
@@ -334,6 +338,9 @@ class ThreadsEngine:
                 q.grad = None
             for b, c in zip(source.buffers(), other.model.buffers(), strict=True):
                 c.copy_(b)
+
+    def end_epoch(self) -> None:
+        self.main.end_epoch()
 
     def discard(self) -> None:
         self.main.discard()

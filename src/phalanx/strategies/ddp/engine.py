@@ -126,7 +126,9 @@ class DdpEngine:
         )
         self.hooks.on_phase(global_step, "sync")
         self._sync_fault(res, step)
-        mine = member_vote(res, stop(), self.hooks.regroup_requested())
+        # After backward DDP has reduced the gradients: every member finds the same overflow.
+        overflow = res.failure is None and self.trainable.overflowed()
+        mine = member_vote(res, stop(), self.hooks.regroup_requested(), overflow)
         packed = pack_vote(mine).to(self.device)
         self.group.all_reduce(packed)
         self.m.replica.unvoted = None  # the vote carries it from here
@@ -148,7 +150,7 @@ class DdpEngine:
                 res.failure, res.splittable = failure, False
                 self.m.replica.unvoted, self.m.replica.unvoted_splittable = failure, False
 
-    def commit(self) -> None:
+    def commit(self, skip: bool = False) -> None:
         """Buffers first (a collective that can still fail with nothing changed), then the
         optimizer: once it has stepped, nothing here can fail because of a peer, so a step
         is never applied on one member and then computed again after a regroup. (The
@@ -157,8 +159,11 @@ class DdpEngine:
             for buf in self.trainable.model.buffers():
                 self.group.broadcast(buf, src=0)
         guarded_commit(
-            self.trainable, self.m.faults, self.m.replica.identity, self.step, self.epoch
+            self.trainable, self.m.faults, self.m.replica.identity, self.step, self.epoch, skip
         )
+
+    def end_epoch(self) -> None:
+        self.trainable.end_epoch()
 
     def discard(self) -> None:
         self.trainable.discard()

@@ -34,7 +34,15 @@ import torch.multiprocessing as mp
 from torch.utils.data import Dataset
 
 from phalanx import report
-from phalanx.events import Notice, StepEnded, WorkerFailed
+from phalanx.events import (
+    Beat,
+    GenerationStarted,
+    Notice,
+    StepEnded,
+    WorkerFailed,
+    WorkerState,
+    WorkersTick,
+)
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.plan import Plan
@@ -65,6 +73,8 @@ STACK_WAIT = 0.5
 STARTUP_TIMEOUT = 120.0  # spawning and importing torch is not a hang
 PREFLIGHT_TIMEOUT = 30.0
 IDLE_PHASES = ("start", "regroup", "joining")  # bounded by their own timeouts, not hangs
+TICK = 0.5  # seconds between two WorkersTick events (the live worker panel)
+PANEL_STATES = {"start": "starting", "preflight": "preflight", "regroup": "joining"}
 ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted"}
 
 
@@ -122,9 +132,17 @@ class Supervisor:
         self.rebuilds: set[int] = set()  # generations that rebuild the same members' group
         cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
         self.threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+        self.shown: dict[int, str] = {}  # the worker panel: each slot's last state shown
+        self.ticked = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        self.emit(
+            Notice(
+                f"starting {self.world} worker process(es) on {', '.join(self.config.devices)} "
+                "(each imports torch first: a few seconds)"
+            )
+        )
         for slot in range(self.world):
             self._spawn(slot)
         self._announce(list(range(self.world)), "start")
@@ -160,7 +178,10 @@ class Supervisor:
         proc = self.ctx.Process(target=worker_mod.main, args=(args,), name=name, daemon=True)
         proc.start()
         writer.close()  # the worker holds the only write end: EOF means it is gone
+        if slot in self.slots:
+            self._show(slot, "replaced", f"by pid {proc.pid}")
         self.slots[slot] = SlotState(proc, reader, phase="joining" if replacement else "start")
+        self._show(slot, "joining" if replacement else "starting")
 
     def _announce(
         self, members: list[int], cause: str, rebuild: bool = False, replacing: int | None = None
@@ -193,6 +214,8 @@ class Supervisor:
         self.store.set(f"{GEN_PREFIX}{self.generation}", doc)
         self.store.add(GEN_LATEST, 1 if self.generation > 0 else 0)
         self.store.add(CONTROL_KEY, 1)
+        devices = [self.config.devices[m] for m in self.members]
+        self.emit(GenerationStarted(self.generation, self.members, devices, cause))
         if self.generation > 0:
             self.emit(Notice(f"generation {self.generation}: workers {self.members} ({cause})"))
 
@@ -203,6 +226,7 @@ class Supervisor:
             self._drain()
             self._check_deaths()
             self._settle_broke()
+            self._tick_panel()
             if decided_at is None:
                 self._check_hang()
                 self._forward_stop()
@@ -265,9 +289,11 @@ class Supervisor:
             state = self.slots[message.slot]
             state.step, state.phase, state.changed = message.step, message.phase, time.time()
             state.attempt = message.attempt
+            self._show(message.slot, PANEL_STATES.get(message.phase, "training"))
         elif isinstance(message, Joined):
             state = self.slots[message.slot]
             state.generation, state.changed = message.generation, time.time()
+            self._show(message.slot, "training")
         elif isinstance(message, Ready):
             self.waiting.append(message.slot)
         elif isinstance(message, Failed):
@@ -288,6 +314,7 @@ class Supervisor:
         elif isinstance(message, Done):
             self._settle_broke(before=self.slots[message.slot].generation)
             self.slots[message.slot].finished = True
+            self._show(message.slot, "finished")
             if message.weights_path is not None:
                 out.done = message
                 self._dismiss_waiting()
@@ -398,7 +425,7 @@ class Supervisor:
             device=self.config.devices[slot],
             kind="hang",
             message=f"no progress for {stalled:.1f}s in phase {state.phase} of step "
-            f"{state.step} (hang_timeout {self.config.hang_timeout.total_seconds():g}s)",
+            f"{state.step + 1} (hang_timeout {self.config.hang_timeout.total_seconds():g}s)",
             phase=state.phase,
             step=state.step,
             epoch=epoch,
@@ -406,6 +433,7 @@ class Supervisor:
             stacks=stacks,
             sample_indices=samples,
             attempt=self._attempt(state),
+            last_progress=state.changed,
         )
 
     def _dump_stacks(self, slot: int, state: SlotState) -> str:
@@ -437,6 +465,7 @@ class Supervisor:
         out = self.outcome
         slot = failure.worker
         generation = self.slots[slot].generation
+        self._show(slot, "fallen", f"{failure.kind} in {failure.phase}")
         self._settle_broke(before=generation)
         if out.done is not None:  # the run has its result: nothing left to recover
             failure.action = "ignored"
@@ -564,6 +593,47 @@ class Supervisor:
             else:
                 waiting.append(failure)
         self.recovering = waiting
+
+    # -- the worker panel (events only: nothing here decides anything) -------------------
+    def _show(self, slot: int, state: str, detail: str = "") -> None:
+        """Tell the sinks that ``slot``'s worker is now in ``state`` (once per change)."""
+        if self.shown.get(slot) == state:
+            return
+        if state not in ("fallen", "replaced", "finished") and self.slots[slot].finished:
+            return  # a fallen worker's last words do not revive its row
+        self.shown[slot] = state
+        proc = self.slots[slot].process if slot in self.slots else None
+        generation = self.slots[slot].generation if slot in self.slots else -1
+        self.emit(
+            WorkerState(
+                slot,
+                self.config.devices[slot],
+                state,
+                rank=self._rank(slot) if slot in self.members else None,
+                generation=generation if generation >= 0 else None,
+                pid=proc.pid if proc is not None else None,
+                detail=detail,
+            )
+        )
+
+    def _tick_panel(self) -> None:
+        """Every live worker's heartbeat, every TICK seconds, for the live panel."""
+        now = time.time()
+        if now - self.ticked < TICK:
+            return
+        self.ticked = now
+        beats = [
+            Beat(
+                slot,
+                s.phase,
+                s.step,
+                s.changed,
+                None if s.phase in IDLE_PHASES or slot not in self.members else self._limit(s),
+            )
+            for slot, s in self.slots.items()
+            if not s.finished
+        ]
+        self.emit(WorkersTick(beats))
 
     def _rank(self, slot: int) -> int:
         return self.members.index(slot) if slot in self.members else slot

@@ -45,6 +45,7 @@ from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
 from phalanx.strategies.ddp.handover import hand_over
+from phalanx.strategies.ddp.identity import announce
 from phalanx.strategies.ddp.preflight import preflight
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
@@ -271,6 +272,8 @@ class Worker:
             torch.set_num_threads(a.threads)
         else:
             torch.cuda.set_device(self.device)
+        # Until it joins a generation (preflight): its slot and the full world.
+        announce(a.slot, len(a.config.devices), self.label, a.slot, -1, a.store_port)
         try:
             member = self.prepare()
             # A replacement waits until it is let in or dismissed (the supervisor decides).
@@ -436,6 +439,7 @@ class Worker:
         rank = gen.rank_of(self.a.slot)
         self.rank, self.watcher.members = rank, list(gen.members)
         self.watcher.generation = gen.number
+        announce(rank, len(gen.members), self.label, self.a.slot, gen.number, self.a.store_port)
         self.on_phase(self.step, "regroup")
         member.trainable.discard()  # gradients of a step the old group never committed
         self.arrive(store, gen, rank)

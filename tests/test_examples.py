@@ -1,0 +1,83 @@
+"""The examples in examples/ as a user runs them (small sizes), under ddp with 2 CPU
+workers, fp16 mixed precision and named weight-decay groups: a killed worker is survived,
+Ctrl-C leaves a checkpoint that --resume continues from, the final file opens with torch."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from procs import child_env
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+]
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SMALL = {
+    "ddp_tutorial.py": ["--samples", "512", "--epochs", "2", "--fault", "kill:1@5"],
+    "mingpt.py": ["--epochs", "1", "--block-size", "16", "--embd", "32", "--fault", "kill:0@5"],
+}
+
+
+def run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--run-dir", str(tmp_path / "run"), *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=200,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.parametrize("script", sorted(SMALL))
+def test_example_survives_a_killed_worker(script: str, tmp_path: Path) -> None:
+    done = run(tmp_path, script, *SMALL[script])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    m = re.search(r"failures survived: (\d+); exactly-once: (\w+)", done.stdout)
+    assert m and m.groups() == ("1", "True"), done.stdout[-2000:]
+    state = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert state and all(torch.isfinite(v).all() for v in state.values())
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    assert any(e["event"] == "WorkerFailed" for e in events)
+
+
+def test_ddp_tutorial_resumes_after_ctrl_c(tmp_path: Path) -> None:
+    events = tmp_path / "run" / "events.jsonl"
+    args = ["--samples", "4096", "--epochs", "3", "--batch-size", "32"]
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "ddp_tutorial.py"), "--run-dir", str(tmp_path / "run"),
+         *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (events.exists() and '"StepEnded"' in events.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # to the supervisor, as a terminal's Ctrl-C
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    stopped = int(re.search(r"interrupted after step (\d+)", out).group(1))  # type: ignore[union-attr]
+    assert 1 <= stopped < 384
+    assert not (tmp_path / "run" / "final.pt").exists()  # not saved as if it had finished
+    done = run(tmp_path, "ddp_tutorial.py", *args, "--resume")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "after 384 steps" in done.stdout and "exactly-once: True" in done.stdout
+    resumed = [json.loads(line) for line in events.open() if '"Resumed"' in line]
+    assert resumed and resumed[-1]["global_step"] == stopped

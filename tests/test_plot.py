@@ -1,0 +1,195 @@
+"""`phalanx plot` and `phalanx report` on real run folders: a run with injected failures
+(threads, exception faults), and a hand-made log with a kill, a hang and generations."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import phalanx as px
+from phalanx import cli
+from phalanx.events import (
+    GenerationStarted,
+    RunEnded,
+    RunOpened,
+    RunStarted,
+    StepEnded,
+    WorkerFailed,
+    WorkerState,
+    to_record,
+)
+from phalanx.failures import WorkerFailure
+from phalanx.plot import load_run, plot_run
+from phalanx.runinfo import write_run
+from phalanx.runview import report_run
+
+pytest.importorskip("matplotlib")
+
+
+def tiny_model() -> torch.nn.Module:
+    return torch.nn.Linear(4, 2)
+
+
+def tiny_fit(run_dir: Path, faults: list[px.Fault]) -> px.FitResult:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g)
+    )
+    learner = px.Learner(
+        tiny_model, functools.partial(torch.optim.SGD, lr=0.1), px.cross_entropy_step
+    )
+    return learner.fit(
+        data,
+        valid=data,
+        epochs=2,
+        batch_size=16,
+        strategy="threads",
+        devices="cpu:0,cpu:1",
+        run_dir=str(run_dir),
+        faults=faults,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_plot_marks_each_injected_failure_at_its_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    faults = [px.Fault("exception", worker=1, step=2), px.Fault("exception", worker=0, step=5)]
+    result = tiny_fit(run_dir, faults)
+    assert [f.step for f in result.failures] == [2, 5]
+    assert cli.main(["plot", str(run_dir)]) == 0
+    png = run_dir / "run.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = load_run(run_dir)
+    assert data.steps == list(range(1, 9))  # 2 epochs x 4 steps, 1-based
+    drawn = plot_run(run_dir, tmp_path / "other.png")
+    assert (tmp_path / "other.png").exists()
+    # the 3rd and 6th steps (0-based 2 and 5), at the loss of the step committed there
+    assert drawn.by_step == {
+        "exception": [(3.0, data.loss_at(3)), (6.0, data.loss_at(6))],
+    }
+    times = [x for x, _ in drawn.by_time["exception"]]
+    assert times == sorted(times) and all(0 <= t <= data.seconds[-1] for t in times)
+    assert drawn.world[0] == (0.0, 2.0)  # threads on 2 devices, all along
+    assert set(data.valid) == {"valid/loss"}
+
+
+def hand_made_run(run_dir: Path) -> None:
+    """A ddp run's log as the supervisor writes it: worker 1 killed in step 4 (respawned, its
+    replacement rejoins), worker 0 hung in step 7 (shrunk), plus a line of another run."""
+    run_dir.mkdir(parents=True)
+    write_run(run_dir, {"run_id": "r2", "started": 100.0, "sessions": [100.0]})
+    devices = ["cpu:0", "cpu:1"]
+    crash = WorkerFailure(1, 1, "cpu:1", "crash", "SIGKILL", "forward", step=3, epoch=0,
+                          time=104.5, action="respawned")  # fmt: skip
+    hang = WorkerFailure(0, 0, "cpu:0", "hang", "no progress", "forward", step=6, epoch=1,
+                         time=112.0, action="shrunk", last_progress=107.0)  # fmt: skip
+    events = [
+        RunOpened("r2", str(run_dir), time=100.0),
+        GenerationStarted(0, [0, 1], devices, "start", time=100.5),
+        RunStarted(str(run_dir), "ddp", devices, 2, 4, 8, 32, 8, time=101.0),
+    ]
+    for g in range(1, 9):
+        t = 101.0 + g
+        events.append(StepEnded((g - 1) // 4, (g - 1) % 4, g, 4, 2.0 / g, 0.1, 8, 8.0, time=t))
+        if g == 4:
+            events += [
+                WorkerFailed(crash, "respawned", time=104.5),
+                WorkerState(1, "cpu:1", "fallen", time=104.5),
+                GenerationStarted(1, [0], devices[:1], "worker 1 crash", time=104.6),
+                WorkerState(1, "cpu:1", "replaced", pid=7, time=104.6),
+                WorkerState(1, "cpu:1", "joining", pid=8, time=104.6),
+                WorkerState(1, "cpu:1", "training", rank=1, generation=2, time=105.5),
+                GenerationStarted(2, [0, 1], devices, "workers [1] rejoin", time=105.5),
+            ]
+        if g == 7:
+            events += [
+                WorkerFailed(hang, "shrunk", time=112.0),
+                GenerationStarted(3, [1], devices[1:], "worker 0 hang", time=112.1),
+            ]
+    events.append(RunEnded([], 8, 2, None, 12.0, time=113.0))
+    lines = [json.dumps({**to_record(StepEnded(0, 0, 1, 4, 9.0, 0.1, 8, 8.0)), "run": "r1"})]
+    lines += [json.dumps({**to_record(e), "run": "r2"}) for e in events]
+    (run_dir / "events.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_plot_marks_a_kill_and_a_hang_and_shows_world_size_and_generations(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    hand_made_run(run_dir)
+    data = load_run(run_dir)
+    assert data.loss[0] == 2.0  # the other run's line (loss 9) is left out
+    drawn = plot_run(run_dir)
+    assert (run_dir / "run.png").exists()
+    assert drawn.by_step == {"crash": [(4.0, 0.5)], "hang": [(7.0, 2.0 / 7)]}
+    assert drawn.by_time["crash"][0][0] == pytest.approx(4.5)
+    assert drawn.by_time["hang"][0][0] == pytest.approx(12.0)
+    (hang,) = [f for f in data.failures if f.kind == "hang"]
+    assert hang.silent_from == pytest.approx(7.0)  # its last progress, shaded up to 12 s
+    # world size over steps: 2, down to 1 after step 4's kill, 2 again, 1 after the hang
+    assert [y for _, y in drawn.world] == [2.0, 1.0, 2.0, 1.0, 1.0]
+    assert [g for *_, g, _ in data.world] == [0, 1, 2, 3]
+
+
+def test_report_tells_the_run_end_from_its_files(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    hand_made_run(run_dir)
+    console = Console(file=io.StringIO(), width=100)
+    assert report_run(run_dir, console) == 0
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "Run r2" in out
+    assert "Trained 2 epoch(s), 8 step(s)" in out
+    assert "Survived 2 failure(s): 1 crash, 1 hang." in out
+    assert "Final world size: 1 of 2 worker(s) (generation 3)." in out
+    assert "Respawn: worker 1 (cpu:1), crash at step 4: its replacement joined generation 2" in out
+    assert "Failures and recoveries" in out
+    assert report_run(tmp_path / "nothing", console) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_ddp_run_logs_its_workers_and_generations_and_plots_the_kill(tmp_path: Path) -> None:
+    """A real ddp run (2 CPU workers, worker 1 killed in step 4 and respawned): the
+    supervisor's WorkerState and GenerationStarted events reach events.jsonl (its heartbeats
+    do not), and the plot marks the kill where it happened."""
+    from recovery_helpers import linear, make_data, sgd, slow_step
+
+    run_dir = tmp_path / "run"
+    learner = px.Learner(linear, sgd, slow_step)
+    result = learner.fit(
+        make_data(256), epochs=2, batch_size=16, strategy="ddp", devices="cpu:0,cpu:1",
+        run_dir=str(run_dir), faults=[px.Fault("kill", worker=1, step=3)],
+    )  # fmt: skip
+    assert [(f.kind, f.step, f.action) for f in result.failures] == [("crash", 3, "respawned")]
+    records = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = {r["event"] for r in records}
+    assert "WorkersTick" not in kinds
+    states = [(r["worker"], r["state"]) for r in records if r["event"] == "WorkerState"]
+    for expected in [(0, "starting"), (1, "starting"), (0, "training"), (1, "training"),
+                     (1, "fallen"), (1, "replaced"), (1, "joining"), (0, "finished")]:  # fmt: skip
+        assert expected in states, (expected, states)
+    assert states.index((1, "fallen")) < states.index((1, "replaced"))
+    generations = [r["members"] for r in records if r["event"] == "GenerationStarted"]
+    assert generations[:2] == [[0, 1], [0]]
+    drawn = plot_run(run_dir)
+    assert [x for x, _ in drawn.by_step["crash"]] == [4.0]
+    assert drawn.world[0] == (0.0, 2.0) and drawn.world[1][1] == 1.0
+
+
+def test_plot_without_matplotlib_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hand_made_run(tmp_path / "run")
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # any import of it now fails
+    assert cli.main(["plot", str(tmp_path / "run")]) == 2
+    assert "pip install 'phalanx[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "run.png").exists()
