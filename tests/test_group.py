@@ -95,3 +95,53 @@ def test_a_group_left_is_not_used_again() -> None:
         return True
 
     assert in_two_ranks(body) == [True, True]
+
+
+class FakeLoop:
+    """What the hand-over reads and writes of a loop: its position and its snapshot."""
+
+    def __init__(self, steps: int, weights: torch.Tensor) -> None:
+        self.state = type("State", (), {"global_step": steps, "epoch": 0})()
+        self.weights = weights
+        self.restored: dict[str, Any] | None = None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"model": {"w": self.weights}, "steps": self.state.global_step}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.restored = snap
+        self.weights, self.state.global_step = snap["model"]["w"], snap["steps"]
+
+
+@pytest.mark.timeout(60)
+def test_the_hand_over_moves_state_to_the_members_behind_only() -> None:
+    """Three members: rank 2 is behind (a replacement). It gets the state of rank 0, the
+    lowest rank at the furthest position, over a subgroup of those two; rank 1, already
+    there, receives nothing."""
+    from phalanx.strategies.ddp.handover import hand_over
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    loops = [FakeLoop(7, torch.full((3,), 1.0)), FakeLoop(7, torch.full((3,), 1.0))]
+    loops.append(FakeLoop(0, torch.zeros(3)))
+    sources: list[Any] = [None] * 3
+
+    def rank(r: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=TIMEOUT)
+        group = GenerationGroup.form(store, "g1/", r, 3, CPU, TIMEOUT)
+
+        def subgroup(ranks: list[int]) -> GenerationGroup:
+            return GenerationGroup.form(store, "g1/hand/", ranks.index(r), len(ranks), CPU, TIMEOUT)
+
+        try:
+            sources[r] = hand_over(loops[r], group, subgroup)  # type: ignore[arg-type]
+        except Exception as exc:
+            sources[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sources == [0, 0, 0]
+    assert loops[2].state.global_step == 7 and torch.equal(loops[2].weights, torch.ones(3))
+    assert loops[0].restored is None and loops[1].restored is None
