@@ -72,6 +72,8 @@ class GenerationGroup:
         pg = dist.ProcessGroup(scoped, rank, size)
         pg._set_default_backend(kind)
         pg._register_backend(torch.device(device.type), kind, backend)
+        if device.type == "cuda":
+            pg.bound_device_id = device  # (the device barrier() and DDP use, never guessed)
         return cls(pg, rank, size, device)
 
     def _group(self) -> dist.ProcessGroup:
