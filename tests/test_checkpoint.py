@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -22,8 +23,8 @@ from phalanx.checkpoint import (
     should_save,
     write_atomic,
 )
-from phalanx.checkpoint.io import MAGIC, list_checkpoints, to_cpu
-from phalanx.errors import CheckpointError, InvalidSettingError
+from phalanx.checkpoint.io import OLD_MAGIC, check_weights_only, list_checkpoints, peek, to_cpu
+from phalanx.errors import CheckpointError, CheckpointFormatError, InvalidSettingError
 from phalanx.events import CheckpointDeleted, CheckpointSaved, CheckpointSkipped, Event
 
 
@@ -173,9 +174,11 @@ def assert_same(a: Any, b: Any) -> None:
 def test_atomic_round_trip_with_tensors_and_optimizer_state(tmp_path: Any) -> None:
     state = training_state()
     path = tmp_path / "ckpt-000000001.pt"
-    write_atomic(path, state)
-    assert path.read_bytes().startswith(MAGIC)
-    assert_same(state, read_verified(path))
+    digest = write_atomic(path, state)
+    data = path.read_bytes()
+    assert (digest.size, digest.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert_same(state, read_verified(path, digest))
+    assert_same(state, torch.load(path, weights_only=True))  # plain torch opens it
     assert os.listdir(tmp_path) == ["ckpt-000000001.pt"]  # no temp file left behind
     # the optimizer state loads back into a fresh optimizer
     loaded = read_verified(path)
@@ -187,33 +190,100 @@ def test_atomic_round_trip_with_tensors_and_optimizer_state(tmp_path: Any) -> No
 
 def test_truncated_flipped_and_foreign_files_are_rejected(tmp_path: Any) -> None:
     path = tmp_path / "ckpt-000000001.pt"
-    write_atomic(path, training_state())
+    digest = write_atomic(path, training_state())
     data = path.read_bytes()
-    payload_len = int(data[len(MAGIC) :].split(b"\n", 1)[0].split(b" ")[1])
 
     path.write_bytes(data[:-10])
-    with pytest.raises(CheckpointError, match=f"truncated: expected {payload_len} bytes"):
-        read_verified(path)
+    with pytest.raises(CheckpointError, match=f"truncated: expected {len(data)} bytes"):
+        read_verified(path, digest)
+    with pytest.raises(CheckpointError, match="does not load"):
+        read_verified(path)  # without the index's digest, torch itself notices
 
     flipped = bytearray(data)
     flipped[-20] ^= 0x01
     path.write_bytes(bytes(flipped))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
-        read_verified(path)
+        read_verified(path, digest)
 
-    path.write_bytes(b"PK\x03\x04 some zip file")
+    path.write_bytes(b"GIF89a some image")
     with pytest.raises(CheckpointError, match="not a phalanx checkpoint"):
         read_verified(path)
 
-    path.write_bytes(MAGIC[:5])
+    path.write_bytes(data[:3])
     with pytest.raises(CheckpointError, match="truncated"):
         read_verified(path)
+
+
+def test_peek_reads_one_key_verified_without_loading_the_tensors(tmp_path: Any) -> None:
+    path = tmp_path / "ckpt-000000001.pt"
+    digest = write_atomic(path, {"plan": {"samples": 10}, "model": {"w": torch.ones(1000)}})
+    assert peek(path, "plan", digest) == {"samples": 10}
+    assert peek(path, "missing") is None
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        peek(path, "plan", digest)
+    path.write_bytes(bytes(data[:100]))
+    with pytest.raises(CheckpointError, match="truncated: expected"):
+        peek(path, "plan", digest)
+    with pytest.raises(CheckpointError, match="does not load"):
+        peek(path, "plan")
+
+
+def test_a_first_format_file_is_refused_with_its_own_code(tmp_path: Any) -> None:
+    path = tmp_path / "ckpt-000000004.pt"
+    path.write_bytes(OLD_MAGIC + b"ab" * 32 + b" 10\n" + b"0123456789")
+    with pytest.raises(CheckpointFormatError, match="earlier phalanx build") as caught:
+        read_verified(path)
+    assert caught.value.code == "PX126"
+    with pytest.raises(CheckpointFormatError):  # resume says so, never skips to older files
+        Checkpointer(tmp_path, Checkpoints(), Recorder()).load_latest()
+    assert path.exists()
+
+
+def test_state_torch_cannot_open_with_weights_only_is_named(tmp_path: Any) -> None:
+    import numpy as np
+
+    check_weights_only({"a": [1, (2.0, "x")], "t": torch.ones(1), "n": None})
+    with pytest.raises(CheckpointError, match=r"checkpoint\['scheduler'\]\['f'\] is a .*ndarray"):
+        write_atomic(tmp_path / "x.pt", {"scheduler": {"f": np.zeros(2)}})
+    assert not os.listdir(tmp_path)
+    # numpy scalars (a metric's value) are turned into Python numbers by the snapshot
+    snap = to_cpu({"history": [{"valid/loss": np.float32(0.5), "n": np.int64(3)}]})
+    assert type(snap["history"][0]["valid/loss"]) is float and type(snap["history"][0]["n"]) is int
+    check_weights_only(snap)
+
+
+def test_every_torch_scheduler_and_optimizer_state_opens_with_weights_only(tmp_path: Any) -> None:
+    """What the check lets through, torch opens (and the reverse): MultiStepLR keeps its
+    milestones in a collections.Counter, which weights_only loads and the scheduler needs."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    schedulers = torch.optim.lr_scheduler
+    state = {
+        "multistep": schedulers.MultiStepLR(optimizer, [2, 3]).state_dict(),
+        "onecycle": schedulers.OneCycleLR(optimizer, max_lr=0.1, total_steps=10).state_dict(),
+        "plateau": schedulers.ReduceLROnPlateau(optimizer).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "shape": torch.Size([2, 3]),
+        "tags": {"a", "b"},
+    }
+    path = tmp_path / "ckpt-000000001.pt"
+    write_atomic(path, state)
+    loaded = torch.load(path, weights_only=True)
+    restored = schedulers.MultiStepLR(torch.optim.SGD(model.parameters(), lr=1.0), [9])
+    restored.load_state_dict(loaded["multistep"])
+    for _ in range(3):
+        restored.optimizer.step()
+        restored.step()
+    assert restored.get_last_lr() == [pytest.approx(0.01)]  # decayed at 2 and 3
 
 
 def test_failed_write_leaves_the_old_file(tmp_path: Any) -> None:
     path = tmp_path / "ckpt-000000001.pt"
     write_atomic(path, {"x": 1})
-    with pytest.raises(Exception, match="lambda"):
+    with pytest.raises(CheckpointError, match="function"):
         write_atomic(path, {"x": 2, "f": lambda: 0})
     assert read_verified(path) == {"x": 1}
     assert os.listdir(tmp_path) == ["ckpt-000000001.pt"]
@@ -284,6 +354,13 @@ def test_background_saves_in_order_and_retention_deletes(tmp_path: Any) -> None:
     index = json.loads((tmp_path / "checkpoints.json").read_text())["checkpoints"]
     assert sorted(index) == names(tmp_path)
     assert index["ckpt-000000002.pt"]["metric"] == 0.3
+    # the checksum and length live in the index; the file is torch's own, with its record
+    data = (tmp_path / "ckpt-000000004.pt").read_bytes()
+    assert index["ckpt-000000004.pt"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert index["ckpt-000000004.pt"]["bytes"] == len(data)
+    plain = torch.load(tmp_path / "ckpt-000000004.pt", weights_only=True)
+    assert plain["phalanx"] == {"format": 2, "step": 4, "epoch": 4, "metric": 0.4}
+    assert torch.equal(plain["w"], torch.full((2,), 4.0))
 
     # the best survives a restart thanks to the index
     rec2 = Recorder()
@@ -304,7 +381,7 @@ def test_snapshot_is_taken_at_save_time(tmp_path: Any) -> None:
             ckpt.save({"w": weights}, step=step, epoch=0, metric=None)
             weights.add_(1)  # in-place update right after save()
     for path, step in list_checkpoints(tmp_path):
-        assert torch.equal(read_verified(path)["state"]["w"], torch.full((1000,), step - 1.0))
+        assert torch.equal(read_verified(path)["w"], torch.full((1000,), step - 1.0))
 
 
 def test_truncated_newest_is_skipped_and_older_loaded(tmp_path: Any) -> None:
@@ -327,6 +404,26 @@ def test_truncated_newest_is_skipped_and_older_loaded(tmp_path: Any) -> None:
     assert newest.exists()  # loading never deletes
 
 
+def test_without_the_index_a_complete_file_loads_and_a_truncated_one_is_skipped(
+    tmp_path: Any,
+) -> None:
+    with Checkpointer(tmp_path, Checkpoints(keep_last=3), Recorder()) as ckpt:
+        ckpt.save({"w": torch.tensor([1.0])}, step=10, epoch=0, metric=None)
+        ckpt.save({"w": torch.tensor([2.0])}, step=20, epoch=1, metric=None)
+        ckpt.save({"w": torch.tensor([3.0])}, step=30, epoch=2, metric=None)
+    # a death between a file's rename and the index's write: the index misses the newest
+    (tmp_path / "checkpoints.json").unlink()
+    newest = tmp_path / "ckpt-000000030.pt"
+    newest.write_bytes(newest.read_bytes()[:-7])
+    rec = Recorder()
+    with Checkpointer(tmp_path, Checkpoints(keep_last=3), rec) as ckpt:
+        loaded = ckpt.load_latest()
+    assert loaded is not None and loaded[1].step == 20
+    assert torch.equal(loaded[0]["w"], torch.tensor([2.0])) and "phalanx" not in loaded[0]
+    assert [s.path for s in rec.of(CheckpointSkipped)] == [str(newest)]
+    assert "does not load" in rec.of(CheckpointSkipped)[0].reason
+
+
 def test_load_latest_with_no_checkpoints(tmp_path: Any) -> None:
     rec = Recorder()
     with Checkpointer(tmp_path / "fresh", Checkpoints(), rec) as ckpt:
@@ -343,7 +440,7 @@ def test_failing_write_raises_on_wait_and_keeps_the_last_good(tmp_path: Any) -> 
     with pytest.raises(CheckpointError, match="step 2 was not saved") as caught:
         ckpt.wait()
     assert caught.value.__cause__ is not None
-    assert "lambda" in repr(caught.value.__cause__)
+    assert "builtins.function" in repr(caught.value.__cause__)
     assert sorted(os.listdir(tmp_path)) == ["checkpoints.json", "ckpt-000000001.pt"]
     assert [e.step for e in rec.of(CheckpointSaved)] == [1]
     assert rec.of(CheckpointDeleted) == []
@@ -368,3 +465,31 @@ def test_error_is_raised_by_next_save_and_by_close(tmp_path: Any) -> None:
         ckpt.close()
     assert not ckpt._thread.is_alive()
     assert list_checkpoints(tmp_path) == []
+
+
+def test_saving_a_step_again_never_leaves_its_old_checksum_listed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A death between a re-saved file's rename and the index's write: the new file must not
+    be judged against the old file's checksum (it would be skipped as damaged)."""
+    from phalanx.checkpoint import checkpointer
+
+    with Checkpointer(tmp_path, Checkpoints(), Recorder()) as ckpt:
+        ckpt.save({"w": torch.tensor([1.0])}, step=4, epoch=0, metric=None)
+    written = checkpointer.write_atomic
+
+    def write_then_die(path: Any, payload: Any) -> Any:
+        written(path, payload)
+        raise KeyboardInterrupt("killed before the index was written")
+
+    monkeypatch.setattr(checkpointer, "write_atomic", write_then_die)
+    ckpt = Checkpointer(tmp_path, Checkpoints(), Recorder())
+    ckpt.save({"w": torch.tensor([2.0])}, step=4, epoch=1, metric=None)
+    with pytest.raises(CheckpointError):
+        ckpt.close()
+    monkeypatch.undo()
+    rec = Recorder()
+    with Checkpointer(tmp_path, Checkpoints(), rec) as ckpt:
+        loaded = ckpt.load_latest()
+    assert loaded is not None and torch.equal(loaded[0]["w"], torch.tensor([2.0]))
+    assert rec.of(CheckpointSkipped) == []

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx as px
 from phalanx.catalog import lookup
@@ -24,6 +24,7 @@ from phalanx.errors import (
     BatchSizeError,
     BatchSmallerThanWorkersError,
     ConfigError,
+    DataLoaderAsDatasetError,
     DatasetNotPicklableError,
     DeviceBusyError,
     DeviceSpecError,
@@ -34,8 +35,10 @@ from phalanx.errors import (
     InvalidSettingError,
     MixedDeviceTypesError,
     NoDevicesError,
+    NotPicklableError,
     RunDirInUseError,
     UnknownStrategyError,
+    UnsizedDatasetError,
 )
 from phalanx.events import Event, Notice, StepEnded, ValidationStarted
 from phalanx.plan import Plan
@@ -93,6 +96,13 @@ class Recorder:
 
 def learner(step: Callable[[nn.Module, Any], Any] = train_step) -> px.Learner:
     return px.Learner(make_model, make_optimizer, step)
+
+
+class Stream(torch.utils.data.IterableDataset[Any]):
+    """A stream: samples one after another, no len(), no indexing."""
+
+    def __iter__(self) -> Any:
+        return iter(dataset())
 
 
 class LockedDataset(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -194,6 +204,49 @@ CASES: list[tuple[str, type[ConfigError], str, dict[str, Any], str]] = [
         {"epochs": 0},
         r"pass epochs >= 1",
     ),
+    (
+        "dataloader",
+        DataLoaderAsDatasetError,
+        "PX127",
+        {"train": DataLoader(dataset(), batch_size=16, shuffle=True)},
+        r"training dataset is a torch DataLoader.*pass loader\.dataset and batch_size=16",
+    ),
+    (
+        "valid-dataloader",
+        DataLoaderAsDatasetError,
+        "PX127",
+        {"valid": DataLoader(dataset(8), batch_size=4)},
+        r"validation dataset is a torch DataLoader.*loader\.dataset and batch_size=4",
+    ),
+    (
+        "iterable",
+        UnsizedDatasetError,
+        "PX128",
+        {"train": Stream()},
+        r"an IterableDataset.*cannot have an exactly-once plan.*map-style torch Dataset",
+    ),
+    (
+        "generator",
+        UnsizedDatasetError,
+        "PX128",
+        {"train": (dataset()[i] for i in range(N))},
+        r"a generator, without __len__ and __getitem__.*map-style",
+    ),
+    (
+        "collate-not-callable",
+        InvalidSettingError,
+        "PX108",
+        {"collate_fn": "pad"},
+        r"collate_fn='pad' is not callable",
+    ),
+    ("max-steps-0", InvalidSettingError, "PX108", {"max_steps": 0}, r"max_steps=0; pass a whole"),
+    (
+        "val-every-steps-without-valid",
+        InvalidSettingError,
+        "PX108",
+        {"val_every_steps": 2},
+        r"val_every_steps=2 needs a validation set: pass valid=",
+    ),
 ]
 # The same mistakes under ddp (where a late check would start worker processes), except
 # those about the strategy itself; and the ddp-only ones.
@@ -236,6 +289,13 @@ DDP_CASES = [
         "PX119",
         {**DDP, "devices": "cpu:0,cpu:1", "valid": LockedDataset(8)},
         r"the validation dataset \(LockedDataset\) cannot be pickled",
+    ),
+    (
+        "ddp-collate-lambda",
+        NotPicklableError,
+        "PX114",
+        {**DDP, "devices": "cpu:0,cpu:1", "collate_fn": lambda samples: samples},
+        r"the collate_fn argument \(<lambda>\) cannot be pickled.*module-level function",
     ),
     (
         "ddp-dataset-class-in-a-function",
@@ -377,12 +437,12 @@ def test_missing_cuda_device() -> None:
 
 
 def test_dataset_without_len() -> None:
-    class Stream(torch.utils.data.IterableDataset[Any]):
-        def __iter__(self) -> Any:
-            return iter([])
+    class Sized:  # a len() but no indexing
+        def __len__(self) -> int:
+            return N
 
-    with pytest.raises(InvalidSettingError, match="map-style torch Dataset"):
-        learner().fit(Stream(), sinks=[])
+    with pytest.raises(UnsizedDatasetError, match=r"a .*Sized, without __len__ and __getitem__"):
+        learner().fit(Sized(), sinks=[])
 
 
 def test_a_fresh_run_among_old_checkpoints_is_refused_and_touches_nothing(tmp_path: Any) -> None:

@@ -186,12 +186,13 @@ def test_steps_per_epoch(n: int, b: int) -> None:
 
 
 def test_plan_record_names_everything_resume_must_match() -> None:
-    assert Plan(10, 3, 7, False, True).record() == {
+    assert Plan(10, 3, 7, False, True, "ab12").record() == {
         "samples": 10,
         "batch_size": 3,
         "seed": 7,
         "shuffle": False,
         "drop_last": True,
+        "fingerprint": "ab12",
     }
 
 

@@ -193,3 +193,25 @@ def test_plot_without_matplotlib_names_the_extra(
     assert cli.main(["plot", str(tmp_path / "run")]) == 2
     assert "pip install 'phalanx[plot]'" in capsys.readouterr().err
     assert not (tmp_path / "run" / "run.png").exists()
+
+
+def test_mid_epoch_validations_are_plotted_at_their_step(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g)
+    )
+    learner = px.Learner(
+        tiny_model, functools.partial(torch.optim.SGD, lr=0.1), px.cross_entropy_step
+    )
+    result = learner.fit(
+        data,
+        valid=data,
+        epochs=2,
+        batch_size=16,
+        val_every_steps=2,
+        run_dir=str(tmp_path),
+        sinks=None,
+    )
+    points = load_run(tmp_path).valid["valid/loss"]
+    assert [step for step, _, _ in points] == [2, 4, 6, 8]  # 2 and 6 mid-epoch, 4 and 8 ends
+    assert points[-1][2] == pytest.approx(result.history[-1]["valid/loss"])

@@ -239,7 +239,7 @@ def test_resume_with_another_batch_size_raises_and_touches_nothing(tmp_path: Pat
     assert err.code == "PX120"
     text = str(err)
     assert "batch_size" in text
-    assert "'batch_size': 8" in text and "'batch_size': 4" in text
+    assert "batch_size 8 -> 4" in text
     assert "new run_dir" in text  # names the fix
     assert not rec.of(StepEnded)
     assert snapshot_files(tmp_path / "checkpoints") == before
@@ -336,3 +336,126 @@ def test_resume_into_another_model_or_optimizer_names_the_file_and_the_fix(
     second = fit(learner_with(*writer), tmp_path, [rec], resume=True)
     assert rec.of(Resumed)[0].global_step == first.steps
     assert second.steps == TOTAL_STEPS
+
+
+def test_checkpoints_and_the_final_model_open_with_plain_torch(
+    straight: px.FitResult, tmp_path: Path
+) -> None:
+    """Every checkpoint (scheduler, early stopping, RNG, history, ledger, plan inside) opens
+    with torch.load(weights_only=True); px.load_checkpoint gives the same dict; the model's
+    state dict loads into a fresh model. A finished run leaves run_dir/model.pt; an
+    interrupted one does not."""
+    lrn = learner()
+    first = fit(
+        lrn,
+        tmp_path,
+        [StopAt(lrn, STOP_AT)],
+        early_stopping=px.EarlyStopping(metric="valid/loss", patience=5),
+    )
+    assert first.interrupted and first.model_path is None
+    assert not (tmp_path / "model.pt").exists()
+    path = ckpt(tmp_path, first.steps)
+    plain = torch.load(path, weights_only=True)
+    assert {"model", "optimizer", "scheduler", "loop", "early_stopping", "plan", "rng"} <= set(
+        plain
+    )
+    assert plain["phalanx"]["step"] == first.steps and plain["phalanx"]["format"] == 2
+    assert plain["loop"]["global_step"] == first.steps
+    assert plain["loop"]["history"] == first.history
+    assert plain["early_stopping"]["bad_epochs"] == 0
+    assert plain["plan"]["samples"] == SAMPLES and len(plain["plan"]["fingerprint"]) == 16
+    assert plain["scheduler"]["last_epoch"] == first.steps
+    mine = px.load_checkpoint(path)
+    assert mine.keys() == plain.keys()
+    assert px.load_checkpoint(tmp_path)["phalanx"] == plain["phalanx"]  # a run_dir: newest
+    model = make_model()
+    model.load_state_dict(px.load_checkpoint(path)["model"])
+    assert torch.equal(model[0].weight, first.model[0].weight)
+
+    second = fit(learner(), tmp_path, [], resume=True)
+    assert second.model_path == str(tmp_path / "model.pt")
+    final = make_model()
+    final.load_state_dict(torch.load(second.model_path, weights_only=True))
+    assert_bitwise_equal(final, straight.model)
+
+
+def test_a_damaged_checkpoint_is_named_by_load_checkpoint(tmp_path: Path) -> None:
+    first = interrupted_run(tmp_path)
+    path = ckpt(tmp_path, first.steps)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        px.load_checkpoint(path)
+    older = px.load_checkpoint(tmp_path)  # a run_dir: the newest that verifies
+    assert older["phalanx"]["step"] == first.steps - 1
+
+
+def test_resume_with_another_dataset_of_the_same_size_raises_and_touches_nothing(
+    tmp_path: Path,
+) -> None:
+    """An unseeded random_split gives another training set of the same size on every run:
+    resuming on it would train on other samples (and leak validation data). Refused."""
+    first = interrupted_run(tmp_path)
+    before = snapshot_files(tmp_path / "checkpoints")
+    train, valid = datasets()
+    swapped = TensorDataset(train.tensors[0].flip(0), train.tensors[1].flip(0))
+    assert len(swapped) == len(train)
+    rec = Recorder()
+    with pytest.raises(CheckpointError) as info:
+        learner().fit(
+            swapped,
+            valid,
+            epochs=EPOCHS,
+            batch_size=BATCH,
+            seed=7,
+            run_dir=str(tmp_path),
+            resume=True,
+            sinks=[rec],
+        )
+    err = info.value
+    assert err.code == "PX120"
+    assert str(ckpt(tmp_path, first.steps)) in err.message
+    assert f"another training dataset of the same size ({SAMPLES} samples)" in err.message
+    assert "generator=" in err.message and "new run_dir" in err.message
+    assert not rec.of(StepEnded) and not rec.of(Resumed)
+    assert snapshot_files(tmp_path / "checkpoints") == before
+    # the same data again (a fresh but equal dataset object) resumes
+    again = fit(learner(), tmp_path, [], resume=True)
+    assert again.steps == TOTAL_STEPS
+
+
+def test_another_dataset_is_refused_under_ddp_before_any_process_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan record of the checkpoint a resume would load is read in the caller (mapped,
+    not loaded), so under ddp the refusal comes before any worker process, as a
+    CheckpointError, not as a worker's failure."""
+    import multiprocessing
+
+    interrupted_run(tmp_path)
+    before = snapshot_files(tmp_path / "checkpoints")
+    started: list[str] = []
+
+    def start(self: Any) -> None:
+        started.append(self.name)
+        raise RuntimeError("a process was started")
+
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", start)
+    train, valid = datasets()
+    swapped = TensorDataset(train.tensors[0].flip(0), train.tensors[1].flip(0))
+    with pytest.raises(CheckpointError, match="another training dataset of the same size"):
+        learner().fit(
+            swapped,
+            valid,
+            epochs=EPOCHS,
+            batch_size=BATCH,
+            seed=7,
+            run_dir=str(tmp_path),
+            resume=True,
+            strategy="ddp",
+            devices="cpu:0,cpu:1",
+            sinks=[],
+        )
+    assert started == []
+    assert snapshot_files(tmp_path / "checkpoints") == before

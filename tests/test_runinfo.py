@@ -61,6 +61,27 @@ def test_each_fresh_run_has_its_own_id_and_files_and_the_last_ones_move_aside(
 
 
 @pytest.mark.timeout(120)
+def test_a_fresh_run_moves_the_earlier_final_model_aside(tmp_path: Path) -> None:
+    """An earlier run's model.pt goes to earlier/<its id>/ with its other files (a run
+    that is then interrupted must not leave it looking like its own)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    first = fit(run_dir)
+    assert first.model_path == str(run_dir / "model.pt")
+    first_id = (read_run(run_dir) or {})["run_id"]
+    shutil.rmtree(run_dir / "checkpoints")  # starting over (else PX118)
+    second = fit(run_dir, max_steps=1, epochs=1)
+    assert second.model_path == str(run_dir / "model.pt")
+    earlier = run_dir / "earlier" / str(first_id) / "model.pt"
+    assert earlier.exists()
+    assert not torch.equal(
+        torch.load(earlier, weights_only=True)["weight"],
+        torch.load(run_dir / "model.pt", weights_only=True)["weight"],
+    )
+
+
+@pytest.mark.timeout(120)
 def test_a_resumed_run_keeps_its_id_and_its_files_tell_each_step_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     fit(run_dir, epochs=1, checkpoint=px.Checkpoints(every_steps=2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -24,6 +25,7 @@ from phalanx.events import (
     RunEnded,
     RunStarted,
     StepEnded,
+    Validated,
     ValidationStarted,
     WorkerFailed,
     to_record,
@@ -315,6 +317,18 @@ def test_progress_plain_mode_survives_events_out_of_order() -> None:
     )
 
 
+def test_mid_epoch_validation_in_progress_and_summary() -> None:
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)
+    sink = ProgressSink(console, every=1)
+    sink.handle(Validated(epoch=1, step=2, global_step=6, metrics={"valid/loss": 0.75}))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "epoch 2, step 6: valid/loss 0.7500" in out
+    history = [{"epoch": 0, "global_step": 2, "valid/loss": 0.5}, {"epoch": 0, "valid/loss": 0.7}]
+    rows = summarize(history)
+    assert [(r.split, r.metric) for r in rows] == [("valid", "loss")]  # no global_step row
+    assert rows[0] == SummaryRow("valid", "loss", 0.5, 1, 0.7, 1)
+
+
 def test_progress_terminal_mode_runs_a_full_sequence_and_stops() -> None:
     console = Console(file=io.StringIO(), force_terminal=True, width=120)
     sink = ProgressSink(console)
@@ -505,3 +519,55 @@ def test_a_log_line_turns_back_into_its_event() -> None:
         record = json.loads(json.dumps({**to_record(event), "run": "r1"}))
         assert from_record(record) == event
     assert from_record({"event": "NoSuchEvent"}) is None
+
+
+# --- TensorBoard ---------------------------------------------------------------------------
+
+
+def test_tensorboard_sink_writes_steps_epochs_and_failures_as_text(tmp_path: Path) -> None:
+    """A real fit with an injected exception (retried): per-step and per-epoch scalars and the
+    failure's text land in the event file, read back with tensorboard's own reader."""
+    pytest.importorskip("tensorboard")
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.data import TensorDataset
+
+    import phalanx as px
+    from phalanx.sinks import TensorBoardSink
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g))
+    learner = px.Learner(
+        torch.nn.Linear(4, 3),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        px.cross_entropy_step,
+        metrics=[px.metrics.Accuracy()],
+    )
+    sink = TensorBoardSink(tmp_path / "tb")
+    result = learner.fit(
+        data,
+        data,
+        epochs=2,
+        batch_size=8,
+        val_every_steps=2,
+        faults=[px.Fault("exception", worker=0, step=3)],
+        sinks=[sink],
+    )
+    assert len(result.failures) == 1
+
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    scalars = board.Tags()["scalars"]
+    assert {"step/train/loss", "step/train/lr", "step/train/accuracy"} <= set(scalars)
+    assert {"epoch/train/loss", "epoch/valid/accuracy", "step/valid/loss"} <= set(scalars)
+    losses = board.Scalars("step/train/loss")
+    assert [s.step for s in losses] == list(range(1, 9))
+    epochs = board.Scalars("epoch/valid/loss")
+    assert [e.step for e in epochs] == [1, 2]
+    assert epochs[-1].value == pytest.approx(result.history[-1]["valid/loss"], rel=1e-6)
+    assert [s.step for s in board.Scalars("step/valid/loss")] == [2, 6]  # mid-epoch only
+    (failure,) = board.Tensors("failures/text_summary")
+    text = failure.tensor_proto.string_val[0].decode()
+    assert "worker 0 (rank 0) on device cpu failed at step 3" in text
+    assert "injected exception" in text and "-> retried" in text
+    assert failure.step == 3

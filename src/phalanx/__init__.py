@@ -1,7 +1,7 @@
 """phalanx: data-parallel PyTorch training that names every failure and keeps going."""
 
 from phalanx import faults, metrics
-from phalanx.checkpoint import Checkpoints
+from phalanx.checkpoint import Checkpoints, load_checkpoint
 from phalanx.early_stopping import EarlyStopping
 from phalanx.errors import ConfigError, InvalidStepError, PhalanxError, TrainingFailed
 from phalanx.failures import WorkerFailure
@@ -27,6 +27,7 @@ __all__ = [
     "WorkerFailure",
     "cross_entropy_step",
     "faults",
+    "load_checkpoint",
     "metrics",
     "mse_step",
 ]

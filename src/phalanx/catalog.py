@@ -380,21 +380,28 @@ _ENTRIES = [
         title="checkpoint cannot be used or saved",
         meaning="A checkpoint could not be used or written: resume=True without a run_dir, "
         "a resume whose newest valid checkpoint was written with another plan (dataset "
-        "size, batch_size, seed, shuffle, drop_last), or a checkpoint write that failed "
-        "during training. Checkpoints that are truncated or fail their checksum are skipped "
-        "(and named); when none is left, the run starts from scratch with a warning instead.",
-        when="Before anything starts (resume=True without run_dir), at the start of "
-        "fit(resume=True) (another plan), or during training when a checkpoint is written "
-        "(the run stops with this code, phase checkpoint).",
+        "size, batch_size, seed, shuffle, drop_last, or another dataset of the same size: "
+        "the plan records a fingerprint of a few samples' contents), or a checkpoint write "
+        "that failed during training. Checkpoints that are truncated or fail their checksum "
+        "are skipped (and named); when none is left, the run starts from scratch with a "
+        "warning instead.",
+        when="Before anything starts (resume=True without run_dir; a resume with another "
+        "plan, checked in the calling process before any worker starts), or during training "
+        "when a checkpoint is written (the run stops with this code, phase checkpoint).",
         causes=[
             "resume=True with no run_dir.",
             "Resuming with another batch_size, dataset, seed, shuffle or drop_last.",
-            "A full disk or a read-only run_dir; state that cannot be pickled.",
+            "An unseeded random_split (or a reshuffled file list) that gives another "
+            "training set of the same size on each run.",
+            "A full disk or a read-only run_dir; state that torch.load(weights_only=True) "
+            "could not open (the message names the key).",
         ],
         fixes=[
             "Pass the run_dir of the run to continue; drop resume=True to start fresh.",
             "Resume with the same dataset, batch_size, seed, shuffle and drop_last, or use "
             "a new run_dir.",
+            "Seed the split: random_split(data, sizes, generator=torch.Generator()"
+            ".manual_seed(0)).",
             "Free disk space or fix run_dir's permissions; phalanx writes checkpoints "
             "atomically, so older ones survive.",
         ],
@@ -636,6 +643,71 @@ _ENTRIES = [
         ],
         example="# before\nlearner.fit(train, strategy='ddp', devices='cpu:0,cuda:0')\n"
         "# after\nlearner.fit(train, strategy='ddp', devices='cuda:0,cuda:1')",
+    ),
+    Explanation(
+        code="PX126",
+        title="checkpoint of an earlier format",
+        meaning="The checkpoint file starts with the header of phalanx's first checkpoint "
+        "format (PHALANX-CKPT-1, with the checksum inside the file), which was never released "
+        "and which this version does not read. Checkpoints are now plain torch.save files "
+        "that open with torch.load(path, weights_only=True); their checksums live in "
+        "checkpoints.json beside them. Nothing on disk is changed.",
+        when="At the start of fit(resume=True) when the newest checkpoint has the old format, "
+        "or when px.load_checkpoint() opens such a file.",
+        causes=[
+            "A run_dir written by a development build of phalanx before the format changed.",
+        ],
+        fixes=[
+            "Start the run again in a new run_dir (resume=False).",
+            "Delete the old-format files from run_dir/checkpoints/ to resume from newer ones "
+            "beside them, if any.",
+        ],
+        example="# before\nlearner.fit(train, run_dir='runs/old', resume=True)\n"
+        "# after\nlearner.fit(train, run_dir='runs/new')",
+    ),
+    Explanation(
+        code="PX127",
+        title="a DataLoader passed as the dataset",
+        meaning="fit() takes the dataset itself (a map-style torch Dataset) and the GLOBAL "
+        "batch size: phalanx builds its own DataLoaders, because step s of every epoch must "
+        "use the same samples whoever computes it, and it splits each global batch among the "
+        "devices. A DataLoader in its place would be read as a dataset of batches.",
+        when="Before anything starts, when fit() checks its datasets (train or valid).",
+        causes=[
+            "A script ported from a plain training loop that built "
+            "DataLoader(dataset, batch_size=..., shuffle=True).",
+        ],
+        fixes=[
+            "Pass loader.dataset as the dataset and the loader's batch size as batch_size= "
+            "(the global batch). shuffle=, drop_last=, num_workers=, collate_fn= and "
+            "pin_memory= are fit() arguments too.",
+        ],
+        example="# before\nloader = DataLoader(data, batch_size=64, shuffle=True)\n"
+        "learner.fit(loader, epochs=3)\n"
+        "# after\nlearner.fit(data, batch_size=64, shuffle=True, epochs=3)",
+    ),
+    Explanation(
+        code="PX128",
+        title="a dataset without len() and indexing",
+        meaning="phalanx plans every epoch as a seeded permutation of sample indices, so that "
+        "each sample is used exactly once per epoch whoever computes it, and a failed step "
+        "is computed again with the same samples. That needs a map-style dataset: __len__ "
+        "and __getitem__. A stream (an IterableDataset, a generator) has neither: it cannot "
+        "have an exactly-once plan, and is refused.",
+        when="Before anything starts, when fit() checks its datasets (train or valid).",
+        causes=[
+            "An IterableDataset (webdataset, a streaming dataset, a database cursor).",
+            "A generator or a list iterator passed instead of a dataset.",
+        ],
+        fixes=[
+            "Use a map-style Dataset: index the records (a list of files or offsets) and "
+            "read record i in __getitem__.",
+            "For data that fits in memory, materialize the stream once: "
+            "TensorDataset(*map(torch.stack, zip(*stream))).",
+        ],
+        example="# before\nclass Stream(IterableDataset):\n    def __iter__(self): ...\n"
+        "# after\nclass Records(Dataset):\n    def __len__(self): return len(self.files)\n"
+        "    def __getitem__(self, i): return load(self.files[i])",
     ),
     Explanation(
         code="PX130",

@@ -1,13 +1,41 @@
-"""Loading a member's slices of the plan through a torch DataLoader."""
+"""Loading a member's slices of the plan through a torch DataLoader; a dataset's fingerprint."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import hashlib
+import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from phalanx import rng
 from phalanx.plan import Plan, split
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How samples become batches: ``fit(num_workers=, collate_fn=, pin_memory=)``, passed to
+    every DataLoader phalanx builds (training and validation). ``collate_fn`` None is torch's
+    ``default_collate``; ``pin_memory`` pins batches only where a CUDA device can use them."""
+
+    num_workers: int = 0
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    pin_memory: bool = False
+
+    def loader(self, dataset: Dataset[Any], batch_sampler: list[list[int]]) -> DataLoader[Any]:
+        return DataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=self.collate_fn or default_collate,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+        )
 
 
 class LocalBatches:
@@ -25,8 +53,7 @@ class LocalBatches:
         start_step: int,
         member: int,
         members: int,
-        num_workers: int = 0,
-        collate: Callable[[list[Any]], Any] = default_collate,
+        loading: Loading | None = None,
     ) -> None:
         order = plan.order(epoch)
         self.start = start_step
@@ -37,20 +64,14 @@ class LocalBatches:
         self.global_sizes = [
             len(plan.global_batch(epoch, s, order)) for s in range(start_step, plan.steps)
         ]
-        self._dataset, self._collate, self._num_workers = dataset, collate, num_workers
+        self._dataset, self._loading = dataset, loading or Loading()
         self._loader = self._iterate(start_step)
         self._current: tuple[int, Any] | None = None
 
     def _iterate(self, step: int) -> Iterator[Any]:
         """Collated slices from ``step`` on (empty slices are skipped: nothing to load)."""
         sampler = [s for s in self.slices[step - self.start :] if s]
-        loader = DataLoader(
-            self._dataset,
-            batch_sampler=sampler,
-            collate_fn=self._collate,
-            num_workers=self._num_workers,
-        )
-        return iter(loader)
+        return iter(self._loading.loader(self._dataset, sampler))
 
     def indices(self, step: int) -> list[int]:
         return self.slices[step - self.start]
@@ -79,3 +100,64 @@ def validation_batches(samples: int, batch_size: int, member: int, members: int)
     """This member's part of each validation batch (in order, no shuffle)."""
     batches = [list(range(s, min(s + batch_size, samples))) for s in range(0, samples, batch_size)]
     return [split(b, members)[member] for b in batches]
+
+
+FINGERPRINT_SAMPLES = 8  # samples read to fingerprint a dataset
+_FINGERPRINT_SEED = 20261203  # which samples: fixed, so every run reads the same ones
+
+
+def fingerprint(dataset: Dataset[Any], size: int) -> str:
+    """A short hash of the contents of a few samples of ``dataset`` (``size`` samples long):
+    the same indices every time (a fixed seed), read under fixed RNG seeds so that random
+    augmentations give the same result. It joins the plan record, so that resume tells two
+    datasets of the same size apart (another ``random_split``, another file). A sample that
+    raises counts as its exception's type: reading the dataset fails later, in a step, where
+    failures are handled."""
+    # A shallow copy reads the samples: a dataset that opens its file on first access (as
+    # it should, to pickle for ddp workers) keeps that handle on the copy, not on itself.
+    with contextlib.suppress(Exception):  # (an object copy refuses: read the original)
+        dataset = copy.copy(dataset)
+    count = min(FINGERPRINT_SAMPLES, size)
+    picks = np.random.default_rng(_FINGERPRINT_SEED).choice(size, count, replace=False)
+    digest = hashlib.sha256()
+    state = rng.capture()
+    try:
+        for index in sorted(int(i) for i in picks):
+            torch.default_generator.manual_seed(index)  # (CPU only: the caller's CUDA untouched)
+            np.random.seed(index)
+            random.seed(index)
+            digest.update(f"[{index}]".encode())
+            try:
+                sample = dataset[index]
+            except Exception as exc:
+                sample = f"raised {type(exc).__name__}"
+            _feed(digest, sample)
+    finally:
+        rng.restore(state)
+    return digest.hexdigest()[:16]
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Hash a sample: tensors and arrays by dtype, shape and bytes; containers recursively;
+    numbers and strings by value; anything else by its type's name."""
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, np.ndarray) and value.dtype != object:
+        digest.update(f"A{value.dtype}{value.shape}".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            digest.update(f"K{key!r}".encode())
+            _feed(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"L{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+    elif isinstance(value, (bool, int, float, complex, str, bytes, np.generic)) or value is None:
+        digest.update(f"V{value!r}".encode())
+    elif hasattr(value, "__array__"):  # a PIL image, say
+        _feed(digest, np.asarray(value))
+    else:
+        digest.update(f"O{type(value).__qualname__}".encode())

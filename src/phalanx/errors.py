@@ -127,6 +127,13 @@ class CheckpointMismatchError(CheckpointError):
     code = "PX122"
 
 
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint file of the first format (a ``PHALANX-CKPT-1`` header before torch's
+    bytes; never released), which this version does not read. Nothing is changed on disk."""
+
+    code = "PX126"
+
+
 class MetricError(PhalanxError):
     """A metric's ``state`` or ``compute`` raised; the message names the metric."""
 
@@ -184,6 +191,20 @@ class MixedDeviceTypesError(ConfigError):
     process-group backends (NCCL and gloo) and could never form one group."""
 
     code = "PX123"
+
+
+class DataLoaderAsDatasetError(ConfigError):
+    """A ``torch.utils.data.DataLoader`` was passed where fit() takes a dataset: phalanx builds
+    its own loaders from the plan, so it needs the dataset and the batch size."""
+
+    code = "PX127"
+
+
+class UnsizedDatasetError(ConfigError):
+    """A dataset without ``__len__`` and ``__getitem__`` (an ``IterableDataset``, a stream, a
+    generator): without a length and random access there is no exactly-once plan."""
+
+    code = "PX128"
 
 
 class PrecisionError(ConfigError):

@@ -82,6 +82,18 @@ class ValidationStarted(Event):
 
 
 @dataclass
+class Validated(Event):
+    """A validation in the middle of an epoch (``fit(val_every_steps=N)``), after committed
+    step ``global_step``; ``metrics`` keys like ``valid/loss``. Epoch-end validation results
+    come with :class:`EpochEnded`."""
+
+    epoch: int
+    step: int  # steps of the epoch done
+    global_step: int
+    metrics: dict[str, float]
+
+
+@dataclass
 class EpochEnded(Event):
     """Epoch results: keys like ``train/loss``, ``train/accuracy``, ``valid/loss``."""
 

@@ -4,6 +4,7 @@ strategy (*where*), which drives the same training loop on one or several device
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from phalanx.checkpoint import Checkpoints
+from phalanx.data import fingerprint
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
 from phalanx.events import Fanout, RunEnded, RunOpened, Sink
@@ -25,6 +27,7 @@ from phalanx.plan import Plan
 from phalanx.policy import Recovery
 from phalanx.precision import Precision
 from phalanx.run import FitResult, RunEnd, RunInputs, finish, stopped
+from phalanx.runner import check_resume_plan
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
 from phalanx.validate import dataset_size, validate_fit
 
@@ -99,6 +102,10 @@ class Learner:
         preflight: bool = True,
         hang_timeout: timedelta = timedelta(seconds=60),
         num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        max_steps: int | None = None,
+        val_every_steps: int | None = None,
         min_free_memory: int | None = None,
         on_failure: Recovery | None = None,
         sinks: Sequence[Sink] | None = None,
@@ -134,6 +141,10 @@ class Learner:
             num_workers=num_workers,
             min_free_memory=min_free_memory,
             recovery=recovery,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            max_steps=max_steps,
+            val_every_steps=val_every_steps,
         )
         train_size = dataset_size(train, "training")
         valid_size = dataset_size(valid, "validation") if valid is not None else 0
@@ -141,7 +152,10 @@ class Learner:
             self.spec, config, train_size, has_valid=valid is not None, train=train, valid=valid
         )
         check_free_memory(labels, min_free_memory)
-        plan = Plan(train_size, batch_size, seed, shuffle, drop_last)
+        # Only a run that writes checkpoints needs the data's fingerprint (it reads samples).
+        sample_hash = fingerprint(train, train_size) if run_dir else ""
+        plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
+        check_resume_plan(config, plan)  # before anything starts, as the checks above
         run = RunInputs(
             spec=self.spec,
             config=config,
@@ -162,6 +176,8 @@ class Learner:
         try:
             with handle_signals(self.interrupter), _keep_rng(labels):
                 result = finish(self._dispatch(run, emit), run)
+            if run_dir and result.interrupted is None:
+                result.model_path = save_final_model(run_dir, result.model)
             emit(
                 RunEnded(
                     result.history, result.steps, result.epochs, result.interrupted, result.seconds
@@ -226,6 +242,21 @@ class Learner:
 
     def _stop_reason(self) -> str | None:
         return self.interrupter.reason if self.interrupter.should_stop() else None
+
+
+FINAL_MODEL = "model.pt"
+
+
+def save_final_model(run_dir: str, model: nn.Module) -> str:
+    """``run_dir/model.pt``: the trained model's ``state_dict()`` (``torch.save``, atomically),
+    written when a run finishes (all epochs, ``max_steps`` or early stopping), never after an
+    interrupt or a failure. Load it with ``model.load_state_dict(torch.load(path,
+    weights_only=True))``."""
+    from phalanx.checkpoint.io import write_atomic
+
+    path = os.path.join(run_dir, FINAL_MODEL)
+    write_atomic(path, model.state_dict())
+    return path
 
 
 def _open_run(config: FitConfig) -> RunOpened | None:

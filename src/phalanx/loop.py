@@ -15,7 +15,6 @@ Only the main member emits events and writes checkpoints.
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 import torch
 
+from phalanx import rng
 from phalanx.checkpoint import Checkpointer, should_save
 from phalanx.early_stopping import EarlyStopping
 from phalanx.events import (
@@ -33,6 +33,7 @@ from phalanx.events import (
     Event,
     Notice,
     StepEnded,
+    Validated,
     ValidationStarted,
     WorkerFailed,
 )
@@ -182,6 +183,8 @@ class LoopSettings:
     seed: int
     has_valid: bool = False
     valid_batches: int = 0  # global batches of one validation pass
+    max_steps: int | None = None  # end the run after this many committed steps
+    val_every_steps: int | None = None  # validate after every N-th committed step too
 
 
 @dataclass
@@ -231,41 +234,51 @@ class TrainLoop:
 
     # -- resume -------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """Everything a checkpoint holds."""
+        """Everything a checkpoint holds: the engine's state (``model``, ``optimizer``,
+        ``scheduler``, ...) at the top, so ``torch.load(path)["model"]`` is the model's state
+        dict, then ``loop``, ``early_stopping``, ``plan`` and ``rng``."""
         return {
-            "engine": self.engine.state_dict(),
+            **self.engine.state_dict(),
             "loop": self.state.state_dict(),
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
             "plan": self.s.plan.record(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            },
+            "rng": rng.capture(),
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
-        self.engine.load_state_dict(snap["engine"])
+        self.engine.load_state_dict(snap)
         self.state = TrainState.from_state_dict(snap["loop"])
         if self.early_stopping and snap.get("early_stopping"):
             self.early_stopping.load_state_dict(snap["early_stopping"])
-        torch.set_rng_state(snap["rng"]["torch"])
-        np.random.set_state(snap["rng"]["numpy"])
-        random.setstate(snap["rng"]["python"])
+        rng.restore(snap["rng"])
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> LoopResult:
         try:
-            while self.state.epoch < self.s.epochs:
+            while self.state.epoch < self.s.epochs and not self._reached_max_steps():
                 self._epoch()
+                if self.state.step < self.s.plan.steps:  # max_steps ended it mid-epoch
+                    break
                 reason = self._end_epoch()
                 if reason:
                     self.emit(Notice(reason))
                     return LoopResult(self.state, None)
+            if self._reached_max_steps():
+                st = self.state
+                self.emit(
+                    Notice(
+                        f"max_steps={self.s.max_steps} reached (epoch {st.epoch}, "
+                        f"step {st.step} of {self.s.plan.steps})"
+                    )
+                )
+                self._checkpoint(epoch_end=False, force=True)
         except Interrupted as stop:
             self._checkpoint(epoch_end=False, force=True)
             return LoopResult(self.state, f"Training interrupted: {stop.reason}")
         return LoopResult(self.state, None)
+
+    def _reached_max_steps(self) -> bool:
+        return self.s.max_steps is not None and self.state.global_step >= self.s.max_steps
 
     def _epoch(self) -> None:
         st = self.state
@@ -277,7 +290,7 @@ class TrainLoop:
         self.engine.begin_epoch(st.epoch, st.step)
         if st.epoch_sums is None:
             st.epoch_sums = torch.zeros(_size(self.s.metrics), dtype=torch.float64)
-        while st.step < steps:
+        while st.step < steps and not self._reached_max_steps():
             self._step()
 
     def _step(self) -> None:
@@ -320,12 +333,39 @@ class TrainLoop:
         st.step += 1
         st.global_step += 1
         self._emit_step(vote, samples, time.perf_counter() - started, skipped)
+        metrics = self._validate_mid_epoch() if self._validating_now(vote) else None
         if self.checkpointer and should_save(st.global_step, False, self.checkpointer.config):
-            self._checkpoint(epoch_end=False)
+            self._checkpoint(epoch_end=False, metrics=metrics)
         if vote.stop:
             raise Interrupted(self.stop_requested() or "stop requested by another worker")
         if vote.regroup:
             raise Regroup()
+
+    def _validating_now(self, vote: Vote) -> bool:
+        """After every ``val_every_steps``-th committed step, unless the epoch ends here (its
+        own validation follows) or the run is stopping."""
+        every, st = self.s.val_every_steps, self.state
+        return (
+            every is not None
+            and st.global_step % every == 0
+            and st.step < self.s.plan.steps
+            and not vote.stop
+        )
+
+    def _validate_mid_epoch(self) -> dict[str, float]:
+        st = self.state
+        results = self._validate()
+        st.history.append({"epoch": st.epoch, "global_step": st.global_step, **results})
+        self.emit(Validated(st.epoch, st.step, st.global_step, results))
+        return results
+
+    def _validate(self) -> dict[str, float]:
+        """One pass over the validation set on every member: ``valid/<metric>`` values."""
+        self.emit(ValidationStarted(self.state.epoch, self.s.valid_batches))
+        sums = self.engine.evaluate()
+        with self._fails_as("metrics"):
+            valid = compute_all(self.s.metrics, sums)
+        return {f"valid/{k}": v for k, v in valid.items()}
 
     def _stopping(self) -> bool:
         return self.stop_requested() is not None
@@ -365,11 +405,7 @@ class TrainLoop:
         stats = LoopStats(lr=self.engine.lr(), samples_per_s=throughput)
         results.update({f"train/{m.name}": m.read(stats) for m in self.s.loop_metrics})
         if self.s.has_valid:
-            self.emit(ValidationStarted(st.epoch, self.s.valid_batches))
-            sums = self.engine.evaluate()
-            with self._fails_as("metrics"):
-                valid = compute_all(self.s.metrics, sums)
-            results.update({f"valid/{k}": v for k, v in valid.items()})
+            results.update(self._validate())
         st.history.append({"epoch": st.epoch, **results})
         self.engine.end_epoch()  # a per-epoch scheduler steps (after train/lr was read)
         self.emit(EpochEnded(st.epoch, results, time.time() - self.epoch_started))
@@ -384,7 +420,7 @@ class TrainLoop:
         if self.checkpointer is None or not self.engine.is_main:
             return
         config = self.checkpointer.config
-        if not (force or should_save(self.state.global_step, epoch_end, config)):
+        if not (force or should_save(self.state.global_step, epoch_end, config, self.state.epoch)):
             return
         if force and self.saved_step == self.state.global_step:
             return  # a stop right after a save of this very state: nothing new to save

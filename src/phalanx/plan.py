@@ -53,13 +53,16 @@ def bounds(total: int, parts: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Plan:
-    """The plan of one run: dataset size, global batch size and seed."""
+    """The plan of one run: dataset size, global batch size and seed. ``fingerprint`` is a
+    hash of a few samples' contents (``data.fingerprint``): a checkpoint of another dataset of
+    the same size does not match the record."""
 
     samples: int
     batch_size: int
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = False
+    fingerprint: str = ""
 
     @property
     def steps(self) -> int:
@@ -81,6 +84,7 @@ class Plan:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "fingerprint": self.fingerprint,
         }
 
     def local_batch(self, epoch: int, step: int, member: int, members: int) -> list[int]:

@@ -117,8 +117,9 @@ def load_run(run_dir: str | Path) -> RunData:
             data.steps.append(int(r["global_step"]))
             data.seconds.append(seconds)
             data.loss.append(float(r["loss"]))
-        elif kind == "EpochEnded":
+        elif kind in ("EpochEnded", "Validated"):  # (Validated: mid-epoch, val_every_steps)
             at = (int(r["epoch"]) + 1) * steps_per_epoch if steps_per_epoch else data.step_at(1e18)
+            at = int(r["global_step"]) if kind == "Validated" else at
             for key, value in r["metrics"].items():
                 if key.startswith("valid/"):
                     data.valid.setdefault(key, []).append((int(at), seconds, float(value)))

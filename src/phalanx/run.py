@@ -54,6 +54,7 @@ class FitResult:
     seconds: float = 0.0
     ledger_ok: bool | None = None  # every sample used exactly once in each finished epoch
     ledger_problems: list[str] = field(default_factory=list)
+    model_path: str | None = None  # run_dir/model.pt: the final state dict of a finished run
 
 
 @dataclass(frozen=True, kw_only=True)

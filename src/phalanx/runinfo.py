@@ -43,6 +43,7 @@ ARTEFACTS = (
     "failures.json",
     "ledger.json",
     "run.png",
+    "model.pt",  # the final weights of a finished run
 )
 
 

@@ -60,6 +60,8 @@ def build_loop(
         seed=config.seed,
         has_valid=valid_size is not None,
         valid_batches=-(-(valid_size or 0) // config.batch_size),
+        max_steps=config.max_steps,
+        val_every_steps=config.val_every_steps,
     )
     stopping = copy.deepcopy(config.early_stopping)
     return TrainLoop(engine, settings, emit, checkpointer, stopping, stop_requested, on_failure)
@@ -90,14 +92,57 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
     snap, info = found
     saved = snap.get("plan")
     if saved != plan.record():
-        raise CheckpointError(
-            f"{info.path} was written with plan {saved}, but this run has {plan.record()}; "
-            "resume with the same dataset, batch_size, seed, shuffle and drop_last, or use "
-            "a new run_dir"
-        )
+        raise CheckpointError(f"{info.path} {plan_mismatch(saved, plan.record())}")
     restore_fitting(loop, snap, info.path)
     st = loop.state
     emit(Resumed(info.path, st.epoch, st.step, st.global_step))
+
+
+def check_resume_plan(config: FitConfig, plan: Plan) -> None:
+    """In the caller, before anything starts: the checkpoint a resume will load (the newest
+    that verifies) must have this run's plan, else CheckpointError (PX120) naming what
+    differs; a first-format file, CheckpointFormatError (PX126). Reads only the plan record
+    (the file is mapped, its tensors never read); the loading member checks it again."""
+    from phalanx.checkpoint.checkpointer import digest_of, read_index
+    from phalanx.checkpoint.io import list_checkpoints, peek
+    from phalanx.errors import CheckpointFormatError
+
+    if not (config.resume and config.run_dir):
+        return
+    folder = checkpoint_dir(config.run_dir)
+    index = read_index(folder)
+    for path, _ in reversed(list_checkpoints(folder)):
+        try:
+            saved = peek(path, "plan", digest_of(index.get(os.path.basename(path), {})))
+        except CheckpointFormatError:
+            raise
+        except CheckpointError:
+            continue  # the loading member skips it too, and says so
+        if saved != plan.record():
+            raise CheckpointError(f"{path} {plan_mismatch(saved, plan.record())}")
+        return
+
+
+def plan_mismatch(saved: Any, now: dict[str, object]) -> str:
+    """Why a checkpoint's plan record does not match this run's, and the fix."""
+    if not isinstance(saved, dict):
+        return f"has no plan record this version understands ({saved!r}); use a new run_dir"
+    if [k for k in now if saved.get(k) != now[k]] == ["fingerprint"]:
+        return (
+            f"was written with another training dataset of the same size ({now['samples']} "
+            f"samples): the contents of the samples phalanx checks differ (fingerprint "
+            f"{saved.get('fingerprint')!r} then, {now['fingerprint']!r} now). Resume with the "
+            "same dataset (a random_split needs a seeded generator=, e.g. "
+            "torch.Generator().manual_seed(0), to give the same split again), or use a new "
+            "run_dir"
+        )
+    changed = ", ".join(
+        f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]
+    )
+    return (
+        f"was written with another plan ({changed}); resume with the same dataset, "
+        "batch_size, seed, shuffle and drop_last, or use a new run_dir"
+    )
 
 
 def restore_fitting(loop: TrainLoop, snap: dict[str, Any], path: str) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from phalanx.checkpoint import Checkpoints
+from phalanx.data import Loading
 from phalanx.early_stopping import EarlyStopping
 from phalanx.faults import Fault
 from phalanx.metrics import LoopMetric, Metric
@@ -94,6 +95,14 @@ class FitConfig:
     num_workers: int = 0
     min_free_memory: int | None = None
     recovery: Recovery = field(default_factory=Recovery)  # ddp: what to do when a worker falls
+    collate_fn: Callable[[list[Any]], Any] | None = None  # None: torch's default_collate
+    pin_memory: bool = False
+    max_steps: int | None = None  # stop after this many committed steps (global step count)
+    val_every_steps: int | None = None  # validate every N committed steps too
+
+    def loading(self) -> Loading:
+        """What every DataLoader of the run is built with."""
+        return Loading(self.num_workers, self.collate_fn, self.pin_memory)
 
 
 def factory_takes_model(factory: Callable[..., Any]) -> bool:

@@ -12,12 +12,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from phalanx.devices import check_one_backend
 from phalanx.errors import (
     BatchSizeError,
     BatchSmallerThanWorkersError,
     CheckpointError,
+    DataLoaderAsDatasetError,
     DatasetNotPicklableError,
     EmptyDatasetError,
     EpochTooShortError,
@@ -29,17 +31,37 @@ from phalanx.errors import (
     PrecisionError,
     RunDirInUseError,
     UnknownStrategyError,
+    UnsizedDatasetError,
 )
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies import STRATEGIES
 
 
 def dataset_size(dataset: Any, name: str) -> int:
+    """The number of samples of a map-style dataset; a ConfigError naming the fix for a
+    DataLoader (PX127) or anything without ``__len__`` and ``__getitem__`` (PX128)."""
+    if isinstance(dataset, DataLoader):
+        batch = dataset.batch_size if dataset.batch_size is not None else "<global batch>"
+        raise DataLoaderAsDatasetError(
+            f"the {name} dataset is a torch DataLoader; phalanx builds its own loaders from the "
+            f"plan: pass loader.dataset and batch_size={batch} (the global batch) instead, e.g. "
+            f"fit(loader.dataset, batch_size={batch}); shuffle=, drop_last=, num_workers=, "
+            "collate_fn= and pin_memory= are fit() arguments"
+        )
+    streaming = isinstance(dataset, IterableDataset)
+    if streaming or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        kind = "an IterableDataset" if streaming else f"a {type(dataset).__qualname__}"
+        raise UnsizedDatasetError(
+            f"the {name} dataset is {kind}, without __len__ and __getitem__: a stream without "
+            "a length cannot have an exactly-once plan (each epoch is a seeded permutation of "
+            "sample indices). Pass a map-style torch Dataset (with __len__ and __getitem__), "
+            "e.g. one that indexes its records"
+        )
     try:
         n = len(dataset)
-    except TypeError:
-        raise InvalidSettingError(
-            f"the {name} dataset has no len(); pass a map-style torch Dataset "
+    except TypeError as exc:
+        raise UnsizedDatasetError(
+            f"the {name} dataset's len() raised {exc}; pass a map-style torch Dataset "
             "(with __len__ and __getitem__)"
         ) from None
     return int(n)
@@ -56,6 +78,7 @@ def validate_fit(
     """Every check before launch. ``train`` and ``valid`` (the datasets) are checked for
     pickling under ddp when given."""
     _validate_numbers(spec, config)
+    _validate_schedule(config, has_valid)
     _validate_factories(spec)
     _validate_precision(spec, config.devices)
     _validate_run_dir(config)
@@ -67,6 +90,7 @@ def validate_fit(
     if config.strategy == "ddp":
         check_one_backend(config.devices)
         _validate_picklable(spec)
+        _check_pickles("collate_fn", config.collate_fn)
         _validate_datasets_picklable({"training": train, "validation": valid})
         _validate_main_guard()
 
@@ -87,6 +111,39 @@ def _validate_numbers(spec: TrainSpec, config: FitConfig) -> None:
         raise InvalidSettingError("hang_timeout must be a positive timedelta")
     if config.resume and not config.run_dir:
         raise CheckpointError("resume=True needs run_dir= (where the checkpoints are)")
+    _validate_loading(config)
+
+
+def _validate_loading(config: FitConfig) -> None:
+    if config.collate_fn is not None and not callable(config.collate_fn):
+        raise InvalidSettingError(
+            f"collate_fn={config.collate_fn!r} is not callable; pass a function that turns a "
+            "list of samples into a batch, or None for torch's default_collate"
+        )
+    if not isinstance(config.pin_memory, bool):
+        raise InvalidSettingError(f"pin_memory={config.pin_memory!r}; pass True or False")
+    if not _whole(config.num_workers) or config.num_workers < 0:
+        raise InvalidSettingError(
+            f"num_workers={config.num_workers!r}; pass a whole number >= 0 (DataLoader worker "
+            "processes per device; 0 loads in the training process)"
+        )
+
+
+def _validate_schedule(config: FitConfig, has_valid: bool) -> None:
+    """``max_steps`` and ``val_every_steps``: whole numbers >= 1 or None."""
+    for name in ("max_steps", "val_every_steps"):
+        value = getattr(config, name)
+        if value is not None and (not _whole(value) or value < 1):
+            raise InvalidSettingError(f"{name}={value!r}; pass a whole number >= 1, or None")
+    if config.val_every_steps is not None and not has_valid:
+        raise InvalidSettingError(
+            f"val_every_steps={config.val_every_steps} needs a validation set: pass valid= to "
+            "fit(), or drop val_every_steps"
+        )
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _validate_factories(spec: TrainSpec) -> None:
@@ -249,15 +306,18 @@ def _validate_picklable(spec: TrainSpec) -> None:
             "to worker processes; define it with def at module level"
         )
     for name in ("model", "optimizer", "step", "lr_scheduler", "metrics"):
-        value = getattr(spec, name)
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            raise NotPicklableError(
-                f"the {name} argument ({_describe(value)}) cannot be pickled for "
-                f'strategy="ddp" ({type(exc).__name__}: {exc}); use a module-level function '
-                "or functools.partial of one instead of a lambda or a nested function"
-            ) from None
+        _check_pickles(name, getattr(spec, name))
+
+
+def _check_pickles(name: str, value: Any) -> None:
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        raise NotPicklableError(
+            f"the {name} argument ({_describe(value)}) cannot be pickled for "
+            f'strategy="ddp" ({type(exc).__name__}: {exc}); use a module-level function '
+            "or functools.partial of one instead of a lambda or a nested function"
+        ) from None
 
 
 class _Discard:

@@ -2,10 +2,12 @@
 
 Directory layout::
 
-    ckpt-000000120.pt      one file per checkpoint, named by global step (see io.py's format)
-    checkpoints.json       index: step/epoch/metric per file, so keep_best survives a restart
+    ckpt-000000120.pt      one file per checkpoint, named by global step: torch.save's format
+    checkpoints.json       index: step/epoch/metric, SHA-256 and length per file, so keep_best
+                           survives a restart and a damaged file is told apart
 
-Each file's payload is ``{"meta": {"step", "epoch", "metric"}, "state": <the saved state>}``.
+Each file holds the saved state's keys plus ``"phalanx": {"format", "step", "epoch",
+"metric"}``, and opens with ``torch.load(path, weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from phalanx.checkpoint.config import Checkpoints
 from phalanx.checkpoint.io import (
+    Digest,
     checkpoint_name,
     list_checkpoints,
     read_verified,
@@ -29,10 +32,12 @@ from phalanx.checkpoint.io import (
     write_bytes_atomic,
 )
 from phalanx.checkpoint.policy import CheckpointInfo, retention
-from phalanx.errors import CheckpointError
+from phalanx.errors import CheckpointError, CheckpointFormatError
 from phalanx.events import CheckpointDeleted, CheckpointSaved, CheckpointSkipped, Emit
 
 INDEX_NAME = "checkpoints.json"
+META_KEY = "phalanx"  # the file's own record: format, step, epoch, metric
+FORMAT = 2  # 1 had a header before torch's bytes (io.OLD_MAGIC)
 
 
 @dataclass
@@ -62,7 +67,7 @@ class Checkpointer:
         self._emit = emit
         os.makedirs(self.directory, exist_ok=True)
         self._index_path = os.path.join(self.directory, INDEX_NAME)
-        self._index = self._read_index()  # file name -> meta; touched only by the thread
+        self._index = read_index(self.directory)  # file name -> meta; touched only by the thread
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._error: CheckpointError | None = None
@@ -107,26 +112,33 @@ class Checkpointer:
         Waits for queued saves first. Each newer file that fails verification is skipped with
         a :class:`CheckpointSkipped` event naming it and the reason; nothing is deleted."""
         self._queue.join()
-        for path, _ in reversed(list_checkpoints(self.directory)):
+        for path, step in reversed(list_checkpoints(self.directory)):
             try:
-                payload = read_verified(path)
-                meta, state = payload["meta"], payload["state"]
-                metric = meta["metric"]
-                info = CheckpointInfo(
-                    path,
-                    int(meta["step"]),
-                    int(meta["epoch"]),
-                    None if metric is None else float(metric),
-                )
+                state, info = self._read(path, step)
+            except CheckpointFormatError:
+                raise  # never released: say so rather than quietly resume from older files
             except CheckpointError as exc:
                 self._emit(CheckpointSkipped(path=path, reason=exc.message))
                 continue
-            except (KeyError, TypeError, ValueError) as exc:
-                reason = f"{path}: not written by a Checkpointer (no meta/state: {exc!r})"
-                self._emit(CheckpointSkipped(path=path, reason=reason))
-                continue
             return state, info
         return None
+
+    def _read(self, path: str, step: int) -> tuple[dict[str, Any], CheckpointInfo]:
+        """A file's state (without its record) and info, verified against the index."""
+        payload = read_verified(path, self._digest(os.path.basename(path)))
+        meta = payload.pop(META_KEY, None)
+        try:
+            metric = meta["metric"]
+            epoch = int(meta["epoch"])
+            info = CheckpointInfo(path, step, epoch, None if metric is None else float(metric))
+        except (KeyError, TypeError, ValueError) as exc:  # (None[...] is a TypeError)
+            raise CheckpointError(
+                f"{path}: not written by a Checkpointer (no {META_KEY!r} record: {exc!r})"
+            ) from exc
+        return payload, info
+
+    def _digest(self, name: str) -> Digest | None:
+        return digest_of(self._index.get(name, {}))
 
     # --- background thread -------------------------------------------------------------
 
@@ -154,8 +166,10 @@ class Checkpointer:
         name = checkpoint_name(job.step)
         path = os.path.join(self.directory, name)
         meta = {"step": job.step, "epoch": job.epoch, "metric": job.metric}
-        write_atomic(path, {"meta": meta, "state": job.state})
-        self._index[name] = meta
+        if self._index.pop(name, None) is not None:  # the same step again (an epoch end that
+            self._write_index()  # is a step multiple too): never leave its old checksum listed
+        digest = write_atomic(path, {**job.state, META_KEY: {"format": FORMAT, **meta}})
+        self._index[name] = {**meta, "sha256": digest.sha256, "bytes": digest.size}
         self._write_index()
         self._emit(CheckpointSaved(path=path, step=job.step, epoch=job.epoch))
         deleted = False
@@ -187,29 +201,14 @@ class Checkpointer:
             )
         return found
 
-    @staticmethod
-    def _meta_from_file(path: str, step: int) -> dict[str, Any]:
+    def _meta_from_file(self, path: str, step: int) -> dict[str, Any]:
+        """Epoch and metric of a file the index does not list (no checksum is recorded for
+        it: its contents were never checked against one)."""
         try:
-            meta = read_verified(path)["meta"]
-            return {"step": step, "epoch": int(meta["epoch"]), "metric": meta["metric"]}
-        except (CheckpointError, KeyError, TypeError, ValueError):
+            _, info = self._read(path, step)
+            return {"step": step, "epoch": info.epoch, "metric": info.metric}
+        except CheckpointError:
             return {"step": step, "epoch": -1, "metric": None}
-
-    def _read_index(self) -> dict[str, dict[str, Any]]:
-        """The index on disk; empty if missing or unreadable (it is rebuilt from the files)."""
-        try:
-            with open(self._index_path, encoding="utf-8") as f:
-                entries = json.load(f)["checkpoints"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return {}
-        if not isinstance(entries, dict):
-            return {}
-        return {
-            name: meta
-            for name, meta in entries.items()
-            if isinstance(meta, dict)
-            and (meta.get("metric") is None or isinstance(meta.get("metric"), (int, float)))
-        }
 
     def _write_index(self) -> None:
         on_disk = {os.path.basename(p) for p, _ in list_checkpoints(self.directory)}
@@ -226,6 +225,62 @@ class Checkpointer:
             error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def read_index(directory: str) -> dict[str, dict[str, Any]]:
+    """The index in ``directory``: file name -> step, epoch, metric, sha256, bytes. Empty if
+    missing or unreadable (the Checkpointer rebuilds it from the files; their checksums are
+    lost then, and a file is accepted when torch opens it)."""
+    try:
+        with open(os.path.join(directory, INDEX_NAME), encoding="utf-8") as f:
+            entries = json.load(f)["checkpoints"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(entries, dict):
+        return {}
+    return {
+        name: meta
+        for name, meta in entries.items()
+        if isinstance(meta, dict)
+        and (meta.get("metric") is None or isinstance(meta.get("metric"), (int, float)))
+    }
+
+
+def digest_of(meta: dict[str, Any]) -> Digest | None:
+    """The SHA-256 and length an index entry records (None when it has none)."""
+    sha, size = meta.get("sha256"), meta.get("bytes")
+    if isinstance(sha, str) and isinstance(size, int):
+        return Digest(sha, size)
+    return None
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint written by phalanx, as the dict ``torch.load(path, weights_only=True)``
+    gives (tensors on CPU), after checking it against the checksum its directory's index
+    records. ``path`` is a checkpoint file, or a ``run_dir`` (or its ``checkpoints/``) for the
+    newest one that verifies. Keys: ``model`` (the model's state dict, for
+    ``model.load_state_dict``), ``optimizer``, ``scheduler``, ``loop`` (``epoch``, ``step``,
+    ``global_step``, ``history``, ...), ``early_stopping``, ``plan``, ``rng`` and ``phalanx``
+    (``format``, ``step``, ``epoch``, ``metric``). Raises CheckpointError when nothing
+    usable is found (the reason per file), CheckpointFormatError for a first-format file."""
+    name = os.fspath(path)
+    if not os.path.isdir(name):
+        folder = os.path.dirname(os.path.abspath(name))
+        digest = digest_of(read_index(folder).get(os.path.basename(name), {}))
+        return read_verified(name, digest)
+    nested = os.path.join(name, "checkpoints")
+    folder = nested if os.path.isdir(nested) else name
+    index = read_index(folder)
+    reasons = []
+    for file, _ in reversed(list_checkpoints(folder)):
+        try:
+            return read_verified(file, digest_of(index.get(os.path.basename(file), {})))
+        except CheckpointFormatError:
+            raise
+        except CheckpointError as exc:
+            reasons.append(exc.message)
+    found = "; ".join(reasons) if reasons else "no ckpt-*.pt file"
+    raise CheckpointError(f"no usable checkpoint in {folder}: {found}")
 
 
 def _json_metric(metric: Any) -> float | None:

@@ -14,8 +14,10 @@ class Checkpoints:
 
     - ``every_steps``: save every N committed optimizer steps (global step count); None: never
       by steps.
-    - ``every_epoch``: save at each epoch end, after validation (so the epoch's metrics are
-      known).
+    - ``every_epoch``: save at epoch ends, after validation (so the epoch's metrics are
+      known); False: never at epoch ends.
+    - ``every_epochs``: with ``every_epoch``, save at the end of every N-th epoch only
+      (epochs N, 2N, ... counted from 1); None is every epoch.
     - ``keep_last``: how many of the newest checkpoints (by step) to keep.
     - ``keep_best``: a history key such as ``"valid/loss"``; the best checkpoint by that metric
       is kept as well, even when it is older than the newest ``keep_last``.
@@ -27,6 +29,7 @@ class Checkpoints:
 
     every_steps: int | None = None
     every_epoch: bool = True
+    every_epochs: int | None = None
     keep_last: int = 2
     keep_best: str | None = None
     best_mode: Literal["min", "max"] | None = None
@@ -36,6 +39,19 @@ class Checkpoints:
             raise InvalidSettingError(
                 f"Checkpoints(every_steps={self.every_steps!r}): use a whole number >= 1, "
                 "or None to save only at epoch ends."
+            )
+        if self.every_epochs is not None and (
+            not _is_int(self.every_epochs) or self.every_epochs < 1
+        ):
+            raise InvalidSettingError(
+                f"Checkpoints(every_epochs={self.every_epochs!r}): use a whole number >= 1, "
+                "or None to save at every epoch end."
+            )
+        if self.every_epochs is not None and not self.every_epoch:
+            raise InvalidSettingError(
+                f"Checkpoints(every_epoch=False, every_epochs={self.every_epochs}) contradict "
+                "each other: drop every_epoch=False to save every N epochs, or drop "
+                "every_epochs to never save at epoch ends."
             )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise InvalidSettingError(

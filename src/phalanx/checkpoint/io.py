@@ -1,13 +1,15 @@
 """Checkpoint file format and atomic, verified I/O.
 
-A checkpoint file is::
+A checkpoint file is what ``torch.save`` writes, and opens with plain
+``torch.load(path, weights_only=True)``: only containers (dict, list, tuple), tensors,
+numbers, strings and None are stored. Its SHA-256 and length are kept beside it, in the
+directory's index (``checkpoints.json``, see checkpointer.py), so a truncated file ("truncated:
+expected N bytes"), a damaged one ("checksum mismatch") and a foreign one ("not a phalanx
+checkpoint") are told apart before unpickling anything. A file the index does not list (the
+process died between the file's rename and the index's) is accepted when torch can open it.
 
-    b"PHALANX-CKPT-1\\n"                      magic line
-    b"<sha256 hex of payload> <payload length>\\n"   header line
-    <payload: torch.save bytes>
-
-so a truncated file ("truncated: expected N bytes"), a damaged one ("checksum mismatch") and a
-foreign one ("not a phalanx checkpoint") are told apart before unpickling anything.
+Files of the first format (a ``PHALANX-CKPT-1`` header before torch's bytes, never released)
+are refused with :class:`~phalanx.errors.CheckpointFormatError`.
 """
 
 from __future__ import annotations
@@ -19,15 +21,27 @@ import io
 import os
 import re
 import tempfile
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from phalanx.errors import CheckpointError
+from phalanx.errors import CheckpointError, CheckpointFormatError
 
-MAGIC = b"PHALANX-CKPT-1\n"
-_MAX_HEADER = 128  # 64 hex digits + a space + a length + a newline, with room to spare
+OLD_MAGIC = b"PHALANX-CKPT-1\n"  # the first format's header (refused, see the module doc)
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip container
 _NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
+
+
+@dataclass(frozen=True)
+class Digest:
+    """What the index records of a file: its SHA-256 (hex) and its length in bytes."""
+
+    sha256: str
+    size: int
 
 
 def checkpoint_name(step: int) -> str:
@@ -35,17 +49,19 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:09d}.pt"
 
 
-def write_atomic(path: str | os.PathLike[str], payload: dict[str, Any]) -> None:
-    """Write ``payload`` to ``path`` so that ``path`` is either the old file or the complete new
-    one, never a partial write: serialize in memory, write a temp file in the same directory,
-    fsync it, ``os.replace`` it onto ``path``, fsync the directory. If anything fails (e.g. the
-    payload cannot be pickled) the temp file is removed, ``path`` is untouched and the error
-    propagates."""
+def write_atomic(path: str | os.PathLike[str], payload: dict[str, Any]) -> Digest:
+    """Write ``payload`` with ``torch.save`` to ``path`` so that ``path`` is either the old file
+    or the complete new one, never a partial write: check that every leaf can be opened with
+    ``weights_only=True`` (else :class:`~phalanx.errors.CheckpointError` naming where), serialize
+    in memory, write a temp file in the same directory, fsync it, ``os.replace`` it onto
+    ``path``, fsync the directory. If anything fails the temp file is removed, ``path`` is
+    untouched and the error propagates. Returns the bytes' digest, for the index."""
+    check_weights_only(payload)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     body = buffer.getvalue()
-    header = f"{hashlib.sha256(body).hexdigest()} {len(body)}\n".encode("ascii")
-    _replace_atomic(os.fspath(path), MAGIC + header + body)
+    _replace_atomic(os.fspath(path), body)
+    return Digest(hashlib.sha256(body).hexdigest(), len(body))
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
@@ -79,59 +95,103 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def read_verified(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_verified(path: str | os.PathLike[str], expected: Digest | None = None) -> dict[str, Any]:
     """Read a checkpoint written by :func:`write_atomic` and return its payload (tensors on
-    CPU). Raises :class:`~phalanx.errors.CheckpointError` naming the file and the reason:
-    unreadable, "not a phalanx checkpoint", "truncated: expected N bytes ...",
-    "checksum mismatch", or a payload that does not unpickle to a dict.
-
-    ``weights_only=False``: the payload holds Python ints/lists/dicts and optimizer state, and
-    the file is our own, verified against its checksum before anything is unpickled. Never
-    point this at files from an untrusted source."""
+    CPU), opened with ``torch.load(weights_only=True)``. With ``expected`` (from the index) the
+    length and checksum are checked first. Raises :class:`~phalanx.errors.CheckpointError`
+    naming the file and the reason: unreadable, "not a phalanx checkpoint", "truncated:
+    expected N bytes ...", "checksum mismatch", or a payload that does not load to a dict;
+    :class:`~phalanx.errors.CheckpointFormatError` for a file of the first format."""
     name = os.fspath(path)
     try:
         with open(name, "rb") as f:
             data = f.read()
     except OSError as exc:
         raise CheckpointError(f"{name}: cannot read: {exc}") from exc
-    body = _verify(name, data)
+    _verify(name, data, expected)
     try:
-        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=False)
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{name}: payload does not load: {exc!r}") from exc
+        detail = " ".join(str(exc).split())[:300]
+        raise CheckpointError(
+            f"{name}: payload does not load: {type(exc).__name__}: {detail}"
+        ) from exc
     if not isinstance(payload, dict):
         raise CheckpointError(f"{name}: payload is a {type(payload).__name__}, not a dict")
     return payload
 
 
-def _verify(name: str, data: bytes) -> bytes:
-    """The payload bytes of ``data`` after checking magic, length and checksum."""
-    if not data.startswith(MAGIC):
-        if MAGIC.startswith(data):
-            raise CheckpointError(f"{name}: truncated: {len(data)} bytes, header incomplete")
-        raise CheckpointError(f"{name}: not a phalanx checkpoint (bad magic)")
-    end = data.find(b"\n", len(MAGIC), len(MAGIC) + _MAX_HEADER)
-    if end < 0:
-        if len(data) < len(MAGIC) + _MAX_HEADER:
-            raise CheckpointError(f"{name}: truncated: {len(data)} bytes, header incomplete")
-        raise CheckpointError(f"{name}: not a phalanx checkpoint (bad header)")
-    try:
-        digest, length_text = data[len(MAGIC) : end].decode("ascii").split(" ")
-        length = int(length_text)
-    except ValueError as exc:
-        raise CheckpointError(f"{name}: not a phalanx checkpoint (bad header)") from exc
-    body = data[end + 1 :]
-    if len(body) < length:
-        raise CheckpointError(
-            f"{name}: truncated: expected {length} bytes of payload, found {len(body)}"
+def _verify(name: str, data: bytes, expected: Digest | None) -> None:
+    """Check the format, then length and checksum against ``expected`` when known."""
+    head = data[: len(OLD_MAGIC)]
+    _check_format(name, head)
+    if expected is not None:
+        _check_digest(name, len(data), lambda: hashlib.sha256(data).hexdigest(), expected)
+    _check_torch_file(name, head, len(data))
+
+
+def _check_format(name: str, head: bytes) -> None:
+    """``head``: the file's first bytes (``len(OLD_MAGIC)`` of them when it has them)."""
+    if head.startswith(OLD_MAGIC):
+        raise CheckpointFormatError(
+            f"{name} was written by an earlier phalanx build (format 1: a header before "
+            "torch's bytes), which this version does not read; start a new run_dir, or delete "
+            "the file to resume from the checkpoints beside it"
         )
-    if len(body) > length:
+
+
+def _check_torch_file(name: str, head: bytes, size: int) -> None:
+    if not head.startswith(_ZIP_MAGIC):
+        if size < len(_ZIP_MAGIC) and _ZIP_MAGIC.startswith(head):
+            raise CheckpointError(f"{name}: truncated: {size} bytes")
+        raise CheckpointError(f"{name}: not a phalanx checkpoint (not a torch.save file)")
+
+
+def _check_digest(name: str, size: int, sha256: Callable[[], str], expected: Digest) -> None:
+    if size < expected.size:
+        raise CheckpointError(f"{name}: truncated: expected {expected.size} bytes, found {size}")
+    if size > expected.size:
         raise CheckpointError(
-            f"{name}: trailing data: expected {length} bytes of payload, found {len(body)}"
+            f"{name}: trailing data: expected {expected.size} bytes, found {size}"
         )
-    if hashlib.sha256(body).hexdigest() != digest:
+    if sha256() != expected.sha256:
         raise CheckpointError(f"{name}: checksum mismatch (file is damaged)")
-    return body
+
+
+def peek(path: str | os.PathLike[str], key: str, expected: Digest | None = None) -> Any:
+    """``payload[key]`` of a checkpoint, verified as :func:`read_verified` does but without
+    holding the file in memory: the checksum is computed in chunks and torch maps the file
+    (``mmap=True``), so the tensors are never read. For checks in the caller's process
+    before a run starts (the plan record)."""
+    name = os.fspath(path)
+    try:
+        size = os.path.getsize(name)
+        with open(name, "rb") as f:
+            head = f.read(len(OLD_MAGIC))
+    except OSError as exc:
+        raise CheckpointError(f"{name}: cannot read: {exc}") from exc
+    _check_format(name, head)
+    if expected is not None:
+        _check_digest(name, size, lambda: _file_sha256(name), expected)
+    _check_torch_file(name, head, size)
+    try:
+        payload = torch.load(name, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        detail = " ".join(str(exc).split())[:300]
+        raise CheckpointError(
+            f"{name}: payload does not load: {type(exc).__name__}: {detail}"
+        ) from exc
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{name}: payload is a {type(payload).__name__}, not a dict")
+    return payload.get(key)
+
+
+def _file_sha256(name: str) -> str:
+    digest = hashlib.sha256()
+    with open(name, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[str, int]]:
@@ -153,7 +213,7 @@ def to_cpu(obj: Any) -> Any:
     """A deep copy of a nested state (dicts, lists, tuples, tensors) with every tensor cloned
     to CPU, so later in-place updates to the live state do not change the snapshot. Mapping
     and sequence types are kept (dict subclasses such as OrderedDict, named tuples); other
-    leaves are ``copy.deepcopy``-ed."""
+    leaves are ``copy.deepcopy``-ed, numpy scalars become Python numbers."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -168,6 +228,38 @@ def to_cpu(obj: Any) -> Any:
     if isinstance(obj, tuple):
         values = [to_cpu(v) for v in obj]
         return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
+    if isinstance(obj, np.generic):  # a numpy scalar (a metric's value, say): plain Python
+        return obj.item()
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
     return copy.deepcopy(obj)
+
+
+_PLAIN = frozenset(
+    {bool, int, float, complex, str, bytes, bytearray, type(None), torch.dtype, torch.device}
+)
+_MAPPINGS = (dict, OrderedDict, Counter)  # (Counter: MultiStepLR's milestones)
+_SEQUENCES = (list, tuple, set, torch.Size)
+
+
+def check_weights_only(obj: Any, where: str = "checkpoint") -> None:
+    """Raise :class:`~phalanx.errors.CheckpointError` naming the first value in ``obj`` that
+    ``torch.load(weights_only=True)`` would refuse (anything but dicts, OrderedDicts, Counters,
+    lists, tuples, sets, tensors, numbers, strings, bytes and None), so that a checkpoint
+    always opens with plain torch, and the error names the key instead of failing on load."""
+    if type(obj) in _PLAIN or isinstance(obj, torch.Tensor):
+        return
+    if type(obj) in _MAPPINGS:
+        for key, value in obj.items():
+            check_weights_only(key, f"{where} (a key)")
+            check_weights_only(value, f"{where}[{key!r}]")
+        return
+    if type(obj) in _SEQUENCES:
+        for i, value in enumerate(obj):
+            check_weights_only(value, f"{where}[{i}]")
+        return
+    raise CheckpointError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+        "torch.load(weights_only=True) cannot open; keep state_dict() values to tensors, "
+        "numbers, strings, None and dicts, lists or tuples of them"
+    )

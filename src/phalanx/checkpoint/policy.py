@@ -23,12 +23,15 @@ class CheckpointInfo:
     metric: float | None
 
 
-def should_save(global_step: int, epoch_end: bool, config: Checkpoints) -> bool:
-    """True at an epoch end when ``every_epoch`` is set, or when ``every_steps`` is set and
-    ``global_step`` (> 0) is a multiple of it. Callers ask once after each step
-    (``epoch_end=False``) and once after validation (``epoch_end=True``); saving the same step
-    twice just replaces the file."""
-    if epoch_end and config.every_epoch:
+def should_save(
+    global_step: int, epoch_end: bool, config: Checkpoints, epochs_done: int = 1
+) -> bool:
+    """True at an epoch end when ``every_epoch`` is set and ``epochs_done`` (finished epochs,
+    counting the one that just ended) is a multiple of ``every_epochs`` (default 1), or when
+    ``every_steps`` is set and ``global_step`` (> 0) is a multiple of it. Callers ask once
+    after each step (``epoch_end=False``) and once after validation (``epoch_end=True``);
+    saving the same step twice just replaces the file."""
+    if epoch_end and config.every_epoch and epochs_done % (config.every_epochs or 1) == 0:
         return True
     every = config.every_steps
     return every is not None and global_step > 0 and global_step % every == 0

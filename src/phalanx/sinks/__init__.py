@@ -1,4 +1,5 @@
-"""Sinks: where the training loop's events go (screen, JSONL log, CSV, end summary).
+"""Sinks: where the training loop's events go (screen, JSONL log, CSV, end summary, and
+TensorBoard with the ``tensorboard`` extra).
 
 Every sink has ``handle(event)`` and ``close()`` (see :class:`phalanx.events.Sink`) and runs
 in the caller's process.
@@ -17,6 +18,7 @@ from phalanx.sinks.progress import ProgressSink
 from phalanx.sinks.runfile import RunFileSink
 from phalanx.sinks.steps import StepsCsvSink
 from phalanx.sinks.summary import SummaryRow, SummarySink, render_summary, summarize
+from phalanx.sinks.tensorboard import TensorBoardSink
 
 __all__ = [
     "JsonlSink",
@@ -26,6 +28,7 @@ __all__ = [
     "StepsCsvSink",
     "SummaryRow",
     "SummarySink",
+    "TensorBoardSink",
     "default_sinks",
     "render_summary",
     "summarize",

@@ -45,6 +45,7 @@ from phalanx.events import (
     RunEnded,
     RunStarted,
     StepEnded,
+    Validated,
     ValidationStarted,
     WorkerFailed,
     WorkerState,
@@ -119,6 +120,7 @@ class ProgressSink:
             StepEnded: self._step_ended,
             ValidationStarted: self._validation_started,
             EpochEnded: self._epoch_ended,
+            Validated: self._validated,
             CheckpointSkipped: self._checkpoint_skipped,
             Resumed: self._resumed,
             Notice: self._notice,
@@ -254,6 +256,10 @@ class ProgressSink:
             assert self._epoch_task is not None
             bars.update(self._epoch_task, completed=e.epoch + 1, total=self.epochs)
             bars.update(self._step_task, description=self._epoch_label(e.epoch))
+
+    def _validated(self, e: Validated) -> None:
+        metrics = _metrics_line(e.metrics) or "no metrics"
+        self._say(f"{self._epoch_label(e.epoch)}, step {e.global_step}: {metrics}")
 
     def _checkpoint_skipped(self, e: CheckpointSkipped) -> None:
         self._say(f"checkpoint skipped: {e.path}: {e.reason}", "yellow")

@@ -61,7 +61,7 @@ def summarize(history: list[dict[str, Any]]) -> list[SummaryRow]:
     for index, metrics in enumerate(history):
         epoch = int(metrics.get("epoch", index)) + 1
         for key, value in metrics.items():
-            if key == "epoch":
+            if key in ("epoch", "global_step"):  # (global_step: a mid-epoch validation's)
                 continue
             values.setdefault(key, []).append((epoch, float(value)))
     rows = []

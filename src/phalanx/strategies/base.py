@@ -6,9 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import Dataset
 
-from phalanx.data import validation_batches
+from phalanx.data import Loading, validation_batches
 from phalanx.failures import FailedHere, failure_of
 from phalanx.faults import FaultInjector
 from phalanx.loop import Vote
@@ -24,6 +24,7 @@ def evaluate_local(
     member: int,
     members: int,
     epoch: int,
+    loading: Loading | None = None,
 ) -> torch.Tensor:
     """This member's metric sums over its part of the validation set."""
     sums = torch.zeros(replica.size, dtype=torch.float64)
@@ -33,7 +34,7 @@ def evaluate_local(
     replica.module.eval()
     try:
         replica.faults.check(replica.step, "validation")
-        loader = DataLoader(valid, batch_sampler=parts, collate_fn=default_collate)
+        loader = (loading or Loading()).loader(valid, parts)
         for idx, batch in zip(parts, loader, strict=True):
             sums += replica.evaluate(batch, len(idx))
     except Exception as exc:

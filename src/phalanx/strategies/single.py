@@ -43,7 +43,7 @@ class SingleEngine:
     def begin_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch = epoch
         self.batches = LocalBatches(
-            self.train, self.plan, epoch, start_step, 0, 1, self.config.num_workers
+            self.train, self.plan, epoch, start_step, 0, 1, self.config.loading()
         )
 
     def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
@@ -71,7 +71,14 @@ class SingleEngine:
 
     def evaluate(self) -> torch.Tensor:
         return evaluate_local(
-            self.replica, self.valid, self.valid_size, self.config.batch_size, 0, 1, self.epoch
+            self.replica,
+            self.valid,
+            self.valid_size,
+            self.config.batch_size,
+            0,
+            1,
+            self.epoch,
+            self.config.loading(),
         )
 
     def lr(self) -> float:

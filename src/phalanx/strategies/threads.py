@@ -175,7 +175,7 @@ class ThreadsEngine:
         self.epoch = epoch
         n = len(self.replicas)
         self.batches = [
-            LocalBatches(self.train, self.plan, epoch, start_step, i, n, self.config.num_workers)
+            LocalBatches(self.train, self.plan, epoch, start_step, i, n, self.config.loading())
             for i in range(n)
         ]
 
@@ -362,6 +362,7 @@ class ThreadsEngine:
                 i,
                 n,
                 self.epoch,
+                self.config.loading(),
             )
 
         results = self._gather([part(i) for i in range(n)], None, self.epoch)

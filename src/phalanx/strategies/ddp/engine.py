@@ -110,7 +110,7 @@ class DdpEngine:
     def begin_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch = epoch
         self.batches = LocalBatches(
-            self.train, self.plan, epoch, start_step, self.rank, self.world, self.config.num_workers
+            self.train, self.plan, epoch, start_step, self.rank, self.world, self.config.loading()
         )
 
     def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
@@ -178,6 +178,7 @@ class DdpEngine:
             self.rank,
             self.world,
             self.epoch,
+            self.config.loading(),
         ).to(self.device)
         self.group.all_reduce(sums)
         return sums.cpu()

@@ -33,7 +33,7 @@ def preflight(member: Member, config: FitConfig, plan: Plan, train: Dataset[Any]
     with _alone(member, faults):
         faults.check(0, "preflight")
         result = replica.run(
-            lambda: default_collate([train[i] for i in first]),
+            lambda: (config.collate_fn or default_collate)([train[i] for i in first]),
             first,
             len(plan.global_batch(0, 0)),
             0,
