@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import Dataset
 
-from phalanx import ledger, report
+from phalanx import report
 from phalanx.events import (
     Beat,
     GenerationStarted,
@@ -47,6 +47,7 @@ from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.plan import Plan
 from phalanx.policy import STEP_PHASES, failed_attempts, is_poison, recover
+from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp import worker as worker_mod
 from phalanx.strategies.ddp.protocol import (
@@ -685,51 +686,36 @@ def _phase_rank(phase: str) -> int:
     return _PHASE_ORDER.index(phase) if phase in _PHASE_ORDER else len(_PHASE_ORDER)
 
 
-def run_ddp(
-    spec: TrainSpec,
-    config: FitConfig,
-    plan: Plan,
-    train: Dataset[Any],
-    valid: Dataset[Any] | None,
-    valid_size: int,
-    emit: Any,
-    interrupter: Interrupter,
-) -> Any:
-    from phalanx.learner import FitResult
-
+def run_ddp(run: RunInputs, emit: Any, interrupter: Interrupter) -> RunEnd:
+    """Train on one worker process per device; raises TrainingFailed when the run stopped
+    (the caller finishes it: :func:`phalanx.run.finish`)."""
     started = time.time()
-    sup = Supervisor(spec, config, plan, (train, valid, valid_size), emit, interrupter)
+    config = run.config
+    data = (run.train, run.valid, run.valid_size)
+    sup = Supervisor(run.spec, config, run.plan, data, emit, interrupter)
     try:
         sup.start()
         outcome = sup.watch()
         if outcome.fatal or outcome.aborted or outcome.done is None:
             failures = outcome.failures or [_lost(config)]
-            error = report.build(failures, poison=outcome.poison and not outcome.fatal)
-            report.write_json(config.run_dir, failures, error.root_cause, config.devices)
-            raise error
+            raise stopped(failures, outcome.poison and not outcome.fatal, config)
         done = outcome.done
         assert done.weights_path is not None
         model = sup.final_model(done.weights_path)
     finally:
         sup.close()
-    if outcome.failures:
-        report.write_json(config.run_dir, outcome.failures, None, config.devices)
-    problems = ledger.check(plan, done.ledger, done.epochs)
-    ledger.write(config.run_dir, done.ledger, problems)
     interrupted = done.interrupted
     if interrupted and interrupter.reason:  # the reason as the supervisor was told it
         interrupted = f"Training interrupted: {interrupter.reason}"
-    return FitResult(
-        model,
-        done.history,
-        done.steps,
-        done.epochs,
-        interrupted,
-        outcome.failures,
-        config.run_dir,
-        time.time() - started,
-        not problems,
-        problems,
+    return RunEnd(
+        model=model,
+        history=done.history,
+        steps=done.steps,
+        epochs=done.epochs,
+        interrupted=interrupted,
+        ledger=done.ledger,
+        failures=outcome.failures,
+        seconds=time.time() - started,
     )
 
 
