@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -145,10 +144,10 @@ def flagged_data(n: int, flagged: int) -> TensorDataset:
 
 
 def exit_on_flag_step(model: nn.Module, batch: Any) -> torch.Tensor:
-    """Calls ``sys.exit(0)`` on rank 1 when its share holds the flagged sample (see
+    """Calls ``sys.exit(0)`` in worker 1 when its share holds the flagged sample (see
     :func:`flagged_data`): SystemExit passes every ``except Exception``."""
     x, y, flag = batch
-    if flag.any() and dist.is_initialized() and dist.get_rank() == 1:
+    if flag.any() and multiprocessing.current_process().name.startswith("phalanx-worker-1"):
         sys.exit(0)
     return nn.functional.mse_loss(model(x), y)
 
@@ -195,3 +194,34 @@ class StepTimes:
 
     def close(self) -> None:
         pass
+
+
+BUG_STEP = 2
+
+
+def mlp_with_a_phalanx_bug_in_worker_1(marker: str) -> nn.Module:
+    """A model factory that, in worker 1's process only, breaks phalanx's own loop: from
+    step ``BUG_STEP`` on, the loop's per-step seed raises (as a bug in phalanx's code
+    outside the user's step would), after writing when it first did to ``marker``."""
+    if multiprocessing.current_process().name.startswith("phalanx-worker-1"):
+        import phalanx.loop
+
+        original = phalanx.loop.step_seed
+
+        def buggy_step_seed(seed: int, global_step: int, rank: int) -> int:
+            if global_step >= BUG_STEP:
+                if not os.path.exists(marker):
+                    with open(marker, "w") as fh:
+                        fh.write(repr(time.time()))
+                raise KeyError("an injected bug in phalanx's loop")
+            return original(seed, global_step, rank)
+
+        phalanx.loop.step_seed = buggy_step_seed
+    return mlp()
+
+
+def counting_bn_mlp(calls: str) -> nn.Module:
+    """:func:`bn_mlp` that appends its process's name and pid to ``calls`` at each call."""
+    with open(calls, "a") as fh:
+        fh.write(f"{multiprocessing.current_process().name} {os.getpid()}\n")
+    return bn_mlp()

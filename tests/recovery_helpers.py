@@ -85,13 +85,16 @@ def linear_except_in_a_replacement() -> nn.Module:
 
 
 def nan_loss_on_rank_1_at_step_3(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The MSE step, except that the loss is NaN on rank 1 at the fourth optimizer step
-    (the optimizer's step count tells which step it is)."""
+    """The MSE step, except that the loss is NaN in worker 1 (rank 1 of the first
+    generation) at the fourth optimizer step. Calls are counted per replica; the first one
+    is the worker's preflight, on the same replica."""
+    import multiprocessing
+
     loss = mse_step(model, batch)
-    steps = getattr(model, "phalanx_steps", 0)
-    model.phalanx_steps = steps + 1  # calls, counted per replica
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    return loss * float("nan") if rank == 1 and steps == 3 else loss
+    calls = getattr(model, "phalanx_calls", 0)
+    model.phalanx_calls = calls + 1
+    worker_1 = multiprocessing.current_process().name.startswith("phalanx-worker-1")
+    return loss * float("nan") if worker_1 and calls == 1 + 3 else loss
 
 
 class SecondReadFails(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from phalanx.strategies.ddp.engine import TensorSlot, fill_tensors, split_tensors, tensor_slots
+from phalanx.strategies.ddp.handover import TensorSlot, fill_tensors, split_tensors, tensor_slots
 
 
 def snapshot_like() -> dict[str, object]:
@@ -60,3 +60,14 @@ def test_split_then_fill_gives_back_the_same_state() -> None:
     torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9).load_state_dict(
         back["engine"]["optimizer"]
     )
+
+
+def test_any_keys_and_leaves_travel() -> None:
+    """The skeleton is the state itself with tensors swapped for slots: keys of any type
+    (a user's scheduler or optimizer state) and non-tensor leaves come back as they were."""
+    state = {(1, "a"): torch.ones(2), 3: [torch.zeros(1), "x", None], "n": np.arange(3)}
+    skeleton, tensors = split_tensors(state)
+    back = fill_tensors(pickle.loads(pickle.dumps(skeleton)), tensors)
+    assert set(back) == {(1, "a"), 3, "n"}
+    assert torch.equal(back[(1, "a")], torch.ones(2)) and back[3][1:] == ["x", None]
+    assert np.array_equal(back["n"], np.arange(3))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -14,13 +13,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from phalanx import ledger
 from phalanx.checkpoint import Checkpoints
 from phalanx.data import fingerprint
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
 from phalanx.events import Fanout, RunEnded, RunOpened, Sink
-from phalanx.failures import FailedHere, WorkerFailure
+from phalanx.failures import FailedHere
 from phalanx.faults import Fault
 from phalanx.interrupt import Interrupter, handle_signals
 from phalanx.loop import StepAborted
@@ -28,26 +26,10 @@ from phalanx.metrics import LoopMetric, Metric
 from phalanx.plan import Plan
 from phalanx.policy import Recovery
 from phalanx.precision import Precision
+from phalanx.run import FitResult, RunEnd, RunInputs, finish, stopped
 from phalanx.runner import check_resume_plan
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
 from phalanx.validate import dataset_size, validate_fit
-
-
-@dataclass
-class FitResult:
-    """What ``fit()`` returns. ``model`` is on CPU; ``history`` has one dict per epoch."""
-
-    model: nn.Module
-    history: list[dict[str, Any]]
-    steps: int
-    epochs: int
-    interrupted: str | None = None
-    failures: list[WorkerFailure] = field(default_factory=list)
-    run_dir: str | None = None
-    seconds: float = 0.0
-    ledger_ok: bool | None = None  # every sample used exactly once in each finished epoch
-    ledger_problems: list[str] = field(default_factory=list)
-    model_path: str | None = None  # run_dir/model.pt: the final state dict of a finished run
 
 
 class Learner:
@@ -83,13 +65,13 @@ class Learner:
         lr_scheduler_interval: str = "step",
     ) -> None:
         self.spec = TrainSpec(
-            model,
-            optimizer,
-            step,
-            list(metrics),
-            lr_scheduler,
-            grad_accumulation,
-            grad_clip_norm,
+            model=model,
+            optimizer=optimizer,
+            step=step,
+            metrics=list(metrics),
+            lr_scheduler=lr_scheduler,
+            grad_accumulation=grad_accumulation,
+            grad_clip_norm=grad_clip_norm,
             precision=Precision(str(precision), dict(grad_scaler or {})),
             lr_scheduler_interval=lr_scheduler_interval,
         )
@@ -140,24 +122,25 @@ class Learner:
         """
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
         labels = parse_devices(devices)
+        recovery = on_failure if on_failure is not None else Recovery()
         config = FitConfig(
-            epochs,
-            batch_size,
-            labels,
-            strategy,
-            seed,
-            run_dir,
-            checkpoint,
-            early_stopping,
-            resume,
-            drop_last,
-            shuffle,
-            list(faults),
-            preflight,
-            on_failure.hang_timeout if on_failure and on_failure.hang_timeout else hang_timeout,
-            num_workers,
-            min_free_memory,
-            on_failure if on_failure is not None else Recovery(),
+            epochs=epochs,
+            batch_size=batch_size,
+            devices=labels,
+            strategy=strategy,
+            seed=seed,
+            run_dir=run_dir,
+            checkpoint=checkpoint,
+            early_stopping=early_stopping,
+            resume=resume,
+            drop_last=drop_last,
+            shuffle=shuffle,
+            faults=list(faults),
+            preflight=preflight,
+            hang_timeout=recovery.hang_timeout or hang_timeout,
+            num_workers=num_workers,
+            min_free_memory=min_free_memory,
+            recovery=recovery,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
             max_steps=max_steps,
@@ -173,6 +156,14 @@ class Learner:
         sample_hash = fingerprint(train, train_size) if run_dir else ""
         plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
         check_resume_plan(config, plan)  # before anything starts, as the checks above
+        run = RunInputs(
+            spec=self.spec,
+            config=config,
+            plan=plan,
+            train=train,
+            valid=valid,
+            valid_size=valid_size,
+        )
         opened = _open_run(config)  # run.json; an earlier run's files moved aside
         if sinks is None:
             from phalanx.sinks import default_sinks
@@ -184,7 +175,7 @@ class Learner:
         self.interrupter.reset()
         try:
             with handle_signals(self.interrupter), _keep_rng(labels):
-                result = self._dispatch(config, plan, train, valid, valid_size, emit)
+                result = finish(self._dispatch(run, emit), run)
             if run_dir and result.interrupted is None:
                 result.model_path = save_final_model(run_dir, result.model)
             emit(
@@ -200,82 +191,53 @@ class Learner:
         self.interrupter.raise_if_signalled(result)  # Ctrl-C, SIGTERM: not a success
         return result
 
-    def _dispatch(
-        self,
-        config: FitConfig,
-        plan: Plan,
-        train: Dataset[Any],
-        valid: Dataset[Any] | None,
-        valid_size: int,
-        emit: Fanout,
-    ) -> FitResult:
-        if config.strategy == "ddp":
+    def _dispatch(self, run: RunInputs, emit: Fanout) -> RunEnd:
+        """Train with the run's strategy; raises TrainingFailed when it stopped."""
+        if run.config.strategy == "ddp":
             from phalanx.strategies.ddp import run_ddp
 
-            return run_ddp(
-                self.spec, config, plan, train, valid, valid_size, emit, self.interrupter
-            )
-        return self._in_process(config, plan, train, valid, valid_size, emit)
+            return run_ddp(run, emit, self.interrupter)
+        return self._in_process(run, emit)
 
-    def _in_process(
-        self,
-        config: FitConfig,
-        plan: Plan,
-        train: Dataset[Any],
-        valid: Dataset[Any] | None,
-        valid_size: int,
-        emit: Fanout,
-    ) -> FitResult:
-        from phalanx import report
+    def _in_process(self, run: RunInputs, emit: Fanout) -> RunEnd:
         from phalanx.runner import build_loop, make_checkpointer, run_member
 
         engine: Any
-        if config.strategy == "threads":
+        if run.config.strategy == "threads":
             from phalanx.strategies.threads import ThreadsEngine
 
-            engine = ThreadsEngine(self.spec, config, plan, train, valid, valid_size)
+            engine = ThreadsEngine(run)
         else:
             from phalanx.strategies.single import SingleEngine
 
-            engine = SingleEngine(self.spec, config, plan, train, valid, valid_size)
+            engine = SingleEngine(run)
+        config, plan = run.config, run.plan
         checkpointer = make_checkpointer(config, emit)
         loop = build_loop(
-            engine,
-            self.spec,
-            config,
-            plan,
-            emit,
-            self._stop_reason,
-            valid_size if valid is not None else None,
-            checkpointer,
+            engine, run.spec, config, plan, emit, self._stop_reason, run.valid_or_none, checkpointer
         )
         try:
-            run = run_member(loop, plan, config, emit, plan.samples, valid_size)
+            member = run_member(loop, plan, config, emit, plan.samples, run.valid_size)
         except (StepAborted, FailedHere) as exc:
             if isinstance(exc, FailedHere):
                 exc.failure.action = "aborted"  # the failure that ends the run
             failures = loop.failures + ([exc.failure] if isinstance(exc, FailedHere) else [])
-            error = report.build(failures, poison=isinstance(exc, StepAborted) and exc.poison)
-            report.write_json(config.run_dir, failures, error.root_cause, config.devices)
-            raise error from None
+            poison = isinstance(exc, StepAborted) and exc.poison
+            raise stopped(failures, poison, config) from None
         finally:
             close = getattr(engine, "close", None)
             if close is not None:
                 close()
-        st = run.loop.state
-        problems = ledger.check(plan, st.ledger, st.epoch)
-        ledger.write(config.run_dir, st.ledger, problems)
-        return FitResult(
-            engine.final_model(),
-            st.history,
-            st.global_step,
-            st.epoch,
-            run.loop.interrupted,
-            run.failures,
-            config.run_dir,
-            run.seconds,
-            not problems,
-            problems,
+        st = member.loop.state
+        return RunEnd(
+            model=engine.final_model(),
+            history=st.history,
+            steps=st.global_step,
+            epochs=st.epoch,
+            interrupted=member.loop.interrupted,
+            ledger=st.ledger,
+            failures=member.failures,
+            seconds=member.seconds,
         )
 
     def _stop_reason(self) -> str | None:

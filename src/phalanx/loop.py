@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -63,6 +63,35 @@ class Vote:
     # members whose gradients were not finite ("16-mixed" precision): every member skips
     # the optimizer step of this step together (policy answer "skip")
     overflow: int = 0
+
+
+# The vote's layout on the wire: these fields (booleans travel as 0/1 and come back as "any
+# member"), then the ledger fingerprint, then the metric sums. One member packs its own
+# vote; the sum of the members' packed votes (an all-reduce, or a sum over threads) unpacks
+# to the step's vote. A new field needs its name here and nowhere else.
+VOTE_FIELDS = ("failed", "stop", "regroup", "splittable", "contract", "overflow")
+_FLAGS = ("stop", "regroup")
+
+
+def pack_vote(vote: Vote) -> torch.Tensor:
+    """One member's vote as one float64 tensor (see :data:`VOTE_FIELDS`)."""
+    head = [float(getattr(vote, name)) for name in VOTE_FIELDS] + [float(x) for x in vote.ledger]
+    return torch.cat([torch.tensor(head, dtype=torch.float64), vote.sums.to(torch.float64)])
+
+
+def unpack_vote(packed: torch.Tensor, failures: list[WorkerFailure] | None = None) -> Vote:
+    """The vote of a packed sum over members; ``failures`` are the ones seen locally."""
+    values = packed.cpu()
+    n = len(VOTE_FIELDS)
+    head = dict(zip(VOTE_FIELDS, values[:n].tolist(), strict=True))
+    fields: dict[str, Any] = {k: v > 0 if k in _FLAGS else round(v) for k, v in head.items()}
+    fingerprint = cast(Fingerprint, tuple(values[n : n + len(EMPTY)].tolist()))
+    return Vote(
+        sums=values[n + len(EMPTY) :],
+        failures=list(failures or []),
+        ledger=fingerprint,
+        **fields,
+    )
 
 
 class Engine(Protocol):

@@ -11,7 +11,8 @@ from torch.utils.data import Dataset
 from phalanx.data import Loading, validation_batches
 from phalanx.failures import FailedHere, failure_of
 from phalanx.faults import FaultInjector
-from phalanx.replica import Identity, Replica
+from phalanx.loop import Vote
+from phalanx.replica import Identity, LocalResult, Replica
 from phalanx.trainable import Trainable
 
 
@@ -41,6 +42,25 @@ def evaluate_local(
     finally:
         replica.module.train()
     return sums
+
+
+def member_vote(
+    result: LocalResult, stop: bool, regroup: bool = False, overflow: bool = False
+) -> Vote:
+    """One member's vote on its own result, before it is summed with the others'
+    (``overflow``: its gradients are not finite, under "16-mixed")."""
+    failure = result.failure
+    return Vote(
+        failed=int(failure is not None),
+        stop=stop,
+        regroup=regroup,
+        splittable=int(result.splittable),
+        contract=int(failure is not None and failure.breaks_step_contract),
+        ledger=result.ledger,
+        overflow=int(overflow),
+        sums=result.sums,
+        failures=[failure] if failure is not None else [],
+    )
 
 
 def guarded_commit(

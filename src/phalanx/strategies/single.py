@@ -6,16 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.faults import FaultInjector
 from phalanx.loop import Vote
-from phalanx.plan import Plan
 from phalanx.replica import Identity, Replica
-from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.base import evaluate_local, guarded_commit
+from phalanx.run import RunInputs
+from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
 from phalanx.trainable import Trainable
 
 
@@ -25,24 +23,12 @@ class SingleEngine:
     is_main = True
     rank = 0
 
-    def __init__(
-        self,
-        spec: TrainSpec,
-        config: FitConfig,
-        plan: Plan,
-        train: Dataset[Any],
-        valid: Dataset[Any] | None,
-        valid_size: int,
-    ) -> None:
+    def __init__(self, run: RunInputs) -> None:
+        config, spec = run.config, run.spec
         label = config.devices[0]
         device = torch_device(label)
-        self.config, self.plan, self.train, self.valid, self.valid_size = (
-            config,
-            plan,
-            train,
-            valid,
-            valid_size,
-        )
+        self.config, self.plan = config, run.plan
+        self.train, self.valid, self.valid_size = run.train, run.valid, run.valid_size
         self.trainable = Trainable(spec, device, config.seed)
         self.identity = Identity(worker=0, rank=0, device=label)
         self.faults = FaultInjector(config.faults, 0)
@@ -71,17 +57,8 @@ class SingleEngine:
             epoch,
             self.micro,
         )
-        failures = [res.failure] if res.failure else []
-        overflow = not failures and self.trainable.overflowed()
-        return Vote(
-            failed=len(failures),
-            stop=stop(),
-            sums=res.sums,
-            failures=failures,
-            splittable=int(res.splittable),
-            ledger=res.ledger,
-            overflow=int(overflow),
-        )
+        overflow = res.failure is None and self.trainable.overflowed()
+        return member_vote(res, stop(), overflow=overflow)
 
     def commit(self, skip: bool = False) -> None:
         guarded_commit(self.trainable, self.faults, self.identity, self.step, self.epoch, skip)

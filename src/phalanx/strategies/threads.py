@@ -46,22 +46,19 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
-from phalanx import ledger
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.failures import FailedHere, WorkerFailure
 from phalanx.faults import FaultInjector
-from phalanx.loop import Vote
-from phalanx.plan import Plan
+from phalanx.loop import Vote, pack_vote, unpack_vote
 from phalanx.replica import Identity, LocalResult, Replica
-from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.base import evaluate_local, failure_of, guarded_commit
+from phalanx.run import RunInputs
+from phalanx.strategies.base import evaluate_local, failure_of, guarded_commit, member_vote
 from phalanx.trainable import Trainable
 
 T = TypeVar("T")
@@ -125,22 +122,10 @@ class ThreadsEngine:
         """The main replica's: failures outside a step (checkpoint, metrics) happen there."""
         return self.identities[0]
 
-    def __init__(
-        self,
-        spec: TrainSpec,
-        config: FitConfig,
-        plan: Plan,
-        train: Dataset[Any],
-        valid: Dataset[Any] | None,
-        valid_size: int,
-    ) -> None:
-        self.config, self.plan, self.train, self.valid, self.valid_size = (
-            config,
-            plan,
-            train,
-            valid,
-            valid_size,
-        )
+    def __init__(self, run: RunInputs) -> None:
+        config, spec = run.config, run.spec
+        self.config, self.plan = config, run.plan
+        self.train, self.valid, self.valid_size = run.train, run.valid, run.valid_size
         self.labels = list(config.devices)
         self.devices = [torch_device(label) for label in self.labels]
         self.timeout = config.hang_timeout.total_seconds()
@@ -200,43 +185,31 @@ class ThreadsEngine:
         seed = torch.initial_seed()  # the loop's seed for this step attempt
         tasks = [self._task(i, step, global_step, epoch, seed) for i in range(len(self.replicas))]
         results = self._gather(tasks, global_step, epoch)
-        failures: list[WorkerFailure] = []
-        sums = torch.zeros(self.replicas[0].size, dtype=torch.float64)
-        head = torch.zeros(2 + ledger.WIDTH, dtype=torch.float64)  # failed, splittable, ledger
-        for i, outcome in enumerate(results):
-            if isinstance(outcome, BaseException):  # Replica.run itself raised (zero pass)
-                failures.append(
-                    self._failure(
-                        outcome,
-                        i,
-                        self.phases[i],
-                        global_step,
-                        epoch,
-                        self.batches[i].indices(step),
-                    )
-                )
-                continue
-            sums += outcome.sums
-            head += torch.tensor(outcome.vote_head(), dtype=torch.float64)
-            if outcome.failure is not None:
-                failures.append(outcome.failure)
+        votes = [self._vote_of(i, outcome, step, global_step) for i, outcome in enumerate(results)]
         overflow = False
-        if not failures:
+        if not any(v.failed for v in votes):
             try:
                 self._reduce_grads()
                 overflow = self.main.overflowed()  # of the summed gradients
             except Exception as exc:
-                failures.append(self._failure(exc, 0, "sync", global_step, epoch, None))
-        fingerprint = cast(ledger.Fingerprint, tuple(head[2:].tolist()))
-        return Vote(
-            failed=len(failures),
-            stop=stop(),
-            sums=sums,
-            failures=failures,
-            splittable=int(head[1].item()),
-            ledger=fingerprint,
-            overflow=int(overflow),
-        )
+                failure = self._failure(exc, 0, "sync", global_step, epoch, None)
+                votes.append(member_vote(LocalResult(votes[0].sums * 0, failure), False))
+        total = torch.stack([pack_vote(v) for v in votes]).sum(dim=0)
+        vote = unpack_vote(total, [f for v in votes for f in v.failures])
+        vote.stop, vote.overflow = stop(), int(overflow)
+        return vote
+
+    def _vote_of(
+        self, i: int, outcome: LocalResult | BaseException, step: int, global_step: int
+    ) -> Vote:
+        """Replica ``i``'s vote; an exception out of ``Replica.run`` itself (its zero pass)
+        is a failed vote in the phase the replica was in."""
+        if not isinstance(outcome, BaseException):
+            return member_vote(outcome, False)
+        samples = self.batches[i].indices(step)
+        failure = self._failure(outcome, i, self.phases[i], global_step, self.epoch, samples)
+        empty = torch.zeros(self.replicas[i].size, dtype=torch.float64)
+        return member_vote(LocalResult(empty, failure), False)
 
     def _task(
         self, i: int, step: int, global_step: int, epoch: int, seed: int

@@ -61,7 +61,7 @@ def waits_in_collective(stacks: str) -> bool:
 # Where a worker leaves a broken group and waits for, or forms, the next generation: phalanx's
 # own regroup path, bounded by its own timeouts (a worker found there is not hung).
 REGROUP_FRAMES = re.compile(
-    r'ddp/worker\.py", line \d+ in (leave_group|report_unvoted|wait_generation|arrive)\b'
+    r'ddp/worker\.py", line \d+ in (leave_group|left_by|report_unvoted|wait_generation|arrive)\b'
 )
 
 

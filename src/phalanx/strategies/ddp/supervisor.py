@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from phalanx import ledger, report
 from phalanx.events import Notice, WorkerFailed
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.plan import Plan
+from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp import worker as worker_mod
 from phalanx.strategies.ddp.actions import (
@@ -53,7 +53,6 @@ from phalanx.strategies.ddp.coordinator import (
     Tick,
     Timeouts,
 )
-from phalanx.strategies.ddp.protocol import Done
 
 __all__ = ["SlotState", "Supervisor", "run_ddp"]
 
@@ -194,18 +193,13 @@ class Supervisor:
         return model
 
 
-def run_ddp(
-    spec: TrainSpec,
-    config: FitConfig,
-    plan: Plan,
-    train: Dataset[Any],
-    valid: Dataset[Any] | None,
-    valid_size: int,
-    emit: Any,
-    interrupter: Interrupter,
-) -> Any:
+def run_ddp(run: RunInputs, emit: Any, interrupter: Interrupter) -> RunEnd:
+    """Train on one worker process per device; raises TrainingFailed when the run stopped
+    (the caller finishes it: :func:`phalanx.run.finish`)."""
     started = time.time()
-    sup = Supervisor(spec, config, plan, (train, valid, valid_size), emit, interrupter)
+    config = run.config
+    data = (run.train, run.valid, run.valid_size)
+    sup = Supervisor(run.spec, config, run.plan, data, emit, interrupter)
     try:
         sup.start()
         outcome = sup.watch()
@@ -213,54 +207,28 @@ def run_ddp(
         for line in fates:  # the run's end says what became of every respawn
             emit(Notice(line))
         if outcome.fatal or outcome.aborted or outcome.done is None:
-            raise _failed(outcome, config, fates)
+            failures = outcome.failures or [_lost(config)]
+            poison = outcome.poison and not outcome.fatal
+            raise stopped(failures, poison, config, tuple(outcome.notes), fates)
         done = outcome.done
         assert done.weights_path is not None
         model = sup.final_model(done.weights_path)
     finally:
         sup.close()
-    if outcome.failures:
-        report.write_json(config.run_dir, outcome.failures, None, config.devices, fates)
-    problems = ledger.check(plan, done.ledger, done.epochs)
-    ledger.write(config.run_dir, done.ledger, problems)
-    return _result(model, done, outcome, config, interrupter, started, problems)
-
-
-def _result(
-    model: torch.nn.Module,
-    done: Done,
-    outcome: FailureBook,
-    config: FitConfig,
-    interrupter: Interrupter,
-    started: float,
-    problems: list[str],
-) -> Any:
-    from phalanx.learner import FitResult
-
     interrupted = done.interrupted
     if interrupted and interrupter.reason:  # the reason as the supervisor was told it
         interrupted = f"Training interrupted: {interrupter.reason}"
-    return FitResult(
-        model,
-        done.history,
-        done.steps,
-        done.epochs,
-        interrupted,
-        outcome.failures,
-        config.run_dir,
-        time.time() - started,
-        not problems,
-        problems,
+    return RunEnd(
+        model=model,
+        history=done.history,
+        steps=done.steps,
+        epochs=done.epochs,
+        interrupted=interrupted,
+        ledger=done.ledger,
+        failures=outcome.failures,
+        seconds=time.time() - started,
+        fates=fates,
     )
-
-
-def _failed(outcome: FailureBook, config: FitConfig, fates: list[str]) -> Exception:
-    """The report of a run that stopped (also written to run_dir/failures.json)."""
-    failures = outcome.failures or [_lost(config)]
-    poison = outcome.poison and not outcome.fatal
-    error = report.build(failures, poison=poison, notes=tuple(outcome.notes))
-    report.write_json(config.run_dir, failures, error.root_cause, config.devices, fates)
-    return error
 
 
 def _lost(config: FitConfig) -> WorkerFailure:

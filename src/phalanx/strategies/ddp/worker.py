@@ -2,12 +2,12 @@
 
 Order of work: ignore SIGINT and SIGTERM (the supervisor decides), register faulthandler on
 SIGUSR1 (the supervisor asks for stacks of a hung worker), watch the parent and the control
-keys, unpickle the user's parts, preflight (one isolated forward/backward: no collective can
-hang on a shape bug), then for each generation: form its process group under the store
-prefix ``g<n>/``, wrap the model in DDP, take the agreed state (generations after the
-first), and train until the run ends or the group breaks. When a collective fails because
-a peer fell, the worker waits for the next generation the supervisor announces and goes on
-in it.
+keys (:class:`Watcher`), unpickle the user's parts, build the replica (the model factory
+runs once in this process), preflight it (one isolated forward/backward: no collective can
+hang on a shape bug), then for each generation: form its own process group under the store
+prefix ``g<n>/``, wrap the model in DDP over it, take the agreed state (generations after
+the first), and train until the generation ends. How it ended is an :class:`Exit`, and the
+worker acts on that: finish, report, or wait for the next generation and go on in it.
 
 Exit codes: 0 done or stopped by the step policy (an :class:`Aborted` was sent), 1 failed
 (a fatal :class:`Failed` was sent), 3 told to exit by the supervisor.
@@ -15,7 +15,6 @@ Exit codes: 0 done or stopped by the step policy (an :class:`Aborted` was sent),
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import gc
 import os
@@ -27,25 +26,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from phalanx.devices import torch_device
 from phalanx.events import Event
 from phalanx.failures import FailedHere, WorkerFailure, from_exception
-from phalanx.faults import FaultInjector
 from phalanx.loop import Regroup, StepAborted, TrainLoop
 from phalanx.plan import Plan
-from phalanx.replica import Identity, Replica
 from phalanx.report import is_secondary
 from phalanx.runner import build_loop, make_checkpointer, start_run
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.ddp.engine import DdpEngine, Member, hand_over
+from phalanx.strategies.ddp.engine import DdpEngine, EngineHooks, Member
+from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
+from phalanx.strategies.ddp.handover import hand_over
 from phalanx.strategies.ddp.identity import announce
+from phalanx.strategies.ddp.preflight import preflight
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
@@ -64,13 +64,44 @@ from phalanx.strategies.ddp.protocol import (
     Ready,
     Relay,
 )
-from phalanx.trainable import Trainable
 
 T = TypeVar("T")
-WATCH_INTERVAL = 0.1
-ANNOUNCE_WAIT = 10.0  # after a broken collective: how long to wait for the next generation
-STARTUP_WAIT = 120.0  # for the first generation to be announced
-REPLACEMENT_WAIT = 3600.0  # a replacement waits to be let in (or dismissed when the run ends)
+WATCH_INTERVAL = timedelta(milliseconds=100)  # the watch thread's tick
+ANNOUNCE_WAIT = timedelta(seconds=10)  # after a broken collective: for the next generation
+STARTUP_WAIT = timedelta(seconds=120)  # for the first generation to be announced
+REPLACEMENT_WAIT = timedelta(hours=1)  # a replacement waits to be let in (or dismissed)
+STORE_TIMEOUT = timedelta(seconds=30)  # of a store client's requests
+
+
+def forming_timeout(config: FitConfig) -> timedelta:
+    """How long members wait for each other while a generation forms."""
+    return max(timedelta(seconds=10), config.hang_timeout)
+
+
+def collective_timeout(config: FitConfig) -> timedelta:
+    """The process group's bound on one collective (the supervisor decides long before)."""
+    return config.hang_timeout * 2 + timedelta(seconds=30)
+
+
+class Exit(Enum):
+    """How a worker left a generation."""
+
+    FINISHED = "finished"  # the run ended: trained through, stopped early or interrupted
+    REGROUP = "regroup"  # after a committed step, for a newer generation that waits
+    SUPERSEDED = "superseded"  # a newer generation was announced while this one formed
+    ABORTED = "aborted"  # the step policy stopped the run (a poison batch, a broken step)
+    FAILED = "failed"  # this worker failed where no vote can carry it: it is out
+    BROKEN = "broken"  # a collective failed: a peer fell, or this worker broke the group
+
+
+@dataclass(frozen=True)
+class Left:
+    """A generation's end for this worker: how, and what the worker knows about why."""
+
+    exit: Exit
+    failure: WorkerFailure | None = None  # FAILED: this worker's; BROKEN: the error it saw
+    step: int = 0  # ABORTED: the step the policy stopped at
+    poison: bool = False  # ABORTED: a poison batch
 
 
 class Superseded(Exception):
@@ -108,9 +139,9 @@ class WorkerArgs:
     # A replacement fires only the faults meant for steps after the one its predecessor
     # fell at: those up to it were the predecessor's.
     faults_after: int = -1
-    # (issue 9) The first generation this worker may take part in comes after this one: a
-    # worker restarted from the checkpoint once every member fell ignores the generations
-    # its fallen predecessors formed.
+    # The first generation this worker may take part in comes after this one: a worker
+    # restarted from the checkpoint once every member fell ignores the generations its
+    # fallen predecessors formed.
     after_generation: int = -1
 
     def __post_init__(self) -> None:
@@ -126,25 +157,91 @@ class WorkerArgs:
             raise RuntimeError("WorkerArgs.unpack() was not called")
         return self._spec
 
+    def connect(self, timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
+        """A new client of the supervisor's store (one per thread: clients are not shared)."""
+        return dist.TCPStore("127.0.0.1", self.store_port, is_master=False, timeout=timeout)
+
+
+class Watcher:
+    """The watch thread: exits the process when the parent is gone, the store unreachable
+    or the run aborted; keeps the stop reason and the newest generation announced; for NCCL,
+    aborts the group of a generation that a newer one leaves a member out of."""
+
+    def __init__(self, args: WorkerArgs, device: torch.device) -> None:
+        self.a, self.device = args, device
+        self.stop_reason: str | None = None
+        self.latest = -1  # the newest generation announced
+        self.generation = -1  # the one this worker is in
+        self.members: list[int] = []  # of that generation
+        self.group: GenerationGroup | None = None  # its group, while this worker is in it
+        self.aborted_for = -1  # the generation for which this group was aborted (NCCL)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, args=(self.a.connect(),), daemon=True).start()
+
+    def _run(self, store: dist.TCPStore) -> None:
+        """One store read a tick (the control counter); the keys only when it moved, or while
+        a CUDA worker is behind the newest generation (its abort may have to wait for the
+        group to exist)."""
+        seen = 0
+        while True:
+            time.sleep(WATCH_INTERVAL.total_seconds())
+            if os.getppid() != self.a.parent_pid:
+                os._exit(1)  # the supervisor died: no orphans
+            try:
+                version = int(store.add(CONTROL_KEY, 0))
+                pending = self.device.type == "cuda" and self.latest > self.generation
+                if version == seen and not pending:  # (NCCL: try the abort again each tick)
+                    continue
+                seen = version
+                abort = self._read(store)
+            except Exception:
+                os._exit(1)  # the store (the supervisor) is unreachable
+            if abort:
+                os._exit(EXIT_TOLD)
+
+    def _read(self, store: dist.TCPStore) -> bool:
+        """The control keys; whether the run was aborted."""
+        present = [k for k in (ABORT_KEY, STOP_KEY) if store.check([k])]
+        self.latest = int(store.add(GEN_LATEST, 0))
+        if STOP_KEY in present and self.stop_reason is None:
+            self.stop_reason = store.get(STOP_KEY).decode()
+        if self.device.type == "cuda" and self.latest > self.generation:
+            self._abort_if_peer_fell(store)
+        return ABORT_KEY in present
+
+    def _abort_if_peer_fell(self, store: dist.TCPStore) -> None:
+        """NCCL: a collective with a dead peer never returns (gloo errors at once, when the
+        peer's socket closes). When the newest generation leaves out a member of this one,
+        abort this group so the main thread gets an error and moves on; likewise when it
+        rebuilds the group with the same members (a member broke it). A generation that only
+        adds members is joined at a step boundary: no abort."""
+        group = self.group
+        if self.aborted_for >= self.latest or group is None:
+            return
+        doc = Announcement.from_json(self.latest, store.get(f"{GEN_PREFIX}{self.latest}"))
+        if doc.rebuild or set(self.members) - set(doc.members):
+            self.aborted_for = self.latest
+            group.abort()
+
+    def regroup_requested(self) -> bool:
+        return self.latest > self.generation
+
 
 class Worker:
     def __init__(self, args: WorkerArgs) -> None:
         self.a = args
         self.label = args.config.devices[args.slot]
         self.device = torch_device(self.label)
-        self.stop_reason: str | None = None
-        self.generation = -1
-        self.latest = -1  # newest generation announced, as the watch thread last saw it
-        self.members: list[int] = []  # of the generation this worker is in
-        self.aborted_for = -1  # the generation for which this group was aborted (NCCL)
+        self.watcher = Watcher(args, self.device)
         self.rank = args.slot
         self.step = 0
         self.phase = "start"
         self.loop: TrainLoop | None = None  # kept across generations
         self.interrupted: str | None = None
         self.lock = threading.Lock()  # the checkpointer thread sends events too
-        # (issue 9) This worker's failures that no vote carried (sent as Broke): evidence for
-        # the loop's repeat rule in the next generation, whenever the supervisor reads them.
+        # This worker's failures that no vote carried (sent as Broke): evidence for the
+        # loop's repeat rule in the next generation, whenever the supervisor reads them.
         self.unvoted: list[WorkerFailure] = []
 
     # -- messages ----------------------------------------------------------------------
@@ -173,86 +270,46 @@ class Worker:
             pid=os.getpid(),
         )
 
-    # -- the watch thread: parent gone, abort, stop or a new generation ---------------------
-    def watch(self, store: dist.TCPStore) -> None:
-        """One store read a tick (the control counter); the keys only when it moved, or while
-        a CUDA worker is behind the newest generation (its abort may have to wait for the
-        group to exist)."""
-        seen = 0
-        while True:
-            time.sleep(WATCH_INTERVAL)
-            if os.getppid() != self.a.parent_pid:
-                os._exit(1)  # the supervisor died: no orphans
-            try:
-                version = int(store.add(CONTROL_KEY, 0))
-                pending = self.device.type == "cuda" and self.latest > self.generation
-                if version == seen and not pending:  # (NCCL: try the abort again each tick)
-                    continue
-                seen = version
-                present = [k for k in (ABORT_KEY, STOP_KEY) if store.check([k])]
-                self.latest = int(store.add(GEN_LATEST, 0))
-                if STOP_KEY in present and self.stop_reason is None:
-                    self.stop_reason = store.get(STOP_KEY).decode()
-                if self.device.type == "cuda" and self.latest > self.generation:
-                    self.abort_if_peer_fell(store)
-            except Exception:
-                os._exit(1)  # the store (the supervisor) is unreachable
-            if ABORT_KEY in present:
-                os._exit(EXIT_TOLD)
+    # -- before the first generation ---------------------------------------------------
+    def run(self) -> int:
+        a = self.a
+        store = a.connect()
+        self.watcher.start()
+        if self.device.type == "cpu":
+            torch.set_num_threads(a.threads)
+        else:
+            torch.cuda.set_device(self.device)
+        # Until it joins a generation (preflight): its slot and the full world.
+        announce(a.slot, len(a.config.devices), self.label, a.slot, -1, a.store_port)
+        try:
+            member = self.prepare()
+            # A replacement waits until it is let in or dismissed (the supervisor decides).
+            first_wait = REPLACEMENT_WAIT if a.replacement else STARTUP_WAIT
+            gen = self.wait_generation(store, a.after_generation, first_wait)
+        except FailedHere as exc:
+            self.send(Failed(exc.failure, fatal=True))
+            return 1
+        except TimeoutError as exc:
+            self.send(Failed(self.failure(exc, self.phase), fatal=True))
+            return 1
+        return self.generations(store, member, gen)
 
-    def abort_if_peer_fell(self, store: dist.TCPStore) -> None:
-        """NCCL: a collective with a dead peer never returns (gloo errors at once, when the
-        peer's socket closes). When the newest generation leaves out a member of this one,
-        abort this group's communicators so the main thread gets an error and moves on;
-        likewise when it rebuilds the group with the same members (a member broke it). A
-        generation that only adds members is joined at a step boundary: no abort."""
-        if self.aborted_for >= self.latest or not dist.is_initialized():
-            return
-        doc = Announcement.from_json(self.latest, store.get(f"{GEN_PREFIX}{self.latest}"))
-        if doc.rebuild or set(self.members) - set(doc.members):
-            self.aborted_for = self.latest
-            with contextlib.suppress(Exception):  # the main thread may be leaving already
-                distributed_c10d._abort_process_group()
-
-    def regroup_requested(self) -> bool:
-        return self.latest > self.generation
-
-    def connect(self) -> dist.TCPStore:
-        return dist.TCPStore(
-            "127.0.0.1", self.a.store_port, is_master=False, timeout=timedelta(seconds=30)
+    def prepare(self) -> Member:
+        """Unpickle the user's parts, build the replica (the model factory's one call in this
+        process), preflight it, and say it is ready: the supervisor announces the first
+        generation once every worker is (a replacement waits to be let in)."""
+        a = self.a
+        self.before_training(a.unpack)
+        checked = a.config.preflight and not a.replacement
+        if checked:  # (building the replica is part of it: a death there stops the run)
+            self.on_phase(0, "preflight")
+        member = self.before_training(
+            lambda: Member.build(a.spec, a.config, a.slot, a.faults_after, self.on_phase)
         )
-
-    def wait_generation(self, store: dist.TCPStore, after: int, timeout: float) -> Generation:
-        """The newest generation after ``after`` that counts this worker in (or one that
-        leaves it out: then it exits). Raises TimeoutError when none comes in time."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            latest = int(store.add(GEN_LATEST, 0))
-            if latest > after:
-                text = store.get(f"{GEN_PREFIX}{latest}")
-                gen = Announcement.from_json(latest, text).generation()
-                if self.a.slot in gen.members or not self.a.replacement:
-                    return gen
-                after = latest  # a replacement waits for the generation that lets it in
-            time.sleep(0.02)
-        raise TimeoutError(f"no new generation after {after} within {timeout:.0f}s")
-
-    # -- the run -------------------------------------------------------------------------
-    def build_member(self) -> Member:
-        cfg = self.a.config
-        trainable = Trainable(self.a.spec, self.device, cfg.seed)
-        later = [f for f in cfg.faults if f.step > self.a.faults_after]
-        faults = FaultInjector(later, self.a.slot)
-        identity = Identity(worker=self.a.slot, rank=self.a.slot, device=self.label)
-        replica = Replica(
-            trainable.module,
-            self.device,
-            identity,
-            self.a.spec.summed_metrics(),
-            faults,
-            on_phase=self.on_phase,
-        )
-        return Member(self.a.slot, trainable, replica, faults, self.device)
+        if checked:
+            self.before_training(lambda: preflight(member, a.config, a.plan, a.train))
+        self.send(Ready(a.slot))
+        return member
 
     def before_training(self, build: Callable[[], T]) -> T:
         """``build()``; an exception there (the model factory raised, the model does not
@@ -269,95 +326,80 @@ class Worker:
             phase = "joining" if self.a.replacement else "preflight"
             raise FailedHere(self.failure(exc, phase)) from None
 
-    def preflight(self) -> None:
-        """One forward and backward on this worker's first slice, alone, gradients dropped."""
-        self.on_phase(0, "preflight")
-        self.before_training(self._preflight)
+    def wait_generation(self, store: dist.TCPStore, after: int, timeout: timedelta) -> Generation:
+        """The newest generation after ``after`` that counts this worker in (or one that
+        leaves it out: then it exits). Raises TimeoutError when none comes in time."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while time.monotonic() < deadline:
+            latest = int(store.add(GEN_LATEST, 0))
+            if latest > after:
+                text = store.get(f"{GEN_PREFIX}{latest}")
+                gen = Announcement.from_json(latest, text).generation()
+                if self.a.slot in gen.members or not self.a.replacement:
+                    return gen
+                after = latest  # a replacement waits for the generation that lets it in
+            time.sleep(0.02)
+        raise TimeoutError(f"no new generation after {after} within {timeout}")
 
-    def _preflight(self) -> None:
-        cfg, plan, slot = self.a.config, self.a.plan, self.a.slot
-        trainable = Trainable(self.a.spec, self.device, cfg.seed)
-        # Only preflight faults fire here: the others belong to the real steps.
-        faults = FaultInjector([f for f in cfg.faults if f.phase == "preflight"], slot)
-        replica = Replica(
-            trainable.module,
-            self.device,
-            Identity(slot, slot, self.label),
-            self.a.spec.summed_metrics(),
-            faults,
-        )
-        first = plan.local_batch(0, 0, slot, len(cfg.devices))
-        faults.check(0, "preflight")
-        result = replica.run(
-            lambda: (cfg.collate_fn or default_collate)([self.a.train[i] for i in first]),
-            first,
-            len(plan.global_batch(0, 0)),
-            0,
-            0,
-            trainable.micro_batches,
-        )
-        if result.failure is not None:
-            result.failure.phase = "preflight"
-            raise FailedHere(result.failure)
-
-    def run(self) -> int:
-        a, cfg = self.a, self.a.config
-        store = self.connect()
-        # Its own client: a TCPStore client must not be shared between threads.
-        threading.Thread(target=self.watch, args=(self.connect(),), daemon=True).start()
-        if self.device.type == "cpu":
-            torch.set_num_threads(a.threads)
-        else:
-            torch.cuda.set_device(self.device)
-        # Until it joins a generation (preflight): its slot and the full world.
-        announce(a.slot, len(cfg.devices), self.label, a.slot, -1, a.store_port)
-        try:
-            self.before_training(a.unpack)
-            if cfg.preflight and not a.replacement:
-                self.preflight()
-            member = self.before_training(self.build_member)
-            # (issue 9) Every worker says when it is ready (preflight passed, model built):
-            # the supervisor announces the first generation once all are.
-            self.send(Ready(a.slot))
-            # A replacement waits until it is let in or dismissed (the supervisor decides).
-            first_wait = REPLACEMENT_WAIT if a.replacement else STARTUP_WAIT
-            gen = self.wait_generation(store, a.after_generation, first_wait)
-        except FailedHere as exc:
-            self.send(Failed(exc.failure, fatal=True))
-            return 1
-        except TimeoutError as exc:
-            self.send(Failed(self.failure(exc, self.phase), fatal=True))
-            return 1
-        return self.generations(store, member, gen)
-
+    # -- generations ---------------------------------------------------------------------
     def generations(self, store: dist.TCPStore, member: Member, gen: Generation) -> int:
         """Train in one generation after another until the run ends for this worker."""
-        while True:
-            if self.a.slot not in gen.members:
-                return EXIT_TOLD
-            wait, broken = ANNOUNCE_WAIT, None
-            try:
-                self.train_in(store, member, gen)
-                return self.finish()
-            except (Regroup, Superseded):
-                wait = _forming_timeout(self.a.config).total_seconds()
-            except StepAborted as exc:
-                self.send(Aborted(self.a.slot, exc.step, exc.poison))
-                return 0
-            except FailedHere as exc:
-                self.send(Failed(exc.failure, fatal=True))
-                return 1
-            except Exception as exc:  # the group broke: a peer fell, or this worker did
-                # A record, not the exception: its traceback would keep the old group alive.
-                broken = self.failure(exc, self.phase)
-                self.report_unvoted(member)
-            finally:
-                self.leave_group(member)
+        while self.a.slot in gen.members:
+            left = self.run_generation(store, member, gen)
+            match left.exit:
+                case Exit.FINISHED:
+                    return self.finish()
+                case Exit.ABORTED:
+                    self.send(Aborted(self.a.slot, left.step, left.poison))
+                    return 0
+                case Exit.FAILED:
+                    assert left.failure is not None
+                    self.send(Failed(left.failure, fatal=True))
+                    return 1
+                case Exit.REGROUP | Exit.SUPERSEDED:
+                    wait = forming_timeout(self.a.config)
+                case Exit.BROKEN:
+                    wait = ANNOUNCE_WAIT
             try:
                 gen = self.wait_generation(store, gen.number, wait)
             except TimeoutError as exc:  # nobody else fell: the failure is this worker's
-                self.send(Failed(broken or self.failure(exc, self.phase), fatal=True))
+                self.send(Failed(left.failure or self.failure(exc, self.phase), fatal=True))
                 return 1
+        return EXIT_TOLD
+
+    def run_generation(self, store: dist.TCPStore, member: Member, gen: Generation) -> Left:
+        """Train in ``gen`` until it ends for this worker; exceptions become an :class:`Exit`
+        here, and only here."""
+        try:
+            self.train_in(store, member, gen)
+            return Left(Exit.FINISHED)
+        except Exception as exc:
+            return self.left_by(exc, member)
+        finally:
+            self.leave_group(member)
+
+    def left_by(self, exc: Exception, member: Member) -> Left:
+        """How an exception out of a generation ends it. The group broke when a collective
+        failed (:class:`GroupBroken`) or when this worker's own step failed before the vote
+        could carry it (the reducer it left behind fails next). Anything else is a bug in
+        phalanx's own code: reported at once, with its traceback, never waited on."""
+        match exc:
+            case Regroup():
+                return Left(Exit.REGROUP)
+            case Superseded():
+                return Left(Exit.SUPERSEDED)
+            case StepAborted(step=step, poison=poison):
+                return Left(Exit.ABORTED, step=step, poison=poison)
+            case FailedHere(failure=failure):
+                return Left(Exit.FAILED, failure)
+        # A record, not the exception: its traceback would keep the old group alive.
+        failure = self.failure(exc, self.phase)
+        if not isinstance(exc, GroupBroken) and member.replica.unvoted is None:
+            if self.loop is not None:  # (the last heartbeat may be the previous step's)
+                failure.step = self.loop.state.global_step
+            return Left(Exit.FAILED, failure)
+        self.report_unvoted(member)
+        return Left(Exit.BROKEN, failure)
 
     def report_unvoted(self, member: Member) -> None:
         """This worker's own failure in a step whose collectives broke before the vote could
@@ -369,71 +411,83 @@ class Worker:
         if lost is not None and self.loop is not None:
             lost.attempt = self.loop.attempt
         if lost is not None and not is_secondary(lost):
-            self.send(Broke(lost, self.generation, member.replica.unvoted_splittable))
+            self.send(Broke(lost, self.watcher.generation, member.replica.unvoted_splittable))
             if not member.replica.unvoted_splittable:
                 self.unvoted.append(lost)
 
     def leave_group(self, member: Member) -> None:
-        """Drop every reference to this generation's DDP module and process group, then
-        destroy the group, so its sockets close and peers still blocked on them error out."""
+        """Drop every reference to this generation's DDP module and group: its sockets close
+        (peers still blocked on them error out) and DDP's autograd hooks go."""
         if self.loop is not None and isinstance(self.loop.engine, DdpEngine):
             self.loop.engine.ddp = None
         member.replica.forward = member.trainable.module
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):  # a broken group may refuse a clean shutdown
-                dist.destroy_process_group()
-        # torch names the default group by a counter that destroy_process_group resets only
-        # when it completes; after a failed shutdown the next group would get another name
-        # than its peers' and its rendezvous would wait for keys nobody writes.
-        distributed_c10d._world.group_count = 0
+        group, self.watcher.group = self.watcher.group, None
+        if group is not None:
+            group.leave()
         gc.collect()  # drops the old DDP reducer and its autograd hooks
 
     def arrive(self, store: dist.TCPStore, gen: Generation, rank: int) -> None:
-        """Wait until every member of ``gen`` has arrived, before any of them starts torch's
-        rendezvous (which cannot be interrupted). If a newer generation is announced
+        """Wait until every member of ``gen`` has arrived, before any of them starts the
+        group's rendezvous (which cannot be interrupted). If a newer generation is announced
         meanwhile (a member fell before arriving), this one is dropped: Superseded."""
         keys = [f"arrived/g{gen.number}/{r}" for r in range(len(gen.members))]
         store.set(keys[rank], "1")
-        deadline = time.time() + _forming_timeout(self.a.config).total_seconds()
+        deadline = time.monotonic() + forming_timeout(self.a.config).total_seconds()
         while not store.check(keys):
-            if self.latest > gen.number and not store.check(keys):
+            if self.watcher.latest > gen.number and not store.check(keys):
                 # (checked again: a peer that saw every key is already in the rendezvous)
                 raise Superseded(gen.number)
-            if time.time() > deadline:
-                raise TimeoutError(f"generation {gen.number} did not form in time")
+            if time.monotonic() > deadline:
+                raise GroupBroken(f"generation {gen.number} did not form in time")
             time.sleep(0.02)
 
     def train_in(self, store: dist.TCPStore, member: Member, gen: Generation) -> None:
         """Form ``gen``'s group, take the agreed state, train until the run ends."""
-        a, cfg = self.a, self.a.config
-        self.generation, self.members = gen.number, list(gen.members)
-        rank, world = gen.rank_of(a.slot), len(gen.members)
-        self.rank = rank
-        announce(rank, world, self.label, a.slot, gen.number, a.store_port)  # env, ps title
+        cfg = self.a.config
+        rank = gen.rank_of(self.a.slot)
+        self.rank, self.watcher.members = rank, list(gen.members)
+        self.watcher.generation = gen.number
+        announce(rank, len(gen.members), self.label, self.a.slot, gen.number, self.a.store_port)
         self.on_phase(self.step, "regroup")
         member.trainable.discard()  # gradients of a step the old group never committed
         self.arrive(store, gen, rank)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        rendezvous = dist.TCPStore(
-            "127.0.0.1", a.store_port, is_master=False, timeout=_forming_timeout(cfg)
-        )
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"g{gen.number}/", rendezvous),
-            rank=rank,
-            world_size=world,
-            timeout=cfg.hang_timeout * 2 + timedelta(seconds=30),
-        )
-        data = (a.train, a.valid, a.valid_size)
-        engine = DdpEngine(
-            member,
-            cfg,
-            a.plan,
-            data,
+        rendezvous = self.a.connect(forming_timeout(cfg))
+        group = GenerationGroup.form(
+            rendezvous,
+            f"g{gen.number}/",
             rank,
-            world,
-            self.on_phase,
-            self.regroup_requested,
+            len(gen.members),
+            self.device,
+            collective_timeout(cfg),
+        )
+        self.watcher.group = group
+        loop = self.loop_in(member, group, gen)
+        if gen.number > 0:
+            hand_over(loop, group, lambda ranks: self.subgroup(rendezvous, gen, ranks))
+        if loop.engine.is_main and loop.checkpointer is None and cfg.run_dir:
+            loop.checkpointer = make_checkpointer(cfg, self.emit)
+        self.send(Joined(self.a.slot, gen.number, loop.state.global_step))
+        self.interrupted = loop.run().interrupted
+
+    def subgroup(self, store: dist.TCPStore, gen: Generation, ranks: list[int]) -> GenerationGroup:
+        """The hand-over's group of the source and the members behind it."""
+        rank = ranks.index(gen.rank_of(self.a.slot))
+        timeout = forming_timeout(self.a.config)
+        return GenerationGroup.form(
+            store, f"g{gen.number}/handover/", rank, len(ranks), self.device, timeout
+        )
+
+    def loop_in(self, member: Member, group: GenerationGroup, gen: Generation) -> TrainLoop:
+        """The training loop (built with the first generation, kept across generations) over
+        a new engine for ``gen``."""
+        a = self.a
+        engine = DdpEngine(
+            member=member,
+            group=group,
+            config=a.config,
+            plan=a.plan,
+            data=(a.train, a.valid, a.valid_size),
+            hooks=EngineHooks(self.on_phase, self.watcher.regroup_requested),
             init_sync=gen.number == 0,
         )
         first = self.loop is None
@@ -441,26 +495,20 @@ class Worker:
             self.loop = build_loop(
                 engine,
                 a.spec,
-                cfg,
+                a.config,
                 a.plan,
                 self.emit,
-                lambda: self.stop_reason,
+                lambda: self.watcher.stop_reason,
                 a.valid_size if a.valid is not None else None,
                 None,
                 on_failure=lambda f: self.send(Failed(f, fatal=False)),
             )
-        loop = self.loop
-        loop.engine = engine
-        loop.failed_before = dict(gen.failed)
-        loop.known_failures = [*gen.known, *self.unvoted]
+        self.loop.engine = engine
+        self.loop.failed_before = dict(gen.failed)
+        self.loop.known_failures = [*gen.known, *self.unvoted]
         if first and not a.replacement:
-            start_run(loop, a.plan, cfg, loop.emit, a.plan.samples, a.valid_size)
-        if gen.number > 0:
-            hand_over(loop, rank, self.device, _forming_timeout(cfg))
-        if engine.is_main and loop.checkpointer is None and cfg.run_dir:
-            loop.checkpointer = make_checkpointer(cfg, self.emit)
-        self.send(Joined(a.slot, gen.number, loop.state.global_step))
-        self.interrupted = loop.run().interrupted
+            start_run(self.loop, a.plan, a.config, self.loop.emit, a.plan.samples, a.valid_size)
+        return self.loop
 
     def finish(self) -> int:
         loop = self.loop
@@ -481,10 +529,6 @@ class Worker:
             )
         self.send(done)
         return 0
-
-
-def _forming_timeout(config: FitConfig) -> timedelta:
-    return max(timedelta(seconds=10), config.hang_timeout)
 
 
 def listen_for_stack_dumps(path: str) -> None:

@@ -1,0 +1,109 @@
+"""A run's inputs and its end, the same for every strategy.
+
+:class:`RunInputs` is what ``fit()`` hands a strategy once everything is validated: what to
+train, how, the plan and the data. A strategy hands back a :class:`RunEnd` (the main
+member's final state), or the failures that stopped it; :func:`finish` and :func:`stopped`
+turn those into the :class:`FitResult` or the :class:`~phalanx.errors.TrainingFailed` the
+caller sees, checking the data ledger and writing ``run_dir``'s reports on the way. No
+strategy builds a ``FitResult`` itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from phalanx import ledger, report
+from phalanx.errors import TrainingFailed
+from phalanx.failures import WorkerFailure
+from phalanx.plan import Plan
+from phalanx.spec import FitConfig, TrainSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInputs:
+    """What every strategy is given."""
+
+    spec: TrainSpec  # what to train
+    config: FitConfig  # where and how long
+    plan: Plan  # which samples make each global batch
+    train: Dataset[Any]
+    valid: Dataset[Any] | None
+    valid_size: int  # 0 without a validation set
+
+    @property
+    def valid_or_none(self) -> int | None:
+        """The validation set's size, or None without one (what the loop is built with)."""
+        return self.valid_size if self.valid is not None else None
+
+
+@dataclass
+class FitResult:
+    """What ``fit()`` returns. ``model`` is on CPU; ``history`` has one dict per epoch."""
+
+    model: nn.Module
+    history: list[dict[str, Any]]
+    steps: int
+    epochs: int
+    interrupted: str | None = None
+    failures: list[WorkerFailure] = field(default_factory=list)
+    run_dir: str | None = None
+    seconds: float = 0.0
+    ledger_ok: bool | None = None  # every sample used exactly once in each finished epoch
+    ledger_problems: list[str] = field(default_factory=list)
+    model_path: str | None = None  # run_dir/model.pt: the final state dict of a finished run
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunEnd:
+    """How a strategy's training ended, when nothing stopped it: the main member's state."""
+
+    model: nn.Module  # on CPU
+    history: list[dict[str, Any]]
+    steps: int  # committed optimizer steps
+    epochs: int  # finished epochs
+    interrupted: str | None
+    ledger: list[list[float]]  # one entry per committed step (see TrainState.ledger)
+    failures: list[WorkerFailure]  # the ones the run recovered from
+    seconds: float
+    fates: list[str] = field(default_factory=list)  # what became of each respawn (ddp)
+
+
+def finish(end: RunEnd, run: RunInputs) -> FitResult:
+    """The ledger checked against the plan (and written), the failures the run recovered
+    from written, the result."""
+    config = run.config
+    if end.failures:
+        report.write_json(config.run_dir, end.failures, None, config.devices, end.fates)
+    problems = ledger.check(run.plan, end.ledger, end.epochs)
+    ledger.write(config.run_dir, end.ledger, problems)
+    return FitResult(
+        model=end.model,
+        history=end.history,
+        steps=end.steps,
+        epochs=end.epochs,
+        interrupted=end.interrupted,
+        failures=end.failures,
+        run_dir=config.run_dir,
+        seconds=end.seconds,
+        ledger_ok=not problems,
+        ledger_problems=problems,
+    )
+
+
+def stopped(
+    failures: list[WorkerFailure],
+    poison: bool,
+    config: FitConfig,
+    notes: tuple[str, ...] = (),
+    fates: list[str] | None = None,
+) -> TrainingFailed:
+    """The error that ends a run stopped by ``failures`` (``run_dir/failures.json`` written,
+    with its root cause and what became of each respawn): for the caller to raise.
+    ``notes`` are lines the report adds after the root cause (what would have helped)."""
+    error = report.build(failures, poison=poison, notes=notes)
+    report.write_json(config.run_dir, failures, error.root_cause, config.devices, fates or [])
+    return error
