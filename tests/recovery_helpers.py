@@ -52,7 +52,8 @@ def slow_step(model: nn.Module, batch: Any) -> torch.Tensor:
 class DeadlySample(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """``make_data(n)``, except that reading sample ``bad`` in a worker process kills that
     process (``how="kill"``: SIGKILL, as a segfaulting decoder or the OOM killer would) or
-    hangs it (``how="hang"``). In the process that built it (the test), it reads normally."""
+    hangs it (``how="hang"``), or raises the same error each time (``how="raise"``: a bad
+    sample). In the process that built it (the test), it reads normally."""
 
     def __init__(self, n: int, bad: int, how: str = "kill") -> None:
         self.data = make_data(n)
@@ -66,6 +67,8 @@ class DeadlySample(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if i == self.bad and os.getpid() != self.owner:
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "raise":
+                raise ValueError(f"sample {i} is corrupt")
             while True:
                 time.sleep(1)
         return self.data[i]
@@ -92,3 +95,31 @@ def nan_loss_on_rank_1_at_step_3(model: nn.Module, batch: Any) -> torch.Tensor:
     model.phalanx_calls = calls + 1
     worker_1 = multiprocessing.current_process().name.startswith("phalanx-worker-1")
     return loss * float("nan") if worker_1 and calls == 1 + 3 else loss
+
+
+class SecondReadFails(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``make_data(n)``, except that the second time any worker process reads sample ``bad``
+    it raises a one-off ``RuntimeError`` (a flaky read: every other read of it succeeds).
+    The reads are counted across processes with marker files in ``markers``: the first
+    reader (the worker that holds the sample in the step's first attempt) reads it fine,
+    whoever reads it next (another worker, in the retry's new split) fails once."""
+
+    def __init__(self, n: int, bad: int, markers: str) -> None:
+        self.data = make_data(n)
+        self.bad, self.markers = bad, markers
+        self.owner = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.bad and os.getpid() != self.owner:
+            for name in ("first-read", "second-read"):
+                try:
+                    os.close(os.open(os.path.join(self.markers, name), os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    continue
+                if name == "second-read":
+                    raise RuntimeError(f"flaky read of sample {i} (a one-off)")
+                break
+        return self.data[i]

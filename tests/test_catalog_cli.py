@@ -14,7 +14,7 @@ from phalanx import catalog, cli, errors
 from phalanx.catalog import CATALOG, explain, list_codes
 
 SECTIONS = ["What it means", "When it happens", "Common causes", "What to do", "Example fix"]
-TRAINING_FAILED_KINDS = ["PX201", "PX202", "PX203", "PX204", "PX205"]
+TRAINING_FAILED_KINDS = ["PX201", "PX202", "PX203", "PX204", "PX205", "PX206"]
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.plan import Plan, bounds, permutation, split, steps_per_epoch
-from phalanx.policy import MAX_RETRIES, decide
+from phalanx.policy import MAX_ATTEMPTS, decide
 
 FAST = settings(max_examples=150, deadline=None)
 
@@ -233,30 +233,34 @@ def test_decide_commits_when_nobody_failed(attempt: int) -> None:
 
 @FAST
 @given(failed=st.integers(min_value=1, max_value=64))
-def test_decide_retries_a_first_failure_then_aborts(failed: int) -> None:
-    assert MAX_RETRIES == 1
-    assert decide(0, failed) == "retry"
-    assert decide(1, failed) == "abort"
-    assert decide(2, failed) == "abort"
+def test_decide_retries_different_failures_up_to_the_bound(failed: int) -> None:
+    assert MAX_ATTEMPTS == 4
+    assert [decide(a, failed) for a in range(5)] == ["retry"] * 3 + ["abort"] * 2
 
 
 @FAST
 @given(
     attempt=st.integers(min_value=0, max_value=20),
     failed=st.integers(min_value=0, max_value=8),
-    max_retries=st.integers(min_value=0, max_value=10),
+    max_attempts=st.integers(min_value=1, max_value=10),
+    repeated=st.integers(min_value=0, max_value=2),
     data=st.data(),
 )
-def test_decide_rule(attempt: int, failed: int, max_retries: int, data: st.DataObject) -> None:
+def test_decide_rule(
+    attempt: int, failed: int, max_attempts: int, repeated: int, data: st.DataObject
+) -> None:
     splittable = data.draw(st.integers(min_value=0, max_value=max(failed - 1, 0)))
-    action = decide(attempt, failed, splittable, max_retries=max_retries)
+    repeated = min(repeated, failed)
+    action = decide(attempt, failed, splittable, repeated=repeated, max_attempts=max_attempts)
     if failed == 0:
         assert action == "commit"
-    elif attempt < max_retries:
+    elif repeated:
+        assert action == "abort"  # evidence against the batch: a poison batch
+    elif attempt + 1 < max_attempts:
         assert action == "retry"
     else:
-        assert action == "abort"
+        assert action == "abort"  # the step keeps failing
 
 
-def test_decide_with_no_retries_aborts_at_once() -> None:
-    assert decide(0, 1, max_retries=0) == "abort"
+def test_decide_with_one_attempt_aborts_at_once() -> None:
+    assert decide(0, 1, max_attempts=1) == "abort"

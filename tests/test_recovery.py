@@ -35,6 +35,7 @@ from phalanx.strategies.ddp import supervisor
 from procs import alive, child_env, children, is_resource_tracker
 from recovery_helpers import (
     DeadlySample,
+    SecondReadFails,
     linear,
     linear_except_in_a_replacement,
     make_data,
@@ -926,3 +927,136 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(
     assert (resumed["steps"], resumed["epochs"]) == (SCRIPT_STEPS, 3)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["global_step"] for e in events if e["event"] == "Resumed"] == [stopped["steps"]]
+
+
+# -- 9. faults that arrive together (issue 9) ----------------------------------------------------
+
+TOGETHER_STEP = 6
+
+
+@pytest.mark.timeout(180)
+def test_a_hang_then_a_one_off_exception_elsewhere_in_the_retry_is_retried(
+    clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Worker 0 hangs in step 6 after reading its share; the survivors retry the step in a
+    new split, and whoever now holds one of worker 0's samples fails to read it once (a
+    flaky read). Two different failures on two workers: no evidence against the batch, so
+    the step is tried a third time (not a poison batch) and the run ends as the clean one."""
+    bad = Plan(len(DATA), FIT["batch_size"], FIT["seed"]).local_batch(0, TOGETHER_STEP, 0, 3)[0]
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    rec = Recorder()
+    result = px.Learner(linear, sgd, mse_step).fit(
+        SecondReadFails(len(DATA), bad, str(markers)),
+        devices=THREE,
+        strategy="ddp",
+        faults=[px.Fault("hang", worker=0, step=TOGETHER_STEP)],
+        on_failure=px.Recovery(mode="respawn", hang_timeout=HANG_TIMEOUT),
+        run_dir=str(tmp_path / "run"),
+        sinks=[rec],
+        **FIT,
+    )
+    assert (markers / "second-read").exists()  # the flaky read did happen, in the retry
+    got = [(f.kind, f.step, f.attempt, f.action) for f in result.failures]
+    assert got == [
+        ("hang", TOGETHER_STEP, 0, "respawned"),
+        ("exception", TOGETHER_STEP, 1, "retried"),
+    ]
+    flaky = result.failures[1]
+    assert flaky.worker != 0 and "flaky read" in flaky.message
+    assert_same_run(result, rec, clean)
+
+
+@pytest.mark.timeout(120)
+def test_a_deterministic_bad_sample_is_a_poison_batch_after_the_second_attempt(
+    tmp_path: Path,
+) -> None:
+    """A sample that raises the same error every time it is read: the retry's failure is
+    the same failure on the same samples, evidence against the batch (PX204), and the run
+    stops after the second attempt, not the fourth."""
+    bad = Plan(len(DATA), FIT["batch_size"], FIT["seed"]).global_batch(0, POISON_STEP)[7]
+    steps = Recorder()
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(linear, sgd, mse_step).fit(
+            DeadlySample(len(DATA), bad, "raise"),
+            devices=THREE,
+            strategy="ddp",
+            on_failure=px.Recovery(mode="respawn"),
+            sinks=[steps],
+            **FIT,
+        )
+    err = info.value
+    assert err.code == "PX204"
+    raised = [f for f in err.failures if f.kind == "exception" and not is_secondary(f)]
+    assert [(f.step, f.attempt, f.action) for f in raised] == [
+        (POISON_STEP, 0, "retried"),
+        (POISON_STEP, 1, "aborted"),
+    ]
+    assert err.root_cause is raised[0]
+    assert bad in (err.root_cause.sample_indices or [])
+    assert f"sample {bad} is corrupt" in str(err).splitlines()[0]
+    assert max(e.global_step for e in steps.steps()) == POISON_STEP
+
+
+@pytest.mark.timeout(240)
+def test_every_member_killed_in_quick_succession_restarts_from_the_checkpoint(
+    clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Workers 1, 2 and 0 are killed at steps 25, 26 and 27, faster than a replacement
+    starts: the last generation's only member falls while two replacements are on their
+    way. With a run_dir the run is not lost: every slot starts again from the newest
+    checkpoint (step 25), the steps after it are computed again with the same batches, and
+    the run ends with the clean run's weights and an exact ledger."""
+    faults = [
+        px.Fault("kill", worker=1, step=25),
+        px.Fault("kill", worker=2, step=26),
+        px.Fault("kill", worker=0, step=27),
+    ]
+    rec = Recorder()
+    result = px.Learner(linear, sgd, mse_step).fit(
+        DATA,
+        devices=THREE,
+        strategy="ddp",
+        faults=faults,
+        on_failure=px.Recovery(mode="respawn", max_restarts=3),
+        hang_timeout=HANG_TIMEOUT,
+        run_dir=str(tmp_path / "run"),
+        checkpoint=px.Checkpoints(every_steps=5),
+        sinks=[rec],
+        **FIT,
+    )
+    assert summary(result) == [
+        (1, "crash", 25, "respawned"),
+        (2, "crash", 26, "respawned"),
+        (0, "crash", 27, "restarted"),
+    ]
+    notices = [e.text for e in rec.events if isinstance(e, Notice)]
+    assert "every worker fell: restarting all from the newest checkpoint" in notices
+    # The steps after the checkpoint were committed twice (once before the last fall).
+    committed = [e.global_step for e in rec.steps()]
+    assert sorted(set(committed)) == list(range(1, STEPS + 1))
+    assert (result.steps, result.epochs) == (STEPS, FIT["epochs"])
+    assert rel_diff(params(result.model), clean) <= TOLERANCE
+    assert result.ledger_ok is True and result.ledger_problems == []
+    doc = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert doc["exactly_once"] is True and len(doc["steps"]) == STEPS
+
+
+@pytest.mark.timeout(120)
+def test_without_a_run_dir_the_report_says_one_would_have_allowed_a_restart(
+    tmp_path: Path,
+) -> None:
+    """The same falls without a run_dir: nothing to start again from, the run stops, and
+    the report says that a run_dir would have let it go on."""
+    faults = [px.Fault("kill", worker=w, step=25) for w in (0, 1)]
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(linear, sgd, mse_step).fit(
+            DATA,
+            devices=TWO,
+            strategy="ddp",
+            faults=faults,
+            on_failure=px.Recovery(mode="respawn"),
+            sinks=[],
+            **FIT,
+        )
+    assert "with a run_dir (checkpoints) the run would have started again" in str(info.value)

@@ -2,8 +2,9 @@
 
 One :class:`Explanation` per code: every code an error class in :mod:`phalanx.errors` uses,
 plus the kinds of :class:`~phalanx.errors.TrainingFailed` (PX201 crash, PX202 hang, PX203 out
-of memory, PX204 poison batch, PX205 preflight). The shape follows burn's error pages: what it
-means, when it happens, common causes, what to do, an example fix.
+of memory, PX204 poison batch, PX205 preflight, PX206 a step that keeps failing). The shape
+follows burn's error pages: what it means, when it happens, common causes, what to do, an
+example fix.
 """
 
 from __future__ import annotations
@@ -549,14 +550,17 @@ _ENTRIES = [
     Explanation(
         code="PX204",
         title="poison batch",
-        meaning="The same step failed twice: once, then again on retry. A failure that repeats "
-        "on the same global batch is not transient, so phalanx stops rather than kill "
-        "healthy workers one by one. The first failure is the root cause. Any failure in "
-        "the step counts, whatever its kind: a worker that raises, dies or hangs while "
-        "computing its share, then another (or the same) on the retry, whichever worker the "
-        "new split gives the bad samples to.",
-        when="During training, when the retry of a failed step fails again (under ddp also "
-        "when the retry runs in a new generation, after a worker fell).",
+        meaning="The same step failed twice in the same way: a failure that repeats on the "
+        "same samples is evidence that the batch (or the code it triggers) is the cause, not "
+        "chance, so phalanx stops rather than kill healthy workers one by one. The first "
+        "failure is the root cause. The evidence: the same kind of failure on samples in "
+        "common (for an exception the same type and message; for a death or a hang, shares "
+        "that overlap, in the same phase, whichever worker the new split gives the bad "
+        "samples to), or the same "
+        "worker failing again on exactly the same share. Different failures in successive "
+        "attempts (a hang, then a one-off exception elsewhere) are retried (see PX206).",
+        when="During training, when an attempt of a failed step fails again the same way "
+        "(under ddp also when the retry runs in a new generation, after a worker fell).",
         causes=[
             "A bug in the step function that this batch triggers.",
             "A bad sample: NaN/inf values, a wrong shape, a label out of range.",
@@ -572,6 +576,30 @@ _ENTRIES = [
         example="# inspect the samples the report names\n"
         "for i in [18211, 18212]:\n    x, y = train[i]\n"
         "    print(i, x.shape, torch.isfinite(x).all(), y)",
+    ),
+    Explanation(
+        code="PX206",
+        title="a step keeps failing",
+        meaning="One step failed in every one of its attempts (4), each time differently: no "
+        "two of its failures were the same failure on the same samples, so no batch is to "
+        "blame (that would be PX204), but the run cannot get past the step either. The "
+        "report lists every failure of the step, in order; the first is the root cause.",
+        when="During training, at the fourth failed attempt of one step.",
+        causes=[
+            "An unstable machine or device: workers dying or hanging one after another.",
+            "Several independent faults arriving together (a flaky filesystem, a network "
+            "storage outage under the data loader).",
+            "A nondeterministic bug that fails differently each time (a race in user code).",
+        ],
+        fixes=[
+            "Read every failure the report lists: look for what they share (a host, a device, "
+            "a phase, a time).",
+            "Check the machine's health (dmesg, nvidia-smi, free -h) before resuming.",
+            "Resume from the last checkpoint (resume=True) once the cause is fixed.",
+        ],
+        example="# after fixing the machine, go on from the last checkpoint\n"
+        "px.Learner(make_model, make_optimizer, step).fit(\n"
+        "    train, batch_size=512, strategy='ddp', run_dir='runs/a', resume=True)",
     ),
     Explanation(
         code="PX205",

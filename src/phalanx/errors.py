@@ -146,7 +146,8 @@ class TrainingFailed(PhalanxError):
     ``root_cause`` is the first failure (never a survivor's secondary error such as
     ``Connection reset by peer``); ``failures`` holds every failure seen, in order.
     The code depends on the root cause's kind: PX200 exception, PX201 crash,
-    PX202 hang, PX203 out of memory, PX204 poison batch, PX205 preflight.
+    PX202 hang, PX203 out of memory, PX204 poison batch, PX205 preflight, PX206 a step that
+    keeps failing (every attempt failed, each differently).
     """
 
     code = "PX200"

@@ -6,7 +6,8 @@ The loop decides *when* (epochs, steps, retries, validation, checkpoints, stoppi
 1. ``engine.attempt`` runs the local part(s) of global batch ``s`` and returns the
    :class:`Vote`, reduced over all members: failed count, stop requests, metric sums.
 2. All ok: ``engine.commit()`` (clip, optimizer, scheduler). Any failed: nobody steps; the
-   policy (:func:`phalanx.policy.decide`) retries the step once, then aborts (poison batch).
+   policy (:func:`phalanx.policy.decide`) retries the step, unless a failure repeats on the
+   same samples (poison batch) or the step has used its attempts (step keeps failing).
 3. Interrupt requests travel in the vote, so every member stops after the same step.
 
 Only the main member emits events and writes checkpoints.
@@ -41,7 +42,7 @@ from phalanx.failures import FailedHere, Who, WorkerFailure, failure_of
 from phalanx.ledger import EMPTY, Fingerprint
 from phalanx.metrics import LoopMetric, LoopStats, Metric, compute_all
 from phalanx.plan import Plan
-from phalanx.policy import decide
+from phalanx.policy import decide, repeats
 
 
 @dataclass
@@ -221,6 +222,9 @@ class TrainLoop:
         # broke it goes on counting there, so its next failure of that step is the retry's.
         self.failed_before: dict[int, int] = {}
         self.attempt = 0  # of the step in progress, counted over the run (see failed_before)
+        # Failures of earlier attempts seen elsewhere (ddp: the generation's announcement),
+        # the evidence :func:`phalanx.policy.repeats` compares a new failure with.
+        self.known_failures: list[WorkerFailure] = []
         self.epoch_started = time.time()
         # (when, epoch samples then): where this process began training the epoch, for the
         # epoch's throughput (a resume or a regroup begins a new window)
@@ -305,12 +309,24 @@ class TrainLoop:
             # this step ends the run after this step.
             vote = self.engine.attempt(st.epoch, st.step, st.global_step, self._stopping)
             contract = max(vote.contract, sum(f.breaks_step_contract for f in vote.failures))
+            for failure in vote.failures:
+                failure.attempt = attempt
+            # Evidence against the batch: a failure that repeats an earlier attempt's (this
+            # member's own, or one the supervisor announced). Under ddp a member sees only its
+            # own failure: the one whose failure repeats stops, and its peers cannot commit
+            # the retry without it (the supervisor ends the run when it reads the Aborted).
+            earlier = [*self.known_failures, *self.failures]
+            repeated = sum(repeats(f, earlier) for f in vote.failures)
             action = decide(
-                attempt, vote.failed, vote.splittable, contract=contract, overflow=vote.overflow
+                attempt,
+                vote.failed,
+                vote.splittable,
+                contract,
+                repeated,
+                overflow=vote.overflow,
             )
             for failure in vote.failures:
                 failure.action = _ACTION_NAMES.get(action, action)
-                failure.attempt = attempt
                 self.failures.append(failure)
                 self.on_failure(failure)
             absorbed += vote.failures
@@ -318,7 +334,9 @@ class TrainLoop:
                 break
             self.engine.discard()
             if action == "abort":
-                raise StepAborted(st.global_step, vote.failures, poison=attempt > 0)
+                raise StepAborted(
+                    st.global_step, vote.failures, poison=bool(repeated) and not contract
+                )
             if action == "retry":
                 attempt += 1
         skipped = action == "skip"

@@ -1,15 +1,17 @@
 """Decisions as pure functions, testable without processes.
 
-:func:`recover` is the run's rule when a worker falls: respawn, shrink or abort
-(:class:`Recovery` is the user's policy).
+:func:`recover` is the run's rule when a worker falls: respawn, shrink, restart from the
+checkpoint (every member fell) or abort (:class:`Recovery` is the user's policy).
 
-:func:`decide` is the step's commit rule: all voted ok -> commit; a first failed attempt ->
-retry the same global batch with the same members; a second -> abort (a poison batch: a bug
-in user code or a bad sample must not cascade into killing healthy workers).
+:func:`decide` is the step's commit rule: all voted ok -> commit; a failed attempt ->
+retry the same global batch, unless a failure repeats one of an earlier attempt
+(:func:`same_failure`: the evidence that the batch is the cause, a poison batch) or the
+step has used its ``MAX_ATTEMPTS`` (the run stops: "step keeps failing").
 
-:func:`failed_attempts` and :func:`is_poison` carry that rule across generations (ddp): a
-worker that dies or hangs fails the attempt it was in, and the next generation computes the
-step again as its next attempt.
+:func:`judge_step` is the same rule for failures no vote carried (deaths, hangs, broken
+groups: the ddp supervisor judges them), :func:`failed_attempts` carries the attempt count
+across generations, :func:`preflight_verdict` gives a preflight failure that does not repeat
+one more preflight.
 """
 
 from __future__ import annotations
@@ -22,41 +24,45 @@ from phalanx.failures import WorkerFailure
 
 StepAction = Literal["commit", "skip", "retry", "split", "abort"]
 
-MAX_RETRIES = 1
+# Attempts of one step before the run stops with "step keeps failing" (PX206), when no two
+# of its failures are evidence against its batch.
+MAX_ATTEMPTS = 4
 
 
 def decide(
     attempt: int,
     failed: int,
     splittable: int = 0,
-    max_retries: int = MAX_RETRIES,
     contract: int = 0,
+    repeated: int = 0,
+    max_attempts: int = MAX_ATTEMPTS,
     overflow: int = 0,
 ) -> StepAction:
-    """The commit rule of one step attempt, the same on every member.
+    """The commit rule of one step attempt.
 
-    ``attempt`` counts the retries of this step so far; ``failed`` the members that voted
-    failed; ``splittable`` those of them that ran out of memory and can still cut their share
-    into smaller micro-batches; ``contract`` those whose step function broke its contract (a
-    non-scalar or non-finite loss, a wrong return type: the same again on a retry, so the
-    run stops at once). When every failure is such an out-of-memory, the step is tried
-    again with the split ("split": no retry is used up, the global batch and the math are
-    unchanged). Otherwise a step is retried once, then the run aborts (poison batch).
+    ``attempt`` counts the failed attempts of this step so far (over the run); ``failed``
+    the members that voted failed; ``splittable`` those of them that ran out of memory and
+    can still cut their share into smaller micro-batches; ``contract`` those whose step
+    function broke its contract (a non-scalar or non-finite loss, a wrong return type: the
+    same again on a retry, so the run stops at once); ``repeated`` those whose failure is
+    evidence against the batch (:func:`same_failure` as an earlier attempt's). When every
+    failure is such an out-of-memory, the step is tried again with the split ("split": no
+    attempt is used up). A repeated failure stops the run (a poison batch); any other is
+    retried, up to ``max_attempts`` attempts of the step ("step keeps failing").
     ``overflow`` counts the members whose gradients were not finite under ``"16-mixed"``
     precision: with no failure, the step is committed without an optimizer step ("skip",
-    on every member; the loss scale backs off). Not a failure: nothing is retried.
-    """
+    on every member; the loss scale backs off). Not a failure: nothing is retried."""
     if failed == 0:
         return "skip" if overflow else "commit"
-    if contract:
+    if contract or repeated:
         return "abort"
     if splittable == failed:
         return "split"
-    return "retry" if attempt < max_retries else "abort"
+    return "retry" if attempt + 1 < max_attempts else "abort"
 
 
 # Phases in which a worker computes its share of a step's global batch: a failure there
-# fails that attempt of the step (two failed attempts make a poison batch, whatever kinds).
+# fails that attempt of the step.
 STEP_PHASES = ("data", "forward", "backward", "metrics", "sync")
 
 
@@ -87,18 +93,91 @@ def failed_attempts(history: list[tuple[WorkerFailure, bool]]) -> dict[int, int]
     return failed
 
 
-def is_poison(failure: WorkerFailure, secondary: bool = False) -> bool:
-    """Whether ``failure`` fails a step that had already failed before: the attempt it was in
-    is a retry (attempt numbers count failed attempts over the run). The loop applies the
-    same rule to failures its vote carries (:func:`decide`); this one is for deaths, hangs
-    and failures that broke the group, which the supervisor judges."""
-    if not counts_as_attempt(failure, secondary):
+def same_samples(a: WorkerFailure, b: WorkerFailure) -> bool:
+    """Whether two failures were computing some sample in common (shares that overlap);
+    where a share is unknown, whether they are the same worker's."""
+    if a.sample_indices is not None and b.sample_indices is not None:
+        return not set(a.sample_indices).isdisjoint(b.sample_indices)
+    return a.worker == b.worker
+
+
+def same_failure(a: WorkerFailure, b: WorkerFailure) -> bool:
+    """Evidence that the batch, not chance, caused both failures: the same kind on samples
+    in common (for exceptions and out-of-memory errors also the same type and message; for
+    deaths and hangs, overlapping shares in the same phase: a sample that kills its reader
+    does it while loading, or in forward, every time), or the same worker failing again on
+    exactly the same share, whatever the kind (a sample that first raises in the data
+    loader, then crashes the decoder)."""
+    if not same_samples(a, b):
         return False
+    if a.kind == b.kind:
+        if a.kind in ("exception", "oom"):
+            return (a.exception_type, a.message) == (b.exception_type, b.message)
+        return a.phase == b.phase
+    return (
+        a.worker == b.worker
+        and a.sample_indices is not None
+        and a.sample_indices == b.sample_indices
+    )
+
+
+def repeats(failure: WorkerFailure, earlier: list[WorkerFailure]) -> bool:
+    """Whether ``failure`` repeats a failure of the same step in an earlier attempt
+    (:func:`same_failure`): the evidence that makes a poison batch."""
+    if failure.step is None or failure.attempt is None:
+        return False
+    return any(
+        e.step == failure.step
+        and e.attempt is not None
+        and e.attempt < failure.attempt
+        and e.action not in ("split", "ignored")
+        and same_failure(failure, e)
+        for e in earlier
+    )
+
+
+StepVerdict = Literal["retry", "poison", "keeps_failing"]
+
+
+def judge_step(
+    failure: WorkerFailure, earlier: list[WorkerFailure], max_attempts: int = MAX_ATTEMPTS
+) -> StepVerdict:
+    """A failed attempt of a step that no vote judged (a death, a hang, a broken group):
+    a poison batch on evidence (:func:`repeats`), the end of the step's attempts
+    (``max_attempts``), or one more attempt."""
+    if repeats(failure, earlier):
+        return "poison"
     assert failure.attempt is not None
-    return decide(failure.attempt, failed=1) == "abort"
+    return "retry" if failure.attempt + 1 < max_attempts else "keeps_failing"
 
 
-RecoveryAction = Literal["respawn", "shrink", "abort"]
+def keeps_failing(failures: list[WorkerFailure], max_attempts: int = MAX_ATTEMPTS) -> int | None:
+    """The step whose attempts all failed, up to the bound, without evidence against its
+    batch (the run stopped with "step keeps failing"), or None."""
+    attempts: dict[int, set[int]] = {}
+    for f in failures:
+        if f.step is not None and f.attempt is not None and f.action not in ("split", "ignored"):
+            attempts.setdefault(f.step, set()).add(f.attempt)
+    full = [step for step, seen in attempts.items() if len(seen) >= max_attempts]
+    return min(full) if full else None
+
+
+def preflight_verdict(failure: WorkerFailure, earlier: list[WorkerFailure]) -> StepVerdict:
+    """A failure in preflight: it repeats (the same worker's preflight failed before, or
+    another worker's failed the same way) -> the run stops before training ("poison");
+    otherwise the worker gets one more preflight ("retry")."""
+    for e in earlier:
+        if e.phase != "preflight":
+            continue
+        if e.worker == failure.worker or (
+            e.kind == failure.kind
+            and (e.exception_type, e.message) == (failure.exception_type, failure.message)
+        ):
+            return "poison"
+    return "retry"
+
+
+RecoveryAction = Literal["respawn", "shrink", "abort", "restart"]
 RECOVERY_MODES = ("respawn", "shrink", "abort")
 # An exception in these phases is not one worker's accident: the same model, data, metric or
 # disk fails the same way on any worker, so replacing or dropping the worker cannot help. A
@@ -119,8 +198,11 @@ class Recovery:
     - ``shrink``: the survivors go on without it, down to ``min_workers``.
     - ``abort``: the run stops with one report.
 
-    A poison batch (the same step failing twice), any failure in preflight and an exception
-    in validation, metrics or checkpoint (``RUN_LEVEL_PHASES``) stop the run in every mode.
+    When every member has fallen and respawns are left, a run with a ``run_dir`` starts
+    every slot again from its newest intact checkpoint. A poison batch (a failure that
+    repeats on the same samples), a step that keeps failing, a preflight failure that
+    repeats and an exception in validation, metrics or checkpoint (``RUN_LEVEL_PHASES``)
+    stop the run in every mode.
     ``hang_timeout`` (None: fit's ``hang_timeout``) is how long a worker may make no
     progress while its peers wait.
     """
@@ -144,16 +226,36 @@ class Recovery:
 
 
 def recover(
-    policy: Recovery, failure: WorkerFailure, history: list[WorkerFailure], survivors: int
+    policy: Recovery,
+    failure: WorkerFailure,
+    history: list[WorkerFailure],
+    survivors: int,
+    run_dir: bool = False,
 ) -> RecoveryAction:
     """The decision for a fallen worker: a pure function of the policy, the failure, the
-    failures before it (with the actions taken) and how many members are left."""
+    failures before it (with the actions taken), how many members are left and whether the
+    run has a ``run_dir``. When none is left but respawns are, the run is not lost: with a
+    ``run_dir`` every slot is started again from its newest intact checkpoint ("restart";
+    the steps after it are computed again with the same batches)."""
     run_level = failure.phase == "preflight" or (
         failure.kind in RUN_LEVEL_KINDS and failure.phase in RUN_LEVEL_PHASES
     )
-    if policy.mode == "abort" or run_level or survivors < 1:
+    if policy.mode == "abort" or run_level:
         return "abort"
-    restarts = sum(1 for f in history if f.action == "respawned")
-    if policy.mode == "respawn" and restarts < policy.max_restarts:
+    respawns_left = restart_was_possible(policy, history)
+    if survivors < 1:
+        return "restart" if respawns_left and run_dir else "abort"
+    if respawns_left:
         return "respawn"
     return "shrink" if survivors >= policy.min_workers else "abort"
+
+
+def restarts(history: list[WorkerFailure]) -> int:
+    """Replacements started so far (each fall answered by a respawn or a restart)."""
+    return sum(1 for f in history if f.action in ("respawned", "restarted"))
+
+
+def restart_was_possible(policy: Recovery, history: list[WorkerFailure]) -> bool:
+    """Respawns are left: when every member has fallen, a ``run_dir`` lets the run start
+    again from its checkpoint (without one, the report says one would have)."""
+    return policy.mode == "respawn" and restarts(history) < policy.max_restarts

@@ -18,6 +18,7 @@ import torch
 
 from phalanx.errors import InvalidStepError, TrainingFailed
 from phalanx.failures import WorkerFailure, headline
+from phalanx.policy import MAX_ATTEMPTS, keeps_failing
 
 # What a survivor's collective says when a peer fell (gloo's socket errors name its source
 # files; NCCL reports an aborted communicator or a remote process gone). Specific phrases
@@ -51,8 +52,12 @@ def is_secondary(f: WorkerFailure) -> bool:
 def root_cause(failures: list[WorkerFailure], poison: bool = False) -> WorkerFailure:
     """The failure that stopped the run: the earliest primary one among those the run did
     not recover from (failures it retried, shrank or respawned past are context). For a
-    poison batch, the first failure of the step that failed twice."""
+    poison batch, the first failure of the step that failed twice; for a step that keeps
+    failing, that step's first failure."""
     primary = [f for f in failures if not is_secondary(f)] or failures
+    stuck = None if poison else keeps_failing(primary)
+    if stuck is not None:
+        return min((f for f in primary if f.step == stuck), key=lambda f: f.time)
     fatal = [f for f in primary if f.action == "aborted"] or primary
     if not poison:  # a broken step contract is why an attempt stopped the run at once
         fatal = [f for f in fatal if f.breaks_step_contract] or fatal
@@ -62,7 +67,7 @@ def root_cause(failures: list[WorkerFailure], poison: bool = False) -> WorkerFai
     return min(fatal, key=lambda f: f.time)
 
 
-def code_for(root: WorkerFailure, poison: bool) -> str:
+def code_for(root: WorkerFailure, poison: bool, keeps: bool = False) -> str:
     """A phalanx error raised inside a step (a NaN loss, a non-scalar loss) keeps its own
     code; otherwise the code says the failure's kind."""
     from phalanx.errors import all_error_classes
@@ -72,23 +77,35 @@ def code_for(root: WorkerFailure, poison: bool) -> str:
         return own[root.exception_type]
     if root.phase == "preflight":
         return "PX205"
+    if keeps:
+        return "PX206"
     if poison and root.kind in ("exception", "crash", "hang"):
         return "PX204"
     return KIND_CODES.get(root.kind, "PX200")
 
 
-def build(failures: list[WorkerFailure], poison: bool = False) -> TrainingFailed:
-    """One :class:`TrainingFailed` whose first line names the root cause."""
+def build(
+    failures: list[WorkerFailure], poison: bool = False, notes: tuple[str, ...] = ()
+) -> TrainingFailed:
+    """One :class:`TrainingFailed` whose first line names the root cause; ``notes`` are
+    lines on what would have let the run go on."""
     from phalanx.catalog import lookup
 
     root = root_cause(failures, poison)
-    code = code_for(root, poison)
+    stuck = None if poison else keeps_failing([f for f in failures if not is_secondary(f)])
+    code = code_for(root, poison, keeps=stuck is not None and root.step == stuck)
     lines = [headline(root)]
     if poison:
         lines.append(
             f"The same step failed on both attempts: a poison batch "
             f"(samples {_short(root.sample_indices)} on worker {root.worker})."
         )
+    elif code == "PX206" and stuck is not None:
+        lines.append(
+            f"Step {stuck + 1} failed in all {MAX_ATTEMPTS} attempts, each differently (no failure "
+            "repeated on the same samples: not a poison batch); its failures are listed below."
+        )
+    lines += list(notes)
     if root.exit_code is not None or root.signal is not None:
         lines.append(f"exit code {root.exit_code}, signal {root.signal}")
     if root.traceback:
@@ -111,8 +128,10 @@ def write_json(
     failures: list[WorkerFailure],
     root: WorkerFailure | None,
     devices: list[str],
+    respawns: list[str] | None = None,
 ) -> str | None:
-    """``run_dir/failures.json``: every failure, the root cause and the environment."""
+    """``run_dir/failures.json``: every failure, the root cause, what became of each
+    respawned worker and the environment."""
     if not run_dir:
         return None
     os.makedirs(run_dir, exist_ok=True)
@@ -120,6 +139,7 @@ def write_json(
     doc = {
         "root_cause": root.to_dict() if root else None,
         "failures": [f.to_dict() for f in failures],
+        "respawns": respawns or [],
         "environment": environment(devices, failures),
     }
     tmp = path + ".tmp"

@@ -69,6 +69,7 @@ class RunEnd:
     ledger: list[list[float]]  # one entry per committed step (see TrainState.ledger)
     failures: list[WorkerFailure]  # the ones the run recovered from
     seconds: float
+    fates: list[str] = field(default_factory=list)  # what became of each respawn (ddp)
 
 
 def finish(end: RunEnd, run: RunInputs) -> FitResult:
@@ -76,7 +77,7 @@ def finish(end: RunEnd, run: RunInputs) -> FitResult:
     from written, the result."""
     config = run.config
     if end.failures:
-        report.write_json(config.run_dir, end.failures, None, config.devices)
+        report.write_json(config.run_dir, end.failures, None, config.devices, end.fates)
     problems = ledger.check(run.plan, end.ledger, end.epochs)
     ledger.write(config.run_dir, end.ledger, problems)
     return FitResult(
@@ -93,9 +94,16 @@ def finish(end: RunEnd, run: RunInputs) -> FitResult:
     )
 
 
-def stopped(failures: list[WorkerFailure], poison: bool, config: FitConfig) -> TrainingFailed:
+def stopped(
+    failures: list[WorkerFailure],
+    poison: bool,
+    config: FitConfig,
+    notes: tuple[str, ...] = (),
+    fates: list[str] | None = None,
+) -> TrainingFailed:
     """The error that ends a run stopped by ``failures`` (``run_dir/failures.json`` written,
-    with its root cause): for the caller to raise."""
-    error = report.build(failures, poison=poison)
-    report.write_json(config.run_dir, failures, error.root_cause, config.devices)
+    with its root cause and what became of each respawn): for the caller to raise.
+    ``notes`` are lines the report adds after the root cause (what would have helped)."""
+    error = report.build(failures, poison=poison, notes=notes)
+    report.write_json(config.run_dir, failures, error.root_cause, config.devices, fates or [])
     return error

@@ -3,34 +3,99 @@ supervisor uses to talk back. Every message is a small picklable dataclass."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.events import Event
 from phalanx.failures import WorkerFailure
 
+EXIT_TOLD = 3  # a worker's exit code when it exited because the supervisor said so
 STOP_KEY = "control/stop"  # value: the reason; workers stop after the current step
 ABORT_KEY = "control/abort"  # value: why; workers exit at once
 GEN_LATEST = "gen/latest"  # counter: the newest generation announced
 CONTROL_KEY = "control/version"  # counter: bumped after each write of the keys above, so a
 # worker's watch thread reads one key per tick and the others only when it moved
-GEN_PREFIX = "gen/"  # gen/<n>: JSON {"members": [slots in rank order], "cause": "...",
-# "rebuild": true when the same members form a new group because the old one broke,
-# "replacing": the slot whose replacement process was started, or null, "failed": {global
-# step: attempts of it that already failed}, so the members go on counting attempts there}
+GEN_PREFIX = "gen/"  # gen/<n>: an :class:`Announcement` as JSON
 
 
 @dataclass
 class Generation:
-    """Who trains together: ``members`` are worker slots (device indices) in rank order."""
+    """Who trains together: ``members`` are worker slots (device indices) in rank order;
+    ``failed``: global step -> attempts of it that already failed, so the members go on
+    counting attempts there; ``known``: those attempts' failures (the evidence a repeat is
+    judged by, see :func:`phalanx.policy.repeats`)."""
 
     number: int
     members: list[int]
     cause: str = ""
-    failed: dict[int, int] = field(default_factory=dict)  # step -> attempts already failed
+    failed: dict[int, int] = field(default_factory=dict)
+    known: list[WorkerFailure] = field(default_factory=list)
 
     def rank_of(self, slot: int) -> int:
         return self.members.index(slot)
+
+
+# The fields of a failure that travel in an announcement (what a repeat is judged by).
+_EVIDENCE = (
+    "worker",
+    "rank",
+    "device",
+    "kind",
+    "message",
+    "phase",
+    "step",
+    "attempt",
+    "exception_type",
+    "sample_indices",
+    "action",
+)
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """Generation ``number`` as the supervisor writes it to ``gen/<n>``: the members in rank
+    order, why it was formed, ``rebuild`` (the same members form a new group because the
+    old one broke), ``replacing`` (the slot whose replacement process was started, joining
+    later), and the failed attempts of unfinished steps with their failures."""
+
+    number: int
+    members: tuple[int, ...]
+    cause: str = ""
+    rebuild: bool = False
+    replacing: int | None = None
+    failed: tuple[tuple[int, int], ...] = ()
+    known: tuple[WorkerFailure, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "members": list(self.members),
+                "cause": self.cause,
+                "rebuild": self.rebuild,
+                "replacing": self.replacing,
+                "failed": {str(k): v for k, v in self.failed},
+                "known": [{k: getattr(f, k) for k in _EVIDENCE} for f in self.known],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, number: int, text: str | bytes) -> Announcement:
+        doc = json.loads(text)
+        return cls(
+            number=number,
+            members=tuple(doc["members"]),
+            cause=doc.get("cause", ""),
+            rebuild=bool(doc.get("rebuild")),
+            replacing=doc.get("replacing"),
+            failed=tuple((int(k), int(v)) for k, v in doc.get("failed", {}).items()),
+            known=tuple(WorkerFailure(**f) for f in doc.get("known", [])),
+        )
+
+    def generation(self) -> Generation:
+        return Generation(
+            self.number, list(self.members), self.cause, dict(self.failed), list(self.known)
+        )
 
 
 @dataclass
@@ -97,7 +162,8 @@ class Done:
 
 @dataclass
 class Ready:
-    """A replacement worker is started and waits to be let in."""
+    """A worker passed its preflight and built its model: it waits for the first generation
+    (or, a replacement, to be let in)."""
 
     slot: int
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import faulthandler
 import gc
-import json
 import os
 import pickle
 import signal
@@ -50,10 +49,12 @@ from phalanx.strategies.ddp.preflight import preflight
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
+    EXIT_TOLD,
     GEN_LATEST,
     GEN_PREFIX,
     STOP_KEY,
     Aborted,
+    Announcement,
     Broke,
     Done,
     Failed,
@@ -65,7 +66,6 @@ from phalanx.strategies.ddp.protocol import (
 )
 
 T = TypeVar("T")
-EXIT_TOLD = 3  # exited because the supervisor said so (not a failure)
 WATCH_INTERVAL = timedelta(milliseconds=100)  # the watch thread's tick
 ANNOUNCE_WAIT = timedelta(seconds=10)  # after a broken collective: for the next generation
 STARTUP_WAIT = timedelta(seconds=120)  # for the first generation to be announced
@@ -139,6 +139,10 @@ class WorkerArgs:
     # A replacement fires only the faults meant for steps after the one its predecessor
     # fell at: those up to it were the predecessor's.
     faults_after: int = -1
+    # The first generation this worker may take part in comes after this one: a worker
+    # restarted from the checkpoint once every member fell ignores the generations its
+    # fallen predecessors formed.
+    after_generation: int = -1
 
     def __post_init__(self) -> None:
         self._spec: TrainSpec | None = None
@@ -215,8 +219,8 @@ class Watcher:
         group = self.group
         if self.aborted_for >= self.latest or group is None:
             return
-        doc = json.loads(store.get(f"{GEN_PREFIX}{self.latest}").decode())
-        if doc.get("rebuild") or set(self.members) - set(doc["members"]):
+        doc = Announcement.from_json(self.latest, store.get(f"{GEN_PREFIX}{self.latest}"))
+        if doc.rebuild or set(self.members) - set(doc.members):
             self.aborted_for = self.latest
             group.abort()
 
@@ -236,6 +240,9 @@ class Worker:
         self.loop: TrainLoop | None = None  # kept across generations
         self.interrupted: str | None = None
         self.lock = threading.Lock()  # the checkpointer thread sends events too
+        # This worker's failures that no vote carried (sent as Broke): evidence for the
+        # loop's repeat rule in the next generation, whenever the supervisor reads them.
+        self.unvoted: list[WorkerFailure] = []
 
     # -- messages ----------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -278,7 +285,7 @@ class Worker:
             member = self.prepare()
             # A replacement waits until it is let in or dismissed (the supervisor decides).
             first_wait = REPLACEMENT_WAIT if a.replacement else STARTUP_WAIT
-            gen = self.wait_generation(store, -1, first_wait)
+            gen = self.wait_generation(store, a.after_generation, first_wait)
         except FailedHere as exc:
             self.send(Failed(exc.failure, fatal=True))
             return 1
@@ -289,7 +296,8 @@ class Worker:
 
     def prepare(self) -> Member:
         """Unpickle the user's parts, build the replica (the model factory's one call in this
-        process), preflight it; a replacement says it is ready."""
+        process), preflight it, and say it is ready: the supervisor announces the first
+        generation once every worker is (a replacement waits to be let in)."""
         a = self.a
         self.before_training(a.unpack)
         checked = a.config.preflight and not a.replacement
@@ -300,8 +308,7 @@ class Worker:
         )
         if checked:
             self.before_training(lambda: preflight(member, a.config, a.plan, a.train))
-        if a.replacement:
-            self.send(Ready(a.slot))
+        self.send(Ready(a.slot))
         return member
 
     def before_training(self, build: Callable[[], T]) -> T:
@@ -326,9 +333,8 @@ class Worker:
         while time.monotonic() < deadline:
             latest = int(store.add(GEN_LATEST, 0))
             if latest > after:
-                doc = json.loads(store.get(f"{GEN_PREFIX}{latest}").decode())
-                failed = {int(k): int(v) for k, v in doc.get("failed", {}).items()}
-                gen = Generation(latest, doc["members"], doc.get("cause", ""), failed)
+                text = store.get(f"{GEN_PREFIX}{latest}")
+                gen = Announcement.from_json(latest, text).generation()
                 if self.a.slot in gen.members or not self.a.replacement:
                     return gen
                 after = latest  # a replacement waits for the generation that lets it in
@@ -406,6 +412,8 @@ class Worker:
             lost.attempt = self.loop.attempt
         if lost is not None and not is_secondary(lost):
             self.send(Broke(lost, self.watcher.generation, member.replica.unvoted_splittable))
+            if not member.replica.unvoted_splittable:
+                self.unvoted.append(lost)
 
     def leave_group(self, member: Member) -> None:
         """Drop every reference to this generation's DDP module and group: its sockets close
@@ -497,6 +505,7 @@ class Worker:
             )
         self.loop.engine = engine
         self.loop.failed_before = dict(gen.failed)
+        self.loop.known_failures = [*gen.known, *self.unvoted]
         if first and not a.replacement:
             start_run(self.loop, a.plan, a.config, self.loop.emit, a.plan.samples, a.valid_size)
         return self.loop

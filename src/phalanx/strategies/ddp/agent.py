@@ -1,0 +1,177 @@
+"""The mechanism of the ddp control plane on one machine: worker processes, their pipes,
+the TCPStore and stack dumps. It knows nothing of policy: it starts, watches, kills and
+writes what it is told to, and reports what it sees (a message, an exit). The coordinator
+(:mod:`.coordinator`) decides; :mod:`.supervisor` connects the two.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from phalanx.strategies.ddp.protocol import (
+    ABORT_KEY,
+    CONTROL_KEY,
+    GEN_LATEST,
+    GEN_PREFIX,
+    STOP_KEY,
+    Announcement,
+)
+
+STACK_WAIT = timedelta(seconds=0.5)
+
+
+@dataclass
+class SlotState:
+    """The process that holds one worker slot (device) now, and its pipe's read end."""
+
+    process: Any
+    conn: Connection
+    exit_seen: bool = False
+
+
+@dataclass
+class Seen:
+    """What the agent saw: a message from ``slot`` (``message``), or its exit (``code``)."""
+
+    slot: int
+    message: object = None
+    code: int | None = None
+    exited: bool = False
+    stale: bool = False  # from the process the slot's new one replaced
+
+
+@dataclass
+class Agent:
+    """Worker processes of one machine, and the store they read their orders from."""
+
+    ctx: Any = field(default_factory=lambda: mp.get_context("spawn"))
+    tmp: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="phalanx-"))
+    slots: dict[int, SlotState] = field(default_factory=dict)
+    retired: list[Any] = field(default_factory=list)  # replaced processes, joined at close
+    queue: list[Seen] = field(default_factory=list)  # seen, not handed out yet
+
+    def __post_init__(self) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    # -- processes -------------------------------------------------------------------------
+    def spawn(
+        self, slot: int, name: str, target: Callable[[Any], None], make_args: Callable[..., Any]
+    ) -> int | None:
+        """Start ``target(make_args(write_end, stack_file))`` as the process of ``slot``; the
+        one it replaces is read to the end and retired. Returns the new pid."""
+        reader, writer = self.ctx.Pipe(duplex=False)
+        if slot in self.slots:
+            old = self.slots[slot]
+            self._read(slot, old.conn, stale=True)  # its last words, then let the pipe go
+            old.conn.close()
+            self.retired.append(old.process)
+        args = make_args(writer, self.stack_file(slot))
+        proc = self.ctx.Process(target=target, args=(args,), name=name, daemon=True)
+        proc.start()
+        writer.close()  # the worker holds the only write end: EOF means it is gone
+        self.slots[slot] = SlotState(proc, reader)
+        return proc.pid
+
+    def poll(self, timeout: timedelta) -> list[Seen]:
+        """What arrives within ``timeout`` (wakes on a message or a process exit); an exit
+        is reported once, after everything its process wrote."""
+        conns = [s.conn for s in self.slots.values() if not s.conn.closed]
+        sentinels = [s.process.sentinel for s in self.slots.values()]
+        ready = wait([*conns, *sentinels], timeout=timeout.total_seconds())
+        for slot, state in list(self.slots.items()):
+            if not state.conn.closed and state.conn in ready:
+                self._read(slot, state.conn)
+        for slot, state in list(self.slots.items()):
+            code = state.process.exitcode
+            if code is not None and not state.exit_seen:
+                state.exit_seen = True
+                if not state.conn.closed:
+                    self._read(slot, state.conn)
+                self.queue.append(Seen(slot, code=code, exited=True))
+        seen, self.queue = self.queue, []
+        return seen
+
+    def _read(self, slot: int, conn: Connection, stale: bool = False) -> None:
+        try:
+            while conn.poll():
+                self.queue.append(Seen(slot, conn.recv(), stale=stale))
+        except (EOFError, OSError):
+            conn.close()
+
+    def all_exited(self) -> bool:
+        return all(not s.process.is_alive() for s in self.slots.values())
+
+    def kill(self, slot: int) -> None:
+        state = self.slots.get(slot)
+        if state is not None and state.process.is_alive():
+            state.process.kill()
+
+    def kill_all(self) -> None:
+        for slot in self.slots:
+            self.kill(slot)
+        for state in self.slots.values():
+            state.process.join(timeout=5)
+
+    def close(self) -> None:
+        self.kill_all()
+        for state in self.slots.values():
+            state.conn.close()
+        for proc in self.retired:  # replaced by a respawn: its end was accounted for then
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- stacks ----------------------------------------------------------------------------
+    def stack_file(self, slot: int) -> str:
+        return os.path.join(self.tmp, f"stacks-{slot}.txt")
+
+    def dump_stacks(self, slot: int) -> str:
+        """The Python stacks of every thread of the worker (faulthandler, on SIGUSR1). The
+        file is emptied first: the worker holds it open in append mode, so this dump starts
+        at its beginning and an earlier dump is never read as this one."""
+        path = self.stack_file(slot)
+        with open(path, "w"):
+            pass
+        try:
+            os.kill(self.slots[slot].process.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return "(the process was gone before its stacks could be taken)"
+        deadline = time.monotonic() + STACK_WAIT.total_seconds()
+        text = ""
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            with open(path) as fh:
+                text = fh.read()
+            if "File" in text:
+                time.sleep(0.05)
+                with open(path) as fh:
+                    return fh.read()
+        return text or "(no stacks: the worker did not answer SIGUSR1)"
+
+    # -- the store -------------------------------------------------------------------------
+    def announce(self, doc: Announcement) -> None:
+        """Written before the counter moves, so a reader sees it whole."""
+        self.store.set(f"{GEN_PREFIX}{doc.number}", doc.to_json())
+        self.store.add(GEN_LATEST, 1 if doc.number > 0 else 0)
+        self.store.add(CONTROL_KEY, 1)
+
+    def set_stop(self, reason: str) -> None:
+        self.store.set(STOP_KEY, reason)
+        self.store.add(CONTROL_KEY, 1)
+
+    def set_abort(self, reason: str) -> None:
+        self.store.set(ABORT_KEY, reason)
+        self.store.add(CONTROL_KEY, 1)

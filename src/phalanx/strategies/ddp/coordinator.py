@@ -1,0 +1,601 @@
+"""The ddp control plane's decisions: a pure state machine, no processes, store or clock.
+
+:meth:`Coordinator.handle` takes one event and the time it happened at (:class:`Now`: a
+monotonic clock for every timeout, the wall clock for the records) and returns the actions
+to take, in order. Events: a message from a worker (:class:`Received`), a process exit
+(:class:`Exited`), a :class:`Tick`, the stacks it asked for (:class:`StacksTaken`), a
+started process's pid (:class:`Spawned`), a stop request (:class:`StopRequested`) and the
+end of every process (:class:`AllExited`). Actions (:mod:`.actions`): announce a
+generation, spawn, kill, dump stacks, record a failure, emit an event, stop, abort.
+
+The rules themselves are pure functions in :mod:`phalanx.policy`; :mod:`.hangs` finds the
+hung workers; the failure book (:class:`.book.FailureBook`) holds the run's failures and
+the reports waiting for a decision. Each slot's status moves in :meth:`Coordinator.move`
+only (the place to watch for a live view of the workers), and each worker's last progress
+is :attr:`Slot.progress_at`, set only from its own messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from enum import Enum
+
+from phalanx.events import Event, GenerationStarted, Notice, StepEnded
+from phalanx.failures import WorkerFailure
+from phalanx.plan import Plan
+from phalanx.policy import STEP_PHASES, Recovery
+from phalanx.strategies.ddp.actions import (
+    Action,
+    Announce,
+    DumpStacks,
+    Emit,
+    Kill,
+    SetAbort,
+    SetStop,
+    Spawn,
+)
+from phalanx.strategies.ddp.book import ACTIONS, FailureBook
+from phalanx.strategies.ddp.hangs import Watched, hung_among, stalled, tied_behind
+from phalanx.strategies.ddp.panel import IDLE_PHASES, PANEL_STATES, Panel
+from phalanx.strategies.ddp.protocol import (
+    EXIT_TOLD,
+    Aborted,
+    Announcement,
+    Broke,
+    Done,
+    Failed,
+    Joined,
+    Progress,
+    Ready,
+    Relay,
+)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every timeout of the control plane, on the monotonic clock."""
+
+    hang: timedelta  # a worker's silence while its peers wait (fit's hang_timeout)
+    grace: timedelta = timedelta(seconds=2)  # to exit by themselves once the run is decided
+    broke_settle: timedelta = timedelta(seconds=0.2)  # a Broke waits for a peer's death
+    startup: timedelta = timedelta(seconds=120)  # spawning and importing torch is not a hang
+    preflight: timedelta = timedelta(seconds=30)  # first calls are slow: lazy initialisation
+    # After an announcement, its members get this long to say they left their old group
+    # before a silence is called a hang (no worker's own clock is reset by it).
+    announce_grace: timedelta = timedelta(seconds=0.5)
+
+    def limit(self, state: Watched) -> float:
+        """How long a worker may make no progress: ``hang``; at least ``preflight`` there."""
+        hang = self.hang.total_seconds()
+        return max(hang, self.preflight.total_seconds()) if state.phase == "preflight" else hang
+
+
+@dataclass(frozen=True)
+class Now:
+    mono: float  # seconds on a monotonic clock: every timeout
+    wall: float  # seconds since the epoch: the time in failure records
+
+
+@dataclass(frozen=True)
+class Received:
+    slot: int
+    message: object
+    stale: bool = False  # from a process the slot's new one replaced: its last words
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The process of ``slot`` ended (after its pipe was read to the end)."""
+
+    slot: int
+    code: int
+
+
+@dataclass(frozen=True)
+class Spawned:
+    slot: int
+    pid: int | None
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class StacksTaken:
+    stacks: dict[int, str]
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    reason: str
+
+
+@dataclass(frozen=True)
+class AllExited:
+    pass
+
+
+CoordinatorEvent = Received | Exited | Spawned | Tick | StacksTaken | StopRequested | AllExited
+
+
+class SlotStatus(Enum):
+    STARTING = "starting"  # its process was started: preflight, model not built yet
+    READY = "ready"  # waits for a generation: the first, a restart's, or to be let in
+    MEMBER = "member"  # named in a generation (it may still be forming it)
+    ENDED = "ended"  # its end is accounted for: finished, fallen, killed or dismissed
+
+
+@dataclass
+class Slot:
+    """What the coordinator knows of the process that holds one slot (device) now."""
+
+    status: SlotStatus = SlotStatus.STARTING
+    step: int = 0
+    phase: str = "start"
+    progress_at: float = 0.0  # monotonic time of its own last progress
+    generation: int = -1  # the newest generation it has joined
+    attempt: int = 0  # of its step, from its last heartbeat
+    pid: int | None = None
+    replaces: WorkerFailure | None = None  # a replacement: the fall it answers
+    joined_at: int | None = None  # a replacement: the step at which it joined
+
+    @property
+    def ended(self) -> bool:
+        return self.status is SlotStatus.ENDED
+
+    def progress(self, message: Progress | Joined, now: float) -> None:
+        """The worker's own progress: a phase entered, or a generation joined."""
+        self.progress_at = now
+        if isinstance(message, Joined):
+            self.generation = message.generation
+            if self.replaces is not None and self.joined_at is None:
+                self.joined_at = message.step
+        else:
+            self.step, self.phase, self.attempt = message.step, message.phase, message.attempt
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the coordinator decides with: the run's plan, devices and policy."""
+
+    plan: Plan
+    devices: list[str]
+    recovery: Recovery
+    timeouts: Timeouts
+    run_dir: bool = False
+
+
+@dataclass
+class Generations:
+    """Every generation announced: members in rank order, and which ones rebuild."""
+
+    members: dict[int, list[int]] = field(default_factory=dict)
+    rebuilds: set[int] = field(default_factory=set)
+    latest: int = -1
+    announced_at: float = float("-inf")
+
+    @property
+    def current(self) -> list[int]:
+        return self.members.get(self.latest, [])
+
+    def left(self, generation: int) -> bool:
+        """Whether a generation after ``generation`` makes its members leave its group (it
+        drops a member, or rebuilds): then that one carries the retry. Generations that only
+        add a replacement are joined at a step boundary, which a broken step never reaches."""
+        for later in range(generation + 1, self.latest + 1):
+            before, after = self.members[later - 1], self.members[later]
+            if set(before) - set(after) or later in self.rebuilds:
+                return True
+        return False
+
+
+class Coordinator:
+    """Events in, actions out (see the module's docstring)."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self.world = len(setup.devices)
+        self.slots: dict[int, Slot] = {}
+        self.replacements: list[Slot] = []  # every respawn, for the run's end
+        self.gens = Generations()
+        self.book = FailureBook(setup.recovery, setup.run_dir)
+        self.unready: set[int] = set()  # slots whose Ready the next first generation awaits
+        self.waiting: list[int] = []  # replacements ready to be let in
+        self.stop_sent = False
+        self.decided_at: float | None = None
+        self.killed_all = False
+        self.quiet_until = float("-inf")  # no hang check before (a stalled one regroups)
+        self.pending_hang: list[int] = []  # asked for their stacks
+        self.now = Now(0.0, 0.0)
+        self.out: list[Action] = []
+        self.panel = Panel(list(setup.devices))
+
+    # -- the one entry point -------------------------------------------------------------
+    def start(self, now: Now) -> list[Action]:
+        """Start every worker; the first generation is announced once all are ready."""
+        self.now = now
+        devices = ", ".join(self.setup.devices)
+        self.emit(
+            Notice(
+                f"starting {self.world} worker process(es) on {devices} "
+                "(each imports torch first: a few seconds)"
+            )
+        )
+        for slot in range(self.world):
+            self.spawn(Spawn(slot))
+            self.unready.add(slot)
+        return self._flush()
+
+    def handle(self, event: CoordinatorEvent, now: Now) -> list[Action]:
+        self.now = now
+        if isinstance(event, Received):
+            if _counts(event):
+                self._received(event.slot, event.message)
+        elif isinstance(event, Exited):
+            self._exited(event.slot, event.code)
+        elif isinstance(event, Spawned):
+            self._spawned(event)
+        elif isinstance(event, StacksTaken):
+            self._stacks_taken(event.stacks)
+        elif isinstance(event, StopRequested):
+            self._stop(event.reason)
+        elif isinstance(event, AllExited):
+            self.settle(everything=True)
+        elif isinstance(event, Tick):
+            self._tick()
+        if self.decided and self.decided_at is None:
+            self.decided_at = now.mono
+            self.out.append(SetAbort("run decided"))
+        return self._flush()
+
+    def _flush(self) -> list[Action]:
+        actions, self.out = self.out, []
+        return actions
+
+    @property
+    def decided(self) -> bool:
+        return self.book.decided
+
+    # -- slots ---------------------------------------------------------------------------
+    def move(self, slot: int, status: SlotStatus) -> None:
+        """The only place a slot's status changes."""
+        self.slots[slot].status = status
+
+    def spawn(self, action: Spawn) -> None:
+        replacement = action.replaces is not None
+        state = Slot(
+            phase="joining" if replacement else "start",
+            progress_at=self.now.mono,
+            replaces=action.replaces,
+        )
+        if replacement:
+            self.replacements.append(state)
+        self.slots[action.slot] = state
+        self.out.append(action)
+
+    def _spawned(self, event: Spawned) -> None:
+        state = self.slots[event.slot]
+        state.pid = event.pid
+        if event.slot in self.panel.shown:
+            self.show(event.slot, "replaced", f"by pid {event.pid}")
+        self.show(event.slot, "joining" if state.replaces is not None else "starting")
+
+    def show(self, slot: int, panel_state: str, detail: str = "") -> None:
+        """The worker panel: ``slot`` is now in ``panel_state`` (sent once per change)."""
+        rank = self.rank(slot) if slot in self.gens.current else None
+        event = self.panel.show(slot, panel_state, self.slots[slot], rank, detail)
+        if event is not None:
+            self.emit(event)
+
+    def kill(self, slot: int) -> None:
+        """Killed on the coordinator's decision: its exit is no failure of its own."""
+        self.move(slot, SlotStatus.ENDED)
+        self.out.append(Kill(slot))
+
+    def announce(
+        self, members: list[int], cause: str, rebuild: bool = False, replacing: int | None = None
+    ) -> None:
+        """Generation n+1, with the failed attempts of unfinished steps and their failures
+        (so its members judge a repeat). No member's hang clock is reset."""
+        g = self.gens
+        g.latest += 1
+        g.members[g.latest] = list(members)
+        if rebuild:
+            g.rebuilds.add(g.latest)
+        g.announced_at = self.now.mono
+        for slot in members:
+            if not self.slots[slot].ended:
+                self.move(slot, SlotStatus.MEMBER)
+        failed, known = self.book.evidence()
+        doc = Announcement(g.latest, tuple(members), cause, rebuild, replacing, failed, known)
+        self.out.append(Announce(doc))
+        devices = [self.setup.devices[m] for m in members]
+        self.emit(GenerationStarted(g.latest, list(members), devices, cause))
+        if g.latest > 0:
+            self.emit(Notice(f"generation {g.latest}: workers {list(members)} ({cause})"))
+
+    def emit(self, event: Event) -> None:
+        """An event of the coordinator's own, stamped with the time it was decided at."""
+        self.out.append(Emit(replace(event, time=self.now.wall)))
+
+    def rank(self, slot: int) -> int:
+        members = self.gens.current
+        return members.index(slot) if slot in members else slot
+
+    # -- what workers say ----------------------------------------------------------------
+    def _received(self, slot: int, message: object) -> None:
+        if isinstance(message, Relay):
+            if isinstance(message.event, StepEnded):
+                self.book.recovered(message.event.time, message.event.global_step)
+            self.out.append(Emit(message.event))  # (as the worker stamped it)
+        elif isinstance(message, Progress | Joined):
+            self.slots[slot].progress(message, self.now.mono)
+            phase = message.phase if isinstance(message, Progress) else "joined"
+            self.show(slot, PANEL_STATES.get(phase, "training"))
+        elif isinstance(message, Ready):
+            self._ready(slot)
+        elif isinstance(message, Failed):
+            self._failed(slot, message)
+        elif isinstance(message, Broke):
+            self.book.hold(self.now.mono, message)
+        elif isinstance(message, Aborted | Done):
+            self._ended(slot, message)
+
+    def _failed(self, slot: int, message: Failed) -> None:
+        if message.fatal:
+            self.move(slot, SlotStatus.ENDED)
+            self.fallen(message.failure)
+        else:  # a vote carried it: the loop chose its action, counted over the run
+            self.settle(before=self.slots[slot].generation)
+            self.book.record_voted(message.failure, self.out)
+
+    def _ended(self, slot: int, message: Aborted | Done) -> None:
+        """A worker's own end. An older generation's held report is that step's earlier
+        attempt: it counts before the run is decided (a peer's Aborted can come first)."""
+        self.settle(before=self.slots[slot].generation)
+        self.move(slot, SlotStatus.ENDED)
+        if isinstance(message, Done):
+            self.show(slot, "finished")
+        if isinstance(message, Aborted):
+            self.book.aborted_by(slot, message.poison)
+        elif message.weights_path is not None:
+            self.book.done = message
+            self._dismiss_waiting()
+
+    def _ready(self, slot: int) -> None:
+        """A worker passed preflight: a replacement waits to be let in; the first
+        generation (or a restart's) is announced once every starting slot is ready."""
+        self.move(slot, SlotStatus.READY)
+        if slot not in self.unready:
+            self.waiting.append(slot)
+            return
+        self.unready.discard(slot)
+        self.book.preflight_passed(slot, self.out)
+        if not self.unready and not self.decided:
+            restart = self.gens.latest >= 0
+            cause = "restart from the newest checkpoint" if restart else "start"
+            self.announce(list(range(self.world)), cause)
+
+    # -- what the coordinator sees for itself ----------------------------------------------
+    def _exited(self, slot: int, code: int) -> None:
+        """A worker that exited without having ended (sent Done, Aborted or a fatal
+        Failed) has fallen, whatever its exit code: user code that calls ``sys.exit(0)``
+        outside a step ends the process with code 0. Only two exits are expected of it: 0
+        or EXIT_TOLD once the run is decided, and EXIT_TOLD from one the current
+        generation leaves out."""
+        state = self.slots[slot]
+        if state.ended:
+            return
+        self.move(slot, SlotStatus.ENDED)
+        expected = code in (0, EXIT_TOLD) and (
+            self.decided or (code == EXIT_TOLD and slot not in self.gens.current)
+        )
+        if not expected:
+            self.fallen(self.book.death(self._where(slot), code, self.now.wall))
+
+    def _where(self, slot: int) -> WorkerFailure:
+        members = self.gens.members.get(self.slots[slot].generation, [])
+        return where(slot, self.slots[slot], members, self.rank(slot), self.setup, self.now)
+
+    def _tick(self) -> None:
+        self.settle()
+        now, limit = self.now, self.setup.timeouts.limit
+        beats = self.panel.tick(now.mono, now.wall, dict(self.slots), self.gens.current, limit)
+        if beats is not None:
+            self.emit(beats)
+        if self.decided:
+            grace = self.setup.timeouts.grace.total_seconds()
+            late = self.decided_at is not None and self.now.mono - self.decided_at > grace
+            if late and not self.killed_all:  # (those that ended but linger too)
+                self.killed_all = True
+                for slot in self.slots:
+                    self.kill(slot)
+            return
+        self._check_hang()
+        self._admit()
+
+    def _check_hang(self) -> None:
+        timeouts = self.setup.timeouts
+        if self.pending_hang or self.now.mono < self.quiet_until:
+            return
+        if self.now.mono - self.gens.announced_at < timeouts.announce_grace.total_seconds():
+            return  # members are leaving their old group (their clocks still run)
+        startup = timeouts.startup.total_seconds()
+        watched = watched_slots(self.slots, self.gens.current, self.unready, self.now.mono, startup)
+        if not watched or not stalled(watched, self.now.mono, timeouts.limit):
+            return
+        self.pending_hang = tied_behind(watched)
+        self.out.append(DumpStacks(list(self.pending_hang)))
+
+    def _stacks_taken(self, stacks: dict[int, str]) -> None:
+        """Everyone stalled: the hung ones are those behind that do not wait in a
+        collective (the others wait for them)."""
+        tied, self.pending_hang = self.pending_hang, []
+        hung = hung_among(tied, stacks)
+        if not hung:  # one is regrouping: look again in a while
+            self.quiet_until = self.now.mono + self.setup.timeouts.announce_grace.total_seconds()
+        for slot in hung:
+            if self.slots[slot].ended:
+                continue
+            stalled_for = self.now.mono - self.slots[slot].progress_at
+            limit = self.setup.timeouts.hang.total_seconds()
+            failure = self.book.hang(self._where(slot), stalled_for, stacks.get(slot, ""), limit)
+            failure = replace(failure, last_progress=self.now.wall - stalled_for)
+            self.kill(slot)
+            self.fallen(failure)
+
+    def _stop(self, reason: str) -> None:
+        if not self.stop_sent and not self.decided:
+            self.stop_sent = True
+            self.out.append(SetStop(reason))
+
+    # -- decisions -------------------------------------------------------------------------
+    def fallen(self, failure: WorkerFailure) -> None:
+        """A worker is out: judge the attempt it failed, then apply the recovery policy."""
+        slot = failure.worker
+        if slot in self.unready and failure.phase == "start":  # (setting up: a preflight's)
+            failure = replace(failure, phase="preflight")
+        self.show(slot, "fallen", f"{failure.kind} in {failure.phase}")
+        self.settle(before=self.slots[slot].generation)
+        if slot in self.waiting:
+            self.waiting.remove(slot)
+        survivors = [m for m in self.gens.current if m != slot and not self.slots[m].ended]
+        action = self.book.fall(failure, len(survivors), self.out)
+        if action == "preflight":
+            self.unready.add(slot)
+            self.spawn(Spawn(slot))
+        elif action in ("respawn", "shrink") and slot in self.gens.current:
+            replacing = slot if action == "respawn" else None
+            cause = f"worker {slot} {failure.kind}: {ACTIONS[action]}"
+            self.announce(survivors, cause, replacing=replacing)
+        if action == "respawn":
+            after = -1 if failure.step is None else failure.step
+            self.spawn(Spawn(slot, replaces=failure, faults_after=after))
+        elif action == "restart":
+            self._restart()
+
+    def settle(self, everything: bool = False, before: int | None = None) -> None:
+        """Decide on held :class:`Broke` reports once they are old enough (a peer that died
+        in the same step is seen first), or at once when ``everything`` or older than
+        generation ``before`` (a later generation's failure is decided next)."""
+        settle = self.setup.timeouts.broke_settle.total_seconds()
+        for message in self.book.settle(self.now.mono, settle, everything, before):
+            rebuild = self.book.broke(message, self.out)
+            if rebuild and not self.gens.left(message.generation):
+                f = message.failure
+                cause = f"worker {f.worker} {f.kind} in {f.phase}: rebuilt"
+                self.announce(self.gens.current, cause, rebuild=True)
+
+    def _restart(self) -> None:
+        """Every member fell and respawns are left: start every slot again, each resuming
+        from the newest intact checkpoint in run_dir (replacements still starting are
+        dropped: they would wait for state nobody holds). The faults up to the last fall
+        fired already; the steps after the checkpoint are computed again."""
+        for slot, state in self.slots.items():
+            if not state.ended:
+                self.kill(slot)
+        self.waiting = []
+        last = max((f.step for f in self.book.failures if f.step is not None), default=-1)
+        for slot in range(self.world):
+            self.spawn(Spawn(slot, faults_after=last, restart_after=self.gens.latest))
+            self.unready.add(slot)
+        self.emit(Notice("every worker fell: restarting all from the newest checkpoint"))
+
+    def _dismiss_waiting(self) -> None:
+        """The run is over: workers that have not joined the last generation (replacements
+        waiting to be let in, or let in while the others finished) are not needed."""
+        for slot, state in self.slots.items():
+            if state.generation < self.gens.latest and not state.ended:
+                self.kill(slot)
+        self.waiting = []
+
+    def _admit(self) -> None:
+        """Let ready replacements in, once the current generation has formed (so no member
+        is half-way into an older one)."""
+        if not self.waiting or self.book.done is not None:
+            return
+        current = self.gens.current
+        if all(self.slots[m].generation == self.gens.latest for m in current):
+            joining, self.waiting = self.waiting, []
+            self.announce(current + joining, f"workers {joining} rejoin")
+
+    def respawn_fates(self) -> list[str]:
+        return respawn_fates(self.replacements, self.book.failures)
+
+
+def _counts(event: Received) -> bool:
+    """A replaced process's last words: its events and failure reports still count, its
+    progress and its end do not (they would be read as its replacement's)."""
+    message = event.message
+    if not event.stale or isinstance(message, Relay | Broke):
+        return True
+    return isinstance(message, Failed) and not message.fatal
+
+
+def where(
+    slot: int, state: Slot, members: list[int], rank: int, setup: Setup, now: Now
+) -> WorkerFailure:
+    """A failure record of ``slot`` where it is now (kind and message filled in later):
+    its step, phase, attempt, and the samples the plan gave it there (``members``: of the
+    generation it was in)."""
+    plan = setup.plan
+    in_step = state.phase in STEP_PHASES
+    epoch = state.step // plan.steps if plan.steps else None
+    share = None
+    if in_step and slot in members and epoch is not None:
+        step, index = state.step % plan.steps, members.index(slot)
+        share = plan.local_batch(epoch, step, index, len(members))
+    return WorkerFailure(
+        worker=slot,
+        rank=rank,
+        device=setup.devices[slot],
+        kind="crash",
+        message="",
+        phase=state.phase,
+        step=state.step,
+        epoch=epoch,
+        pid=state.pid,
+        sample_indices=share,
+        attempt=state.attempt if in_step else None,
+        time=now.wall,
+    )
+
+
+def watched_slots(
+    slots: dict[int, Slot], current: list[int], unready: set[int], now: float, startup: float
+) -> dict[int, Slot]:
+    """The slots whose silence counts: members outside their bounded idle phases, slots in a
+    preflight, and every slot still starting once one is past the startup timeout."""
+    watched = {
+        slot: slots[slot]
+        for slot in current
+        if not slots[slot].ended and slots[slot].phase not in IDLE_PHASES
+    }
+    for slot in unready:
+        if slots[slot].phase == "preflight" and not slots[slot].ended:
+            watched[slot] = slots[slot]
+    starting = {k: s for k, s in slots.items() if s.phase == "start" and not s.ended}
+    if any(now - s.progress_at > startup for s in starting.values()):
+        watched.update(starting)
+    return watched
+
+
+def respawn_fates(replacements: list[Slot], failures: list[WorkerFailure]) -> list[str]:
+    """What became of every replacement: joined at step N, or not (still starting)."""
+    lines = []
+    fallen = {f.pid for f in failures if f.pid is not None}
+    for state in replacements:
+        fell = state.replaces
+        assert fell is not None
+        at = "?" if fell.step is None else fell.step + 1  # steps 1-based, as people read them
+        what = f"worker {fell.worker}'s replacement (after its {fell.kind} at step {at})"
+        if state.joined_at is not None:
+            lines.append(f"{what} joined before step {state.joined_at + 1}")
+        elif state.pid in fallen:
+            lines.append(f"{what} fell before it joined")
+        else:
+            lines.append(f"{what} had not joined when the run ended (still starting)")
+    return lines

@@ -1,0 +1,409 @@
+"""The ddp coordinator's decisions, driven by events on a fake clock: no process, store or
+sleep. Each test feeds what workers would say (or what the agent would see) and checks the
+actions that come back."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import phalanx as px
+from phalanx.events import GenerationStarted, WorkerState
+from phalanx.failures import WorkerFailure
+from phalanx.plan import Plan
+from phalanx.strategies.ddp.actions import (
+    Action,
+    Announce,
+    DumpStacks,
+    Emit,
+    Kill,
+    Record,
+    SetAbort,
+    Spawn,
+)
+from phalanx.strategies.ddp.coordinator import (
+    Coordinator,
+    CoordinatorEvent,
+    Exited,
+    Now,
+    Received,
+    Setup,
+    SlotStatus,
+    Spawned,
+    StacksTaken,
+    Tick,
+    Timeouts,
+)
+from phalanx.strategies.ddp.protocol import Broke, Done, Failed, Joined, Progress, Ready
+
+HANG = 3.0
+PLAN = Plan(120, 12, seed=0)  # 10 steps an epoch
+SIGKILL = -9
+COLLECTIVE = "Thread 1 (most recent call first):\n  File torch/distributed/c10d.py, line 1"
+USER_CODE = "Thread 1 (most recent call first):\n  File faults.py, line 9 in fire"
+
+
+class Run:
+    """A coordinator and a fake clock."""
+
+    def __init__(
+        self, world: int = 3, recovery: px.Recovery | None = None, run_dir: bool = False
+    ) -> None:
+        devices = [f"cpu:{i}" for i in range(world)]
+        timeouts = Timeouts(timedelta(seconds=HANG))
+        policy = recovery or px.Recovery()
+        self.c = Coordinator(Setup(PLAN, devices, policy, timeouts, run_dir))
+        self.t = 0.0
+        self.log: list[Action] = []
+        self.log += self.c.start(self.now())
+        self.pid = 100
+        for slot in range(world):
+            self.spawned(slot)
+
+    def now(self) -> Now:
+        return Now(self.t, 1_000_000.0 + self.t)
+
+    def at(self, t: float) -> Run:
+        self.t = t
+        return self
+
+    def feed(self, event: CoordinatorEvent) -> list[Action]:
+        actions = self.c.handle(event, self.now())
+        self.log += actions
+        for a in actions:  # the agent's answers: a pid for every process it starts
+            if isinstance(a, Spawn):
+                self.spawned(a.slot)
+        return actions
+
+    def spawned(self, slot: int) -> None:
+        self.pid += 1
+        self.log += self.c.handle(Spawned(slot, self.pid), self.now())
+
+    def say(self, slot: int, message: object) -> list[Action]:
+        return self.feed(Received(slot, message))
+
+    def tick(self, t: float) -> list[Action]:
+        """The decisions a tick at ``t`` brings (the panel's heartbeat events left out)."""
+        return [a for a in self.at(t).feed(Tick()) if not isinstance(a, Emit)]
+
+    def form(self, members: list[int], gen: int, step: int = 0) -> None:
+        for slot in members:
+            self.say(slot, Joined(slot, gen, step))
+
+    def start_training(self) -> None:
+        for slot in range(self.c.world):
+            self.say(slot, Ready(slot))
+        self.form(list(range(self.c.world)), 0)
+
+    def at_step(self, slot: int, step: int, phase: str = "forward", attempt: int = 0) -> None:
+        self.say(slot, Progress(slot, step, phase, self.t, attempt))
+
+
+def announced(actions: list[Action]) -> list[tuple[list[int], str]]:
+    return [
+        (list(a.announcement.members), a.announcement.cause)
+        for a in actions
+        if isinstance(a, Announce)
+    ]
+
+
+def recorded(actions: list[Action]) -> list[tuple[int, str, int | None, str | None]]:
+    return [
+        (a.failure.worker, a.failure.kind, a.failure.step, a.failure.action)
+        for a in actions
+        if isinstance(a, Record)
+    ]
+
+
+def exception(
+    slot: int, step: int, attempt: int, samples: list[int], message: str = "boom"
+) -> WorkerFailure:
+    return WorkerFailure(
+        worker=slot,
+        rank=slot,
+        device=f"cpu:{slot}",
+        kind="exception",
+        message=message,
+        phase="backward",
+        step=step,
+        attempt=attempt,
+        exception_type="RuntimeError",
+        sample_indices=samples,
+    )
+
+
+# -- the first generation -------------------------------------------------------------------
+
+
+def test_the_first_generation_waits_until_every_worker_is_ready() -> None:
+    run = Run()
+    assert [a.slot for a in run.log if isinstance(a, Spawn)] == [0, 1, 2]
+    assert announced(run.say(0, Ready(0)) + run.say(2, Ready(2))) == []
+    assert announced(run.say(1, Ready(1))) == [([0, 1, 2], "start")]
+    assert all(s.status is SlotStatus.MEMBER for s in run.c.slots.values())
+
+
+def test_a_preflight_failure_that_does_not_repeat_gets_one_more_preflight() -> None:
+    run = Run()
+    run.say(0, Ready(0))
+    run.say(2, Ready(2))
+    first = exception(1, 0, 0, [1], message="flaky device")
+    first.phase = "preflight"
+    actions = run.say(1, Failed(first, fatal=True))
+    assert [(a.slot, a.replaces) for a in actions if isinstance(a, Spawn)] == [(1, None)]
+    assert recorded(actions) == []  # its action is known when the retry ends
+    actions = run.say(1, Ready(1))
+    assert recorded(actions) == [(1, "exception", 0, "retried")]
+    assert announced(actions) == [([0, 1, 2], "start")]
+
+
+def test_a_preflight_failure_that_repeats_stops_the_run_before_training() -> None:
+    run = Run()
+    first = exception(1, 0, 0, [1], message="no module named x")
+    first.phase = "preflight"
+    run.say(1, Failed(first, fatal=True))
+    actions = run.at(1).feed(Exited(1, SIGKILL))  # its second preflight dies
+    assert recorded(actions) == [(1, "exception", 0, "aborted"), (1, "crash", 0, "aborted")]
+    assert any(isinstance(a, SetAbort) for a in actions)
+    assert announced(run.log) == []
+
+
+# -- deaths, rebuilds, admissions --------------------------------------------------------------
+
+
+def test_a_death_is_respawned_and_the_replacement_admitted_once_the_group_formed() -> None:
+    run = Run()
+    run.start_training()
+    run.at_step(1, 4)
+    actions = run.at(1).feed(Exited(1, SIGKILL))
+    assert recorded(actions) == [(1, "crash", 4, "respawned")]
+    assert announced(actions) == [([0, 2], "worker 1 crash: respawned")]
+    assert [(a.slot, a.replaces is not None) for a in actions if isinstance(a, Spawn)] == [
+        (1, True)
+    ]
+    run.at(3).say(1, Ready(1))
+    run.say(0, Joined(0, 1, 4))
+    assert announced(run.tick(3.1)) == []  # worker 2 has not formed generation 1 yet
+    run.say(2, Joined(2, 1, 4))
+    assert announced(run.tick(3.2)) == [([0, 2, 1], "workers [1] rejoin")]
+    run.say(1, Joined(1, 2, 9))
+    assert run.c.respawn_fates() == [
+        "worker 1's replacement (after its crash at step 5) joined before step 10"
+    ]
+
+
+def test_a_replacement_still_starting_at_the_end_is_said_so() -> None:
+    run = Run(world=2)
+    run.start_training()
+    run.at(1).feed(Exited(1, SIGKILL))
+    run.say(0, Done(0, "w.pt"))
+    assert run.c.respawn_fates() == [
+        "worker 1's replacement (after its crash at step 1) had not joined when the run ended "
+        "(still starting)"
+    ]
+    assert [a.slot for a in run.log if isinstance(a, Kill)] == [1]  # dismissed
+
+
+def test_a_broke_report_waits_for_a_peers_death_which_carries_the_retry() -> None:
+    """Worker 0's own failure broke the group in step 4 while worker 1 died in it: the
+    death's generation (without worker 1) carries the retry, not a rebuild."""
+    run = Run()
+    run.start_training()
+    run.at_step(1, 4)
+    own = exception(0, 4, 0, [0, 1])
+    assert run.at(1.0).say(0, Broke(own, generation=0)) == []  # held
+    actions = run.at(1.1).feed(Exited(1, SIGKILL))
+    assert announced(actions) == [([0, 2], "worker 1 crash: respawned")]
+    actions = run.tick(1.4)  # settled: recorded, no rebuild
+    assert recorded(actions) == [(0, "exception", 4, "retried")]
+    assert announced(actions) == []
+
+
+def test_a_broke_report_alone_rebuilds_the_group_with_the_same_members() -> None:
+    run = Run()
+    run.start_training()
+    run.at(1.0).say(2, Broke(exception(2, 7, 0, [5]), generation=0))
+    assert announced(run.tick(1.1)) == []
+    actions = run.tick(1.25)
+    assert recorded(actions) == [(2, "exception", 7, "retried")]
+    assert announced(actions) == [([0, 1, 2], "worker 2 exception in backward: rebuilt")]
+    doc = next(a.announcement for a in actions if isinstance(a, Announce))
+    assert doc.rebuild and dict(doc.failed) == {7: 1}
+    assert [(f.worker, f.step, f.attempt) for f in doc.known] == [(2, 7, 0)]  # the evidence
+
+
+# -- hangs -------------------------------------------------------------------------------------
+
+
+def hung_run() -> Run:
+    run = Run()
+    run.start_training()
+    run.at(0.0)
+    run.at_step(0, 5, "forward")
+    run.at_step(1, 5, "sync")
+    run.at_step(2, 5, "sync")
+    return run
+
+
+def test_the_worker_behind_that_does_not_wait_in_a_collective_is_the_hung_one() -> None:
+    run = hung_run()
+    assert run.tick(HANG - 0.1) == []
+    asked = run.tick(HANG + 0.05)
+    assert [a.slots for a in asked if isinstance(a, DumpStacks)] == [[0]]
+    actions = run.feed(StacksTaken({0: USER_CODE}))
+    assert Kill(0) in actions
+    assert recorded(actions) == [(0, "hang", 5, "respawned")]
+    hang = next(a.failure for a in actions if isinstance(a, Record))
+    assert hang.stacks == USER_CODE and hang.sample_indices == PLAN.local_batch(0, 5, 0, 3)
+    assert "no progress for 3.0s in phase forward of step 6" in hang.message  # 1-based
+    assert hang.last_progress == 1_000_000.0  # the wall clock of its own last progress
+
+
+def test_a_join_or_regroup_elsewhere_does_not_restart_a_workers_hang_clock() -> None:
+    """Worker 0 hangs at t=0; worker 2 dies at t=1 and a new generation is announced; the
+    hang is still named hang_timeout after worker 0's own last progress (plus the short
+    grace an announcement gives members to leave their group), not after the join."""
+    run = hung_run()
+    run.at(1.0).feed(Exited(2, SIGKILL))
+    run.at(1.1).at_step(1, 5, "regroup")
+    run.say(1, Joined(1, 1, 5))
+    asked = run.tick(HANG + 0.05)
+    assert [a.slots for a in asked if isinstance(a, DumpStacks)] == [[0]]
+
+
+def test_an_announcement_gives_members_a_moment_to_leave_their_group() -> None:
+    run = hung_run()
+    run.at(HANG - 0.1).feed(Exited(2, SIGKILL))  # a generation at t = 2.9
+    assert not [a for a in run.tick(HANG + 0.1) if isinstance(a, DumpStacks)]
+    assert [a for a in run.tick(HANG + 0.45) if isinstance(a, DumpStacks)]
+
+
+# -- poison, and faults that arrive together ------------------------------------------------
+
+
+def test_a_sample_that_kills_its_reader_in_two_generations_is_a_poison_batch() -> None:
+    run = Run()
+    run.start_training()
+    run.at_step(1, 4, "data")
+    run.at(1).feed(Exited(1, SIGKILL))  # generation 1: [0, 2]
+    run.form([0, 2], 1, 4)
+    for slot in (0, 2):
+        run.at_step(slot, 4, "data", attempt=1)
+    # the retry's new split gives one of worker 1's samples to worker 0 (or 2): it dies
+    share1 = set(PLAN.local_batch(0, 4, 1, 3))
+    reader = next(s for s, r in ((0, 0), (2, 1)) if share1 & set(PLAN.local_batch(0, 4, r, 2)))
+    actions = run.at(2).feed(Exited(reader, SIGKILL))
+    assert recorded(actions) == [(reader, "crash", 4, "aborted")]
+    assert any(isinstance(a, SetAbort) for a in actions)
+    assert run.c.book.poison
+
+
+def test_a_hang_then_a_death_elsewhere_in_the_retry_is_retried_not_poison() -> None:
+    run = hung_run()
+    run.tick(HANG + 0.05)
+    run.feed(StacksTaken({0: USER_CODE}))  # generation 1: [1, 2]
+    run.form([1, 2], 1, 5)
+    for slot in (1, 2):
+        run.at_step(slot, 5, "forward", attempt=1)
+    actions = run.at(HANG + 1).feed(Exited(2, SIGKILL))
+    assert recorded(actions) == [(2, "crash", 5, "respawned")]  # a different failure
+    assert not run.c.book.decided
+
+
+def test_the_fourth_failed_attempt_of_a_step_stops_the_run_as_keeps_failing() -> None:
+    run = Run()
+    run.start_training()
+    for attempt in range(4):  # each on another sample, another message
+        failure = exception(attempt % 3, 6, attempt, [attempt], message=f"m{attempt}")
+        run.at(attempt + 1.0).say(failure.worker, Broke(failure, generation=attempt))
+        actions = run.tick(attempt + 1.3)
+        run.form([0, 1, 2], attempt + 1, 6)
+    assert recorded(actions) == [(0, "exception", 6, "aborted")]
+    assert run.c.book.fatal and not run.c.book.poison
+    assert [f.action for f in run.c.book.failures] == ["retried"] * 3 + ["aborted"]
+
+
+# -- every member fell ---------------------------------------------------------------------------
+
+
+def test_every_member_fallen_with_a_run_dir_restarts_all_from_the_checkpoint() -> None:
+    run = Run(world=2, run_dir=True)
+    run.start_training()
+    run.at(1).feed(Exited(1, SIGKILL))  # generation 1: [0]; worker 1's replacement starts
+    actions = run.at(1.5).feed(Exited(0, SIGKILL))
+    assert recorded(actions) == [(0, "crash", 0, "restarted")]
+    assert Kill(1) in actions  # the replacement still starting: it would wait for nobody
+    spawns = [(a.slot, a.restart_after) for a in actions if isinstance(a, Spawn)]
+    assert spawns == [(0, 1), (1, 1)]
+    assert not any(isinstance(a, SetAbort) for a in actions)
+    run.at(4).say(0, Ready(0))
+    assert announced(run.say(1, Ready(1))) == [([0, 1], "restart from the newest checkpoint")]
+
+
+def test_without_a_run_dir_the_run_stops_and_says_a_run_dir_would_have_allowed_a_restart() -> None:
+    run = Run(world=2, run_dir=False)
+    run.start_training()
+    run.at(1).feed(Exited(1, SIGKILL))
+    actions = run.at(1.5).feed(Exited(0, SIGKILL))
+    assert recorded(actions) == [(0, "crash", 0, "aborted")]
+    assert any(isinstance(a, SetAbort) for a in actions)
+    assert run.c.book.notes and "run_dir" in run.c.book.notes[0]
+
+
+def test_exits_the_coordinator_asked_for_are_no_failures() -> None:
+    run = Run(world=2)
+    run.start_training()
+    run.say(0, Done(0, "w.pt"))
+    run.say(1, Done(1))
+    assert recorded(run.at(1).feed(Exited(1, 0)) + run.feed(Exited(0, 0))) == []
+
+
+REGROUPING = (
+    "Current thread 0x1 (most recent call first):\n  Garbage-collecting\n"
+    '  File "/x/phalanx/strategies/ddp/worker.py", line 386 in leave_group'
+)
+
+
+def test_a_stalled_member_on_its_way_to_the_next_generation_is_not_hung() -> None:
+    """After the hung worker is replaced, a survivor slow to leave its broken group (its
+    stacks are in phalanx's regroup path) is not named hung: its silence is the group's."""
+    run = hung_run()
+    run.tick(HANG + 0.05)
+    run.feed(StacksTaken({0: USER_CODE}))  # generation 1: [1, 2], neither has regrouped yet
+    asked = run.tick(HANG + 0.6)
+    assert [a.slots for a in asked if isinstance(a, DumpStacks)] == [[1, 2]]
+    actions = run.feed(StacksTaken({1: REGROUPING, 2: REGROUPING}))
+    assert not [a for a in actions if isinstance(a, Kill | Record)]
+    assert run.tick(HANG + 0.7) == []  # not asked again at once
+    run.at_step(1, 5, "regroup")
+    run.at_step(2, 5, "regroup")
+    assert run.tick(HANG + 20) == []  # regroup is bounded by its own timeouts
+
+
+def test_the_worker_panel_sees_each_state_change_once_and_the_generations() -> None:
+    run = Run(world=2)
+    run.start_training()
+    run.at_step(1, 3)
+    run.at_step(1, 3)  # the same state again: nothing new to show
+    run.at(1).feed(Exited(1, SIGKILL))
+    states = [
+        (e.event.worker, e.event.state, e.event.detail)
+        for e in run.log
+        if isinstance(e, Emit) and isinstance(e.event, WorkerState)
+    ]
+    assert states == [
+        (0, "starting", ""),
+        (1, "starting", ""),
+        (0, "training", ""),
+        (1, "training", ""),
+        (1, "fallen", "crash in forward"),
+        (1, "replaced", "by pid 103"),
+        (1, "joining", ""),
+    ]
+    gens = [
+        e.event for e in run.log if isinstance(e, Emit) and isinstance(e.event, GenerationStarted)
+    ]
+    assert [(g.number, g.members, g.cause) for g in gens] == [
+        (0, [0, 1], "start"),
+        (1, [0], "worker 1 crash: respawned"),
+    ]
+    assert all(g.time == 1_000_000.0 + (1 if g.number else 0) for g in gens)  # the fake clock
