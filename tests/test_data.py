@@ -175,3 +175,14 @@ def test_fingerprint_leaves_a_lazily_opening_dataset_picklable(tmp_path: Any) ->
     pickle.dumps(data)
     path.write_bytes(bytes(range(10, 20)))
     assert fingerprint(LazyFile(str(path)), 10) != first
+
+
+@pytest.mark.timeout(180)
+def test_num_workers_load_in_subprocesses_under_ddp_too() -> None:
+    """DataLoader worker processes inside each ddp worker (which must not be daemonic for
+    that): the same steps and weights as a single-process run without them."""
+    single = fit_sentences()
+    ddp = fit_sentences(strategy="ddp", devices="cpu:0,cpu:1", num_workers=2)
+    assert ddp.steps == 12 and ddp.ledger_ok
+    for a, b in zip(single.model.parameters(), ddp.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -78,7 +78,10 @@ class Agent:
             old.conn.close()
             self.retired.append(old.process)
         args = make_args(writer, self.stack_file(slot))
-        proc = self.ctx.Process(target=target, args=(args,), name=name, daemon=True)
+        # Not daemonic: a daemonic process cannot start children (DataLoader workers when
+        # num_workers > 0). close() kills every worker, and a worker whose parent is gone
+        # exits by itself (its watch thread), so none outlives the run.
+        proc = self.ctx.Process(target=target, args=(args,), name=name, daemon=False)
         proc.start()
         writer.close()  # the worker holds the only write end: EOF means it is gone
         self.slots[slot] = SlotState(proc, reader)
