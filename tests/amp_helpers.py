@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.events import Event, StepEnded
+from phalanx.events import StepEnded
+from recorder import Recorder
 
 # A loss scale so large that fp16 gradients overflow: 2**36 and 2**24 overflow (gradients of
 # this model times the scale pass fp16's 65504), 2**12 is far from it (near 2**16 a whole
@@ -59,17 +60,8 @@ def norm_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
 
 
-class Collect:
-    """A sink that keeps every event (sinks run in the calling process, also under ddp)."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def handle(self, event: Event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        pass
+class Collect(Recorder):
+    """Every event, and which steps skipped the optimizer."""
 
     def skipped(self) -> list[bool]:
         return [e.skipped for e in self.events if isinstance(e, StepEnded)]

@@ -40,8 +40,9 @@ from phalanx.errors import (
     UnknownStrategyError,
     UnsizedDatasetError,
 )
-from phalanx.events import Event, Notice, StepEnded, ValidationStarted
+from phalanx.events import Notice, StepEnded, ValidationStarted
 from phalanx.plan import Plan
+from recorder import Recorder
 
 N = 40
 
@@ -81,17 +82,6 @@ def nan_step(model: nn.Module, batch: Any) -> torch.Tensor:
 def dataset(n: int = N) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g))
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def handle(self, event: Event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        pass
 
 
 def learner(step: Callable[[nn.Module, Any], Any] = train_step) -> px.Learner:

@@ -28,11 +28,12 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.events import Event, Notice, StepEnded, WorkerFailed
+from phalanx.events import Notice, StepEnded, WorkerFailed
 from phalanx.plan import Plan, split
 from phalanx.report import is_secondary
 from phalanx.strategies.ddp import supervisor
 from procs import alive, child_env, children, is_resource_tracker
+from recorder import Recorder as BaseRecorder
 from recovery_helpers import (
     DeadlySample,
     SecondReadFails,
@@ -74,17 +75,9 @@ class Generation:
     cause: str
 
 
-class Recorder:
-    """A sink that keeps every event (it runs in the supervisor: this process)."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def handle(self, event: Event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        pass
+class Recorder(BaseRecorder):
+    """Every event (the sink runs in the supervisor: this process), read as generations,
+    steps and failures."""
 
     def generations(self) -> list[Generation]:
         found = []

@@ -21,6 +21,7 @@ from torch.utils.data import TensorDataset
 import phalanx as px
 from phalanx.errors import CheckpointError
 from phalanx.events import CheckpointSkipped, Event, Notice, Resumed, RunStarted, StepEnded
+from recorder import Recorder
 
 SAMPLES, BATCH, EPOCHS = 32, 8, 3
 STEPS_PER_EPOCH = SAMPLES // BATCH  # 4
@@ -61,20 +62,6 @@ def learner() -> px.Learner:
         metrics=[px.metrics.Accuracy()],
         lr_scheduler=make_scheduler,
     )
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def handle(self, event: Event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        pass
-
-    def of(self, kind: type) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind)]
 
 
 class StopAt(Recorder):

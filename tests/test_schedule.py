@@ -18,7 +18,8 @@ import phalanx as px
 from phalanx.checkpoint import should_save
 from phalanx.checkpoint.io import list_checkpoints
 from phalanx.errors import InvalidSettingError
-from phalanx.events import Event, Notice, StepEnded, Validated
+from phalanx.events import Notice, StepEnded, Validated
+from recorder import Recorder
 
 SAMPLES, BATCH, EPOCHS = 32, 8, 3
 STEPS = SAMPLES // BATCH  # 4 per epoch
@@ -37,20 +38,6 @@ def datasets() -> tuple[TensorDataset, TensorDataset]:
     x = torch.randn(SAMPLES + 12, 4, generator=g)
     y = torch.randint(0, 3, (SAMPLES + 12,), generator=g)
     return TensorDataset(x[:SAMPLES], y[:SAMPLES]), TensorDataset(x[SAMPLES:], y[SAMPLES:])
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def handle(self, event: Event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        pass
-
-    def of(self, kind: type) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind)]
 
 
 def plain_model() -> nn.Module:
