@@ -109,16 +109,7 @@ def read_verified(path: str | os.PathLike[str], expected: Digest | None = None) 
     except OSError as exc:
         raise CheckpointError(f"{name}: cannot read: {exc}") from exc
     _verify(name, data, expected)
-    try:
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        detail = " ".join(str(exc).split())[:300]
-        raise CheckpointError(
-            f"{name}: payload does not load: {type(exc).__name__}: {detail}"
-        ) from exc
-    if not isinstance(payload, dict):
-        raise CheckpointError(f"{name}: payload is a {type(payload).__name__}, not a dict")
-    return payload
+    return _load_dict(name, io.BytesIO(data))
 
 
 def _verify(name: str, data: bytes, expected: Digest | None) -> None:
@@ -174,16 +165,7 @@ def peek(path: str | os.PathLike[str], key: str, expected: Digest | None = None)
     if expected is not None:
         _check_digest(name, size, lambda: _file_sha256(name), expected)
     _check_torch_file(name, head, size)
-    try:
-        payload = torch.load(name, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
-        detail = " ".join(str(exc).split())[:300]
-        raise CheckpointError(
-            f"{name}: payload does not load: {type(exc).__name__}: {detail}"
-        ) from exc
-    if not isinstance(payload, dict):
-        raise CheckpointError(f"{name}: payload is a {type(payload).__name__}, not a dict")
-    return payload.get(key)
+    return _load_dict(name, name, mmap=True).get(key)
 
 
 def _file_sha256(name: str) -> str:
@@ -263,3 +245,18 @@ def check_weights_only(obj: Any, where: str = "checkpoint") -> None:
         "torch.load(weights_only=True) cannot open; keep state_dict() values to tensors, "
         "numbers, strings, None and dicts, lists or tuples of them"
     )
+
+
+def _load_dict(name: str, source: Any, mmap: bool = False) -> dict[str, Any]:
+    """``torch.load(source, weights_only=True)`` of checkpoint ``name``: a dict, or a
+    CheckpointError naming the file and why it does not load."""
+    try:
+        payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:
+        detail = " ".join(str(exc).split())[:300]
+        raise CheckpointError(
+            f"{name}: payload does not load: {type(exc).__name__}: {detail}"
+        ) from exc
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{name}: payload is a {type(payload).__name__}, not a dict")
+    return payload
