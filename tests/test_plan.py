@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.plan import Plan, bounds, permutation, split, steps_per_epoch
+from phalanx.plan import DataPrint, Plan, bounds, permutation, split, steps_per_epoch
 from phalanx.policy import MAX_ATTEMPTS, decide
 
 FAST = settings(max_examples=150, deadline=None)
@@ -186,14 +186,30 @@ def test_steps_per_epoch(n: int, b: int) -> None:
 
 
 def test_plan_record_names_everything_resume_must_match() -> None:
-    assert Plan(10, 3, 7, False, True, "ab12").record() == {
+    assert Plan(10, 3, 7, False, True, DataPrint("ab12", (1.0, 2.0, 3.0))).record() == {
         "samples": 10,
         "batch_size": 3,
         "seed": 7,
         "shuffle": False,
         "drop_last": True,
         "fingerprint": "ab12",
+        "float_sums": [1.0, 2.0, 3.0],
     }
+
+
+def test_plan_matches_float_sums_within_a_tolerance_and_everything_else_exactly() -> None:
+    plan = Plan(10, 3, 7, fingerprint=DataPrint("ab12", (1.0, 100.0, 2.0)))
+    record = plan.record()
+    assert plan.matches(record)
+    last_bits = {**record, "float_sums": [1.0 + 1e-9, 100.0 - 1e-9, 2.0 + 1e-9]}
+    assert plan.matches(last_bits)  # a transcendental's last bit, in another process
+    assert not plan.matches({**record, "float_sums": [1.5, 100.0, 2.0]})  # another sample
+    assert not plan.matches({**record, "fingerprint": "ab13"})  # another label, shape, dtype
+    assert not plan.matches({**record, "float_sums": [1.0, 100.0]})  # another structure
+    assert not plan.matches({**record, "seed": 8})
+    assert not plan.matches("a plan of another version")
+    old = {k: v for k, v in record.items() if k != "float_sums"}
+    assert plan.matches({**old, "fingerprint": "written-by-0.0"})  # digest not comparable
 
 
 # --- bounds ------------------------------------------------------------------------------

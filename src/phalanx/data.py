@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from phalanx import rng
-from phalanx.plan import Plan, split
+from phalanx.plan import DataPrint, Plan, split
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,9 @@ FINGERPRINT_SAMPLES = 8  # samples read to fingerprint a dataset
 _FINGERPRINT_SEED = 20261203  # which samples: fixed, so every run reads the same ones
 
 
-def fingerprint(dataset: Dataset[Any], size: int) -> str:
-    """A short hash of the contents of a few samples of ``dataset`` (``size`` samples long):
-    the same indices every time (a fixed seed), read under fixed RNG seeds so that random
+def fingerprint(dataset: Dataset[Any], size: int) -> DataPrint:
+    """The fingerprint of ``dataset`` (``size`` samples long), read from a few samples: the
+    same indices every time (a fixed seed), read under fixed RNG seeds so that random
     augmentations give the same result. It joins the plan record, so that resume tells two
     datasets of the same size apart (another ``random_split``, another file). A sample that
     raises counts as its exception's type: reading the dataset fails later, in a step, where
@@ -120,6 +120,7 @@ def fingerprint(dataset: Dataset[Any], size: int) -> str:
     count = min(FINGERPRINT_SAMPLES, size)
     picks = np.random.default_rng(_FINGERPRINT_SEED).choice(size, count, replace=False)
     digest = hashlib.sha256()
+    sums: list[float] = []
     state = rng.capture()
     try:
         for index in sorted(int(i) for i in picks):
@@ -131,33 +132,54 @@ def fingerprint(dataset: Dataset[Any], size: int) -> str:
                 sample = dataset[index]
             except Exception as exc:
                 sample = f"raised {type(exc).__name__}"
-            _feed(digest, sample)
+            _feed(digest, sums, sample)
     finally:
         rng.restore(state)
-    return digest.hexdigest()[:16]
+    return DataPrint(digest.hexdigest()[:16], tuple(sums))
 
 
-def _feed(digest: Any, value: Any) -> None:
-    """Hash a sample: tensors and arrays by dtype, shape and bytes; containers recursively;
-    numbers and strings by value; anything else by its type's name."""
+def _float_sums(values: np.ndarray) -> list[float]:
+    flat = values.astype(np.float64).reshape(-1)
+    weights = 1.0 + np.arange(flat.size, dtype=np.float64) / max(flat.size, 1)
+    return [float(flat.sum()), float(np.abs(flat).sum()), float((flat * weights).sum())]
+
+
+def _feed(digest: Any, sums: list[float], value: Any) -> None:
+    """Hash a sample: tensors and arrays by dtype and shape, then their bytes (integers,
+    booleans) or three sums (floating point, complex as two floats); containers
+    recursively; numbers and strings by value (floats as sums); anything else by its
+    type's name."""
     if isinstance(value, torch.Tensor):
-        flat = value.detach().cpu().contiguous().reshape(-1)
+        value = value.detach().cpu()
         digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
+        if value.is_floating_point() or value.is_complex():
+            flat = value.to(torch.complex128 if value.is_complex() else torch.float64)
+            sums.extend(_float_sums(torch.view_as_real(flat).numpy() if value.is_complex()
+                                    else flat.numpy()))  # fmt: skip
+        else:
+            flat = value.contiguous().reshape(-1)
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
     elif isinstance(value, np.ndarray) and value.dtype != object:
         digest.update(f"A{value.dtype}{value.shape}".encode())
-        digest.update(np.ascontiguousarray(value).tobytes())
+        if np.issubdtype(value.dtype, np.inexact):
+            real = value.view(value.real.dtype) if np.iscomplexobj(value) else value
+            sums.extend(_float_sums(np.asarray(real)))
+        else:
+            digest.update(np.ascontiguousarray(value).tobytes())
     elif isinstance(value, dict):
         for key in sorted(value, key=repr):
             digest.update(f"K{key!r}".encode())
-            _feed(digest, value[key])
+            _feed(digest, sums, value[key])
     elif isinstance(value, (list, tuple)):
         digest.update(f"L{len(value)}".encode())
         for item in value:
-            _feed(digest, item)
-    elif isinstance(value, (bool, int, float, complex, str, bytes, np.generic)) or value is None:
+            _feed(digest, sums, item)
+    elif isinstance(value, (float, np.floating)):
+        digest.update(b"F")
+        sums.extend(_float_sums(np.asarray([value])))
+    elif isinstance(value, (bool, int, complex, str, bytes, np.generic)) or value is None:
         digest.update(f"V{value!r}".encode())
     elif hasattr(value, "__array__"):  # a PIL image, say
-        _feed(digest, np.asarray(value))
+        _feed(digest, sums, np.asarray(value))
     else:
         digest.update(f"O{type(value).__qualname__}".encode())

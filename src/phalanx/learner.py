@@ -23,7 +23,7 @@ from phalanx.faults import Fault
 from phalanx.interrupt import Interrupter, handle_signals
 from phalanx.loop import StepAborted
 from phalanx.metrics import LoopMetric, Metric
-from phalanx.plan import Plan
+from phalanx.plan import DataPrint, Plan
 from phalanx.policy import Recovery
 from phalanx.precision import Precision
 from phalanx.run import FitResult, RunEnd, RunInputs, finish, stopped
@@ -153,7 +153,7 @@ class Learner:
         )
         check_free_memory(labels, min_free_memory)
         # Only a run that writes checkpoints needs the data's fingerprint (it reads samples).
-        sample_hash = fingerprint(train, train_size) if run_dir else ""
+        sample_hash = fingerprint(train, train_size) if run_dir else DataPrint("")
         plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
         check_resume_plan(config, plan)  # before anything starts, as the checks above
         run = RunInputs(

@@ -52,17 +52,43 @@ def bounds(total: int, parts: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class DataPrint:
+    """A dataset's fingerprint: ``digest`` hashes a few samples' structure and exact values
+    (dtypes, shapes, integers, strings); ``sums`` holds three sums per floating-point leaf
+    (its sum, sum of magnitudes and a position-weighted sum), compared with a tolerance:
+    torch's vectorized transcendentals (``tanh``, ``exp``) may differ in the last bit
+    between two processes (the buffer's alignment picks the code path), so float bytes
+    cannot be hashed exactly without telling a dataset apart from itself."""
+
+    digest: str
+    sums: tuple[float, ...] = ()
+
+
+def same_data(a: DataPrint, b: DataPrint, rel: float = 1e-5) -> bool:
+    """Whether two fingerprints are of the same data: equal digests, and float sums equal
+    within ``rel`` of each leaf's magnitude (last-bit differences, never another sample)."""
+    if a.digest != b.digest or len(a.sums) != len(b.sums):
+        return False
+    for i in range(0, len(a.sums), 3):
+        mine, theirs = a.sums[i : i + 3], b.sums[i : i + 3]
+        scale = max(abs(mine[1]), abs(theirs[1]), 1e-30)
+        if any(abs(x - y) > rel * scale for x, y in zip(mine, theirs, strict=True)):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
 class Plan:
-    """The plan of one run: dataset size, global batch size and seed. ``fingerprint`` is a
-    hash of a few samples' contents (``data.fingerprint``): a checkpoint of another dataset of
-    the same size does not match the record."""
+    """The plan of one run: dataset size, global batch size and seed. ``fingerprint`` is of
+    a few samples' contents (``data.fingerprint``): a checkpoint of another dataset of the
+    same size does not match the record (``matches``)."""
 
     samples: int
     batch_size: int
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = False
-    fingerprint: str = ""
+    fingerprint: DataPrint = DataPrint("")
 
     @property
     def steps(self) -> int:
@@ -84,8 +110,22 @@ class Plan:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
-            "fingerprint": self.fingerprint,
+            "fingerprint": self.fingerprint.digest,
+            "float_sums": list(self.fingerprint.sums),
         }
+
+    def matches(self, saved: object) -> bool:
+        """Whether a checkpoint's plan record (``record()`` then) fits this plan: every
+        field equal, the data's float sums within a tolerance (``same_data``)."""
+        if not isinstance(saved, dict):
+            return False
+        now = self.record()
+        if any(saved.get(k) != now[k] for k in now if k not in ("fingerprint", "float_sums")):
+            return False
+        if "float_sums" not in saved:  # written before float sums: its digest is not this one
+            return True
+        then = DataPrint(str(saved.get("fingerprint", "")), tuple(saved["float_sums"]))
+        return same_data(then, self.fingerprint)
 
     def local_batch(self, epoch: int, step: int, member: int, members: int) -> list[int]:
         return split(self.global_batch(epoch, step), members)[member]

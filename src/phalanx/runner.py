@@ -91,7 +91,7 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
         return
     snap, info = found
     saved = snap.get("plan")
-    if saved != plan.record():
+    if not plan.matches(saved):
         raise CheckpointError(f"{info.path} {plan_mismatch(saved, plan.record())}")
     restore_fitting(loop, snap, info.path)
     st = loop.state
@@ -118,7 +118,7 @@ def check_resume_plan(config: FitConfig, plan: Plan) -> None:
             raise
         except CheckpointError:
             continue  # the loading member skips it too, and says so
-        if saved != plan.record():
+        if not plan.matches(saved):
             raise CheckpointError(f"{path} {plan_mismatch(saved, plan.record())}")
         return
 
@@ -127,20 +127,22 @@ def plan_mismatch(saved: Any, now: dict[str, object]) -> str:
     """Why a checkpoint's plan record does not match this run's, and the fix."""
     if not isinstance(saved, dict):
         return f"has no plan record this version understands ({saved!r}); use a new run_dir"
-    if [k for k in now if saved.get(k) != now[k]] == ["fingerprint"]:
+    data = ("fingerprint", "float_sums")
+    changed = [k for k in now if k not in data and saved.get(k) != now[k]]
+    if not changed:
         return (
             f"was written with another training dataset of the same size ({now['samples']} "
             f"samples): the contents of the samples phalanx checks differ (fingerprint "
-            f"{saved.get('fingerprint')!r} then, {now['fingerprint']!r} now). Resume with the "
+            f"{saved.get('fingerprint')!r} then, {now['fingerprint']!r} now"
+            f"{'' if saved.get('fingerprint') != now['fingerprint'] else ', values differ'}"
+            "). Resume with the "
             "same dataset (a random_split needs a seeded generator=, e.g. "
             "torch.Generator().manual_seed(0), to give the same split again), or use a new "
             "run_dir"
         )
-    changed = ", ".join(
-        f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]
-    )
+    listed = ", ".join(f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in changed)
     return (
-        f"was written with another plan ({changed}); resume with the same dataset, "
+        f"was written with another plan ({listed}); resume with the same dataset, "
         "batch_size, seed, shuffle and drop_last, or use a new run_dir"
     )
 
