@@ -48,11 +48,36 @@ def test_times_makes_every_attempt_of_the_step_fail() -> None:
     assert [fires(mine, 2) for _ in range(4)] == [True, True, True, False]
 
 
-def test_a_worker_that_was_not_there_at_the_step_fires_at_its_first_step_after() -> None:
-    """A replacement that joined at step 9 still gets the fault meant for step 6."""
+def test_a_worker_that_was_not_there_at_the_step_fires_after_the_step_it_joined() -> None:
+    """A replacement that joined at step 9 still gets the fault meant for step 6, in the
+    step after it joined."""
     late = FaultInjector([px.Fault("exception", worker=1, step=6)], worker=1)
-    assert fires(late, 9)
-    assert not fires(late, 10)
+    assert not fires(late, 9)  # the join step (and its retries) go through
+    assert not fires(late, 9)
+    assert fires(late, 10)
+    assert not fires(late, 11)
+
+
+def test_missed_faults_fire_one_per_step_and_never_beside_a_fault_of_that_step() -> None:
+    """Three missed faults and one meant for step 12: a late joiner fires them one step
+    apart, never two in the attempts of one step (unrelated faults must not look like a
+    poison batch), and the one meant for step 12 fires at step 12, every attempt."""
+    faults = [
+        px.Fault("exception", worker=0, step=2),
+        px.Fault("oom", worker=0, step=3),
+        px.Fault("exception", worker=0, step=4),
+        px.Fault("exception", worker=0, step=12, times=2),
+    ]
+    late = FaultInjector(faults, worker=0)
+    fired = {step: [fires(late, step) for _ in range(3)] for step in (10, 11, 12, 13, 14)}
+    assert fired == {
+        10: [False, False, False],  # joined here
+        11: [True, False, False],  # one missed fault, the retry goes through
+        12: [True, True, False],  # its own fault, times=2 (no missed one beside it)
+        13: [True, False, False],
+        14: [True, False, False],
+    }
+    assert not fires(late, 15)
 
 
 def test_validation_faults_fire_in_the_validation_after_their_step() -> None:

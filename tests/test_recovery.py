@@ -311,9 +311,9 @@ def test_the_main_worker_killed_is_replaced(
 def test_a_replacement_that_dies_is_replaced_too(
     clean: list[torch.Tensor], tmp_path: Path, record_property: Any
 ) -> None:
-    """Worker 1 is killed at step 5; its replacement joins, and is killed at the first step
-    it runs from step 30 on (faults after its predecessor's fall are its own). It is
-    replaced again; the run ends with the clean model."""
+    """Worker 1 is killed at step 5; its replacement joins, and is killed at step 30 or,
+    joining later, in the step after it joined (faults after its predecessor's fall are
+    its own). It is replaced again; the run ends with the clean model."""
     faults = [px.Fault("kill", worker=1, step=5), px.Fault("kill", worker=1, step=30)]
     result, rec = fit(tmp_path, faults, px.Recovery(mode="respawn"), step=slow_step)
     crashes = [f for f in result.failures if f.kind == "crash"]
@@ -329,6 +329,26 @@ def test_a_replacement_that_dies_is_replaced_too(
     ]
     assert_same_run(result, rec, clean)
     assert_recovered_quickly(result, record_property)
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_killed_in_the_step_after_it_joined_breaks_no_survivor(
+    clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """The step after a join is DDP's second forward, where it rebuilds its buckets with two
+    broadcasts from rank 0. The replacement is killed there (the fault meant for step 6
+    fires in the step after it joined, which is always later: a start takes seconds).
+    Rank 0's broadcast meets the closed socket; it must not run another collective on that
+    group (a zero pass would broadcast again, and the survivor still waiting for the second
+    broadcast aborts: gloo's "12 vs 4 ... collective mismatch"). Only worker 1 falls."""
+    faults = [px.Fault("kill", worker=1, step=5), px.Fault("kill", worker=1, step=6)]
+    result, rec = fit(tmp_path, faults, px.Recovery(mode="respawn"), step=slow_step)
+    assert [(f.worker, f.kind, f.action) for f in result.failures] == [
+        (1, "crash", "respawned"),
+        (1, "crash", "respawned"),
+    ]
+    assert result.failures[1].step is not None and result.failures[1].step > 6  # it joined late
+    assert_same_run(result, rec, clean)
 
 
 @pytest.mark.timeout(120)

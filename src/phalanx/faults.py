@@ -2,14 +2,15 @@
 
 ``Fault(kind="kill", worker=1, step=30)`` kills worker 1's process with SIGKILL when it
 reaches step 30 (counted in committed optimizer steps since the run began, so step 30 is
-the 31st step), or at the first step it runs after that when it was not there at step 30
-(a replacement that joined later). A replacement never replays the faults up to the step
-its predecessor fell at. Kinds: ``exception`` (raise :class:`InjectedFault`), ``kill`` (SIGKILL of
-the worker process), ``hang`` (sleep that never returns), ``oom`` (raise
-``torch.OutOfMemoryError``). ``times`` is how many attempts of that step fail (1 is a
-transient fault that the retry absorbs; 2 or more make a poison batch). Phase
-``validation`` fires in the validation that follows step ``step`` (the last step of an epoch);
-phase ``backward`` fires in the middle of the backward pass, as a real error there would.
+the 31st step), or later when it was not there at step 30 (a replacement that joined
+later): at a step after the one it joined at, one missed fault per step. A replacement
+never replays the faults up to the step its predecessor fell at. Kinds: ``exception``
+(raise :class:`InjectedFault`), ``kill`` (SIGKILL of the worker process), ``hang`` (sleep
+that never returns), ``oom`` (raise ``torch.OutOfMemoryError``). ``times`` is how many
+attempts of that step fail (1 is a transient fault that the retry absorbs; 2 or more make
+a poison batch). Phase ``validation`` fires in the validation that follows step ``step``
+(the last step of an epoch); phase ``backward`` fires in the middle of the backward pass,
+as a real error there would.
 """
 
 from __future__ import annotations
@@ -86,22 +87,33 @@ def chaos(count: int, workers: int, total_steps: int, seed: int = 0) -> list[Fau
 
 
 class FaultInjector:
-    """Fires the faults meant for one worker. Holds how often each has fired (per process)."""
+    """Fires the faults meant for one worker. Holds how often each has fired (per process).
+
+    A fault fires at its step, every attempt until ``times``. One its process missed (it
+    joined after that step) fires later, but never in the step the process joined nor in a
+    step where another fault fired: a replacement joining late must not fire its missed
+    faults together, in the attempts of one step, where two unrelated faults would look
+    like a poison batch (the same worker, or the same share and phase, failing twice)."""
 
     def __init__(self, faults: list[Fault], worker: int) -> None:
         self.faults = [f for f in faults if f.worker == worker]
         self.fired: dict[Fault, int] = {}
+        self.first_step: int | None = None  # the step this process joined at
+        self.fired_at: set[int] = set()  # steps where a fault fired
 
     def due(self, step: int, phase: str) -> list[Fault]:
-        return [
-            f
-            for f in self.faults
-            if f.step <= step and f.phase == phase and self.fired.get(f, 0) < f.times
-        ]
+        if self.first_step is None:
+            self.first_step = step
+        pending = [f for f in self.faults if f.phase == phase and self.fired.get(f, 0) < f.times]
+        exact = [f for f in pending if f.step == step]
+        if step == self.first_step or step in self.fired_at:
+            return exact
+        return exact + [f for f in pending if f.step < step][:1]
 
     def check(self, step: int, phase: str) -> None:
         for fault in self.due(step, phase):
             self.fired[fault] = self.fired.get(fault, 0) + 1
+            self.fired_at.add(step)
             fire(fault)
 
     @contextlib.contextmanager

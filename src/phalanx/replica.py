@@ -31,6 +31,7 @@ from phalanx.ledger import EMPTY, Fingerprint, fingerprint
 from phalanx.metrics import Metric, pack_states, total_size
 from phalanx.plan import bounds
 from phalanx.precision import LossScaler
+from phalanx.report import is_secondary
 from phalanx.step import StepOutput, as_step_output
 
 StepFn = Callable[[nn.Module, Any], Any]
@@ -131,6 +132,10 @@ class LocalResult:
     failure: WorkerFailure | None = None
     splittable: bool = False  # out of memory, and the share can be cut smaller: try again
     ledger: Fingerprint = EMPTY  # of the samples computed
+    # The failure is a collective that a fallen peer broke: no other collective may follow
+    # on that group (a live peer may still wait in the broken one, and a message of another
+    # size there aborts its process), so the ddp engine leaves without voting.
+    broken: bool = False
 
     def vote_head(self) -> list[float]:
         """This member's part of the vote beside the metric sums."""
@@ -219,9 +224,13 @@ class Replica:
             )
             splittable = self._split_after(failure, len(samples), micro_batches)
             self.unvoted, self.unvoted_splittable = failure, splittable
-            if not tracker.synced:
+            # A broken collective (DDP's gradient all-reduce, or the bucket rebuild in its
+            # second forward) is not followed by the zero pass's collectives.
+            broken = self.forward is not self.module and is_secondary(failure)
+            if not tracker.synced and not broken:
                 self.zero_pass()
-            return LocalResult(torch.zeros(self.size, dtype=torch.float64), failure, splittable)
+            zeros = torch.zeros(self.size, dtype=torch.float64)
+            return LocalResult(zeros, failure, splittable, broken=broken)
         if not tracker.synced:
             self.zero_pass()
         return LocalResult(sums, ledger=fingerprint(samples))

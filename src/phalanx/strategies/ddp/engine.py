@@ -22,7 +22,7 @@ from phalanx.plan import Plan
 from phalanx.replica import Identity, LocalResult, Replica
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
-from phalanx.strategies.ddp.group import GenerationGroup
+from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
 from phalanx.trainable import Trainable
 
 PhaseHook = Callable[[int, str], None]
@@ -124,6 +124,8 @@ class DdpEngine:
             epoch,
             self.micro,
         )
+        if res.broken:  # no vote on a broken group: leave it (the failure is the peer's)
+            raise GroupBroken(f"step {global_step + 1}: {res.failure and res.failure.message}")
         self.hooks.on_phase(global_step, "sync")
         self._sync_fault(res, step)
         # After backward DDP has reduced the gradients: every member finds the same overflow.
