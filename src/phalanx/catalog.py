@@ -782,6 +782,108 @@ _ENTRIES = [
         "px.Learner(model, opt, step)\n"
         "# after\npx.Learner(model, functools.partial(torch.optim.SGD, lr=0.1), step)",
     ),
+    Explanation(
+        code="PX140",
+        title="a launcher's environment cannot be read",
+        meaning="fit() reads where this process stands in a job from its launcher's "
+        "environment: PHALANX_NNODES, PHALANX_NODE_RANK and PHALANX_HEAD (set by phalanx run "
+        "or by hand), torchrun's (GROUP_WORLD_SIZE, GROUP_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, "
+        "MASTER_PORT) or Slurm's (SLURM_NNODES, SLURM_NODEID, the node list, the tasks per "
+        "node). One of those variables holds a value that means nothing.",
+        when="First thing in fit(), before any other check, process or file.",
+        causes=[
+            "A count or a rank that is not a whole number (PHALANX_NNODES=two, NODE_RANK='').",
+            "A node rank not below the node count (PHALANX_NODE_RANK=2 with PHALANX_NNODES=2: "
+            "nodes are numbered from 0).",
+            "A head without a port (PHALANX_HEAD=node0), or a port outside 1 to 65535.",
+            "PHALANX_NODE_RANK or PHALANX_HEAD exported without PHALANX_NNODES, e.g. left over "
+            "in a shell from an earlier job.",
+            "A Slurm node list or tasks-per-node value that was edited by hand and no longer "
+            "expands (unbalanced brackets, a range that goes backwards).",
+        ],
+        fixes=[
+            "Read the message: it names the variable, its value and what it should be.",
+            "Start the script with phalanx run --nnodes N --node-rank R --head HOST:PORT, "
+            "which checks its arguments and sets the PHALANX_* variables for you.",
+            "Unset PHALANX_* variables that belong to another job (env | grep PHALANX).",
+        ],
+        example="# before\nPHALANX_NNODES=1 PHALANX_HEAD=node0 python train.py\n"
+        "# after\nPHALANX_NNODES=1 python train.py        # one node needs no head\n"
+        "phalanx run --nnodes 1 train.py            # the same, checked",
+    ),
+    Explanation(
+        code="PX141",
+        title="several processes per node: each would train a copy",
+        meaning="The launcher started more than one process on this node (torchrun "
+        "--nproc-per-node 2, srun --ntasks-per-node 2). Each of them would call fit() and "
+        "train the whole job on its own, into the same run_dir: copies, not one job. phalanx "
+        "starts one worker per device itself (strategy='ddp'), so it needs exactly one "
+        "process per node, and devices= names that node's devices.",
+        when="First thing in fit(), on every process the launcher started, before any other "
+        "check, process or file: every one of them exits with this error.",
+        causes=[
+            "A plain DDP launch command kept when porting a script to phalanx: torchrun "
+            "--nproc-per-node=NUM_GPUS train.py.",
+            "A Slurm script with --ntasks-per-node equal to the number of GPUs, as plain DDP "
+            "or MPI jobs use.",
+        ],
+        fixes=[
+            "torchrun: launch one process per node, torchrun --nproc-per-node 1 train.py, or "
+            "just python train.py on one machine.",
+            "Slurm: srun --ntasks-per-node 1 python train.py.",
+            "Name the node's devices in fit: devices='cuda:0,cuda:1' or devices='auto' "
+            "(every visible GPU) with strategy='ddp'.",
+        ],
+        example="# before\ntorchrun --nproc-per-node 4 train.py\n"
+        "# after\ntorchrun --nproc-per-node 1 train.py   # and in train.py:\n"
+        "learner.fit(data, strategy='ddp', devices='auto')",
+    ),
+    Explanation(
+        code="PX142",
+        title="multi-node runs are not available in this version",
+        meaning="The launch names several nodes (PHALANX_NNODES, torchrun's --nnodes, or "
+        "Slurm's node count for the step is above 1). This version of phalanx trains on one "
+        "node only: its workers, store and supervisor live on one host. Rather than train "
+        "one separate copy per node, fit() refuses. Multi-node training is being built (see "
+        "docs/multinode.md for what exists).",
+        when="First thing in fit(), on every node, before any other check, process or file.",
+        causes=[
+            "torchrun --nnodes 2 (or more), or an srun step over several nodes.",
+            "phalanx run --nnodes 2 (or PHALANX_NNODES=2), which names a multi-node job.",
+        ],
+        fixes=[
+            "Run on one node: torchrun --nnodes 1 --nproc-per-node 1, srun --nodes 1 "
+            "--ntasks-per-node 1, or python train.py, with devices= naming that node's "
+            "devices.",
+        ],
+        example="# before\nsrun --nodes 2 --ntasks-per-node 1 python train.py\n"
+        "# after\nsrun --nodes 1 --ntasks-per-node 1 python train.py",
+    ),
+    Explanation(
+        code="PX143",
+        title="run_dir is in use by a live run",
+        meaning="Another fit() holds this run_dir right now (its lock, run_dir/phalanx.lock, "
+        "names its pid and host). Two runs in one folder would overwrite each other's "
+        "checkpoints, run.json and logs, so the second is refused before it moves or writes "
+        "anything there. The lock ends with the run that holds it, however it ends; a lock "
+        "left by a killed run is taken over with a notice.",
+        when="In fit(), after the argument checks, before anything in run_dir is touched.",
+        causes=[
+            "The same script started twice (two terminals, a job resubmitted while the first "
+            "one still runs).",
+            "A second fit() on the same run_dir from another thread of the same program.",
+            "The first run was killed but a process it forked (a DataLoader worker) is still "
+            "alive and holds the lock: the message says so when the pid has ended.",
+        ],
+        fixes=[
+            "Wait for the other run to end, or stop it (Ctrl-C, or kill the pid the message "
+            "names); then resume=True continues it.",
+            "Or pass another run_dir for a separate run.",
+        ],
+        example="# before: a second terminal, while the first run trains\n"
+        "learner.fit(data, run_dir='runs/a', resume=True)\n"
+        "# after\nlearner.fit(data, run_dir='runs/b')   # or wait for runs/a to finish",
+    ),
 ]
 
 CATALOG: dict[str, Explanation] = {e.code: e for e in _ENTRIES}

@@ -223,6 +223,35 @@ class OptimizerInstanceError(ConfigError):
     code = "PX131"
 
 
+class LaunchEnvironmentError(ConfigError):
+    """A launcher's environment variable cannot be read (``PHALANX_*``, torchrun's, Slurm's):
+    not a whole number, a node rank not below the node count, a head without a port, a node
+    list that does not expand. See :mod:`phalanx.launch`."""
+
+    code = "PX140"
+
+
+class ProcessesPerNodeError(ConfigError):
+    """The launcher started several processes on this node (``torchrun --nproc-per-node 2``,
+    ``srun --ntasks-per-node 2``): each would train a full copy of the job. phalanx starts
+    one worker per device itself, so it needs one process per node."""
+
+    code = "PX141"
+
+
+class MultiNodeUnavailableError(ConfigError):
+    """The launch names several nodes; this version of phalanx trains on one node only."""
+
+    code = "PX142"
+
+
+class RunDirLockedError(ConfigError):
+    """Another live run holds this ``run_dir`` (its lock file ``phalanx.lock``); nothing in
+    the folder was moved or written."""
+
+    code = "PX143"
+
+
 def all_error_classes() -> list[type[PhalanxError]]:
     """Every error class defined here, base first (used by the catalog's consistency test)."""
     found: list[type[PhalanxError]] = []
