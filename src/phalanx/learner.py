@@ -29,7 +29,7 @@ from phalanx.precision import Precision
 from phalanx.run import FitResult, RunEnd, RunInputs, finish, stopped
 from phalanx.runner import check_resume_plan
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
-from phalanx.validate import dataset_size, validate_fit
+from phalanx.validate import check_launch, dataset_size, validate_fit
 
 
 class Learner:
@@ -121,6 +121,7 @@ class Learner:
         ``run_dir=""`` is the same as None: nothing is written.
         """
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
+        check_launch(os.environ)  # one process on one node (PX140-PX142), before all else
         labels = parse_devices(devices)
         recovery = on_failure if on_failure is not None else Recovery()
         config = FitConfig(

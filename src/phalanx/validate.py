@@ -7,6 +7,7 @@ import ast
 import os
 import pickle
 import sys
+from collections.abc import Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -26,15 +27,63 @@ from phalanx.errors import (
     InvalidSettingError,
     LambdaStepError,
     MissingMainGuardError,
+    MultiNodeUnavailableError,
     NotPicklableError,
     OptimizerInstanceError,
     PrecisionError,
+    ProcessesPerNodeError,
     RunDirInUseError,
     UnknownStrategyError,
     UnsizedDatasetError,
 )
+from phalanx.launch import Launch, detect
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies import STRATEGIES
+
+
+def check_launch(environ: Mapping[str, str]) -> Launch:
+    """The launch ``fit`` accepts: one process on one node (PX140 for an environment that
+    cannot be read, PX141 for several processes per node, PX142 for several nodes). Called
+    first in ``fit``, before any process, thread or file."""
+    launch = detect(environ)
+    if launch.local_world_size > 1:
+        raise ProcessesPerNodeError(_copies_message(launch))
+    if launch.nnodes > 1:
+        raise MultiNodeUnavailableError(
+            f"this process is node {launch.node_rank} of {launch.nnodes} "
+            f"({_NODES_FROM[launch.source]}), but this version of phalanx trains on one node "
+            "only: multi-node runs are not available yet. Run on one node (torchrun --nnodes 1 "
+            "--nproc-per-node 1, srun --nodes 1 --ntasks-per-node 1, or without "
+            "PHALANX_NNODES), with fit(devices=...) naming that node's devices"
+        )
+    return launch
+
+
+_NODES_FROM = {
+    "phalanx": "PHALANX_NNODES",
+    "torchrun": "torchrun's GROUP_WORLD_SIZE",
+    "slurm": "Slurm's node count for this step",
+    "local": "no launcher",
+}
+
+
+def _copies_message(launch: Launch) -> str:
+    n, rank = launch.local_world_size, launch.local_rank
+    if launch.per_node_from == "torchrun":
+        started = (
+            f"torchrun started {n} processes on this node (LOCAL_WORLD_SIZE={n}; this is "
+            f"LOCAL_RANK={rank})"
+        )
+        instead = "torchrun --nproc-per-node 1 script.py"
+    else:
+        started = f"srun started {n} tasks on this node (this is SLURM_LOCALID={rank})"
+        instead = "srun --ntasks-per-node 1 python script.py"
+    return (
+        f"{started}: each would train a full copy of the job. "
+        "phalanx starts one worker per device itself, so launch one process per node: "
+        f"{instead}, and name this node's devices in fit(devices=...), e.g. "
+        'devices="cuda:0,cuda:1" or "auto" (strategy="ddp")'
+    )
 
 
 def dataset_size(dataset: Any, name: str) -> int:
