@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +17,7 @@ from phalanx.checkpoint import Checkpoints
 from phalanx.data import fingerprint
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
-from phalanx.events import Fanout, RunEnded, RunOpened, Sink
+from phalanx.events import Fanout, Notice, RunEnded, RunOpened, Sink
 from phalanx.failures import FailedHere
 from phalanx.faults import Fault
 from phalanx.interrupt import Interrupter, handle_signals
@@ -27,9 +27,10 @@ from phalanx.plan import DataPrint, Plan
 from phalanx.policy import Recovery
 from phalanx.precision import Precision
 from phalanx.run import FitResult, RunEnd, RunInputs, finish, stopped
+from phalanx.runlock import RunLock
 from phalanx.runner import check_resume_plan
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
-from phalanx.validate import check_launch, dataset_size, validate_fit
+from phalanx.validate import check_launch, dataset_size, validate_fit, validate_run_dir
 
 
 class Learner:
@@ -153,18 +154,26 @@ class Learner:
             self.spec, config, train_size, has_valid=valid is not None, train=train, valid=valid
         )
         check_free_memory(labels, min_free_memory)
-        # Only a run that writes checkpoints needs the data's fingerprint (it reads samples).
-        sample_hash = fingerprint(train, train_size) if run_dir else DataPrint("")
-        plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
-        check_resume_plan(config, plan)  # before anything starts, as the checks above
-        run = RunInputs(
-            spec=self.spec,
-            config=config,
-            plan=plan,
-            train=train,
-            valid=valid,
-            valid_size=valid_size,
-        )
+        with _holding(run_dir) as lock:  # PX143 while another live run holds run_dir
+            validate_run_dir(config)
+            # Only a run that writes checkpoints needs the data's fingerprint (it reads samples).
+            sample_hash = fingerprint(train, train_size) if run_dir else DataPrint("")
+            plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
+            check_resume_plan(config, plan)  # before anything starts, as the checks above
+            run = RunInputs(
+                spec=self.spec,
+                config=config,
+                plan=plan,
+                train=train,
+                valid=valid,
+                valid_size=valid_size,
+            )
+            return self._run(run, lock, sinks)
+
+    def _run(self, run: RunInputs, lock: RunLock | None, sinks: Sequence[Sink] | None) -> FitResult:
+        """Open the run folder and the sinks, train, close; the caller holds the lock."""
+        config = run.config
+        run_dir = config.run_dir
         opened = _open_run(config)  # run.json; an earlier run's files moved aside
         if sinks is None:
             from phalanx.sinks import default_sinks
@@ -173,9 +182,12 @@ class Learner:
         emit = Fanout(list(sinks))
         if opened is not None:
             emit(opened)
+        notice = lock.notice() if lock is not None else None
+        if notice is not None:
+            emit(Notice(notice, level="warning"))
         self.interrupter.reset()
         try:
-            with handle_signals(self.interrupter), _keep_rng(labels):
+            with handle_signals(self.interrupter), _keep_rng(config.devices):
                 result = finish(self._dispatch(run, emit), run)
             if run_dir and result.interrupted is None:
                 result.model_path = save_final_model(run_dir, result.model)
@@ -267,6 +279,16 @@ def _open_run(config: FitConfig) -> RunOpened | None:
     from phalanx.runinfo import open_run
 
     return open_run(config.run_dir, config, config.resume)[0]
+
+
+@contextlib.contextmanager
+def _holding(run_dir: str | None) -> Iterator[RunLock | None]:
+    """``run_dir``'s lock (:mod:`phalanx.runlock`) for the block, released however it ends."""
+    if not run_dir:
+        yield None
+        return
+    with RunLock.acquire(run_dir) as lock:
+        yield lock
 
 
 def _keep_rng(labels: list[str]) -> contextlib.AbstractContextManager[Any]:

@@ -130,7 +130,6 @@ def validate_fit(
     _validate_schedule(config, has_valid)
     _validate_factories(spec)
     _validate_precision(spec, config.devices)
-    _validate_run_dir(config)
     _validate_data(config, train_size)
     _validate_strategy(config)
     _validate_faults(config)
@@ -253,8 +252,10 @@ def _validate_precision(spec: TrainSpec, devices: list[str]) -> None:
         )
 
 
-def _validate_run_dir(config: FitConfig) -> None:
-    """A fresh run must not start among an earlier run's checkpoints (PX118)."""
+def validate_run_dir(config: FitConfig) -> None:
+    """A fresh run must not start among an earlier run's checkpoints (PX118). Called by
+    ``fit`` once it holds the run_dir's lock, so that a live run's folder is named as such
+    (PX143) rather than as an earlier run's."""
     from phalanx.checkpoint.io import list_checkpoints
     from phalanx.runner import checkpoint_dir
 
