@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -233,3 +234,95 @@ def extras_in_pyproject() -> list[str]:
     text = (SRC.parent / "pyproject.toml").read_text()
     block = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
     return re.findall(r"^(\w+) = ", block, flags=re.M)
+
+
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        ("PX140", ["PHALANX_NODE_RANK=2", "phalanx run"]),
+        ("PX141", ["--nproc-per-node 1", "--ntasks-per-node 1", "devices="]),
+        ("PX142", ["one node only", "docs/multinode.md"]),
+        ("PX143", ["phalanx.lock", "another run_dir"]),
+    ],
+)
+def test_the_launch_codes_are_explained(
+    code: str, words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["explain", code.lower()]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{code}: {CATALOG[code].title}")
+    flat = " ".join(out.split())
+    for word in words:
+        assert word in flat, (code, word)
+
+
+# `phalanx run`: sets PHALANX_* and becomes the script, its arguments passed as they are.
+ECHO = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items()
+                  if k.startswith("PHALANX_")}}))
+sys.exit(int(os.environ.get("EXIT_WITH", "0")))
+"""
+
+
+def _phalanx_run(tmp_path: Path, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "echo.py"
+    script.write_text(ECHO)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx", "run", *[a.replace("ECHO", str(script)) for a in argv]],
+        capture_output=True,
+        text=True,
+        env={**base, "PYTHONPATH": str(SRC), **env},
+        timeout=60,
+    )
+
+
+def test_phalanx_run_sets_the_variables_and_passes_the_arguments(tmp_path: Path) -> None:
+    head = ("--head", "node0:29410")
+    proc = _phalanx_run(tmp_path, "--nnodes", "3", "--node-rank", "2", *head, "ECHO",
+                        "--lr", "3", "--", "-x", EXIT_WITH="5")  # fmt: skip
+    assert proc.returncode == 5, proc.stderr  # the script's own status
+    seen = json.loads(proc.stdout)
+    assert seen["argv"] == ["--lr", "3", "--", "-x"]
+    assert seen["env"] == {
+        "PHALANX_NNODES": "3",
+        "PHALANX_NODE_RANK": "2",
+        "PHALANX_HEAD": "node0:29410",
+    }
+
+
+def test_phalanx_run_on_one_node_drops_a_stale_head(tmp_path: Path) -> None:
+    proc = _phalanx_run(tmp_path, "--nnodes=1", "--", "ECHO", PHALANX_HEAD="old:1")
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["env"] == {"PHALANX_NNODES": "1", "PHALANX_NODE_RANK": "0"}
+    assert seen["argv"] == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "0", "ECHO"], "--nnodes 0: pass the number of nodes"),
+        (["--nnodes", "2", "--head", "h:1", "ECHO"], "--nnodes 2 needs --node-rank"),
+        (["--nnodes", "2", "--node-rank", "2", "--head", "h:1", "ECHO"], "pass 0 (the head) to 1"),
+        (["--nnodes", "2", "--node-rank", "1", "ECHO"], "--nnodes 2 needs --head HOST:PORT"),
+        (["--nnodes", "2", "--node-rank", "1", "--head", "h", "ECHO"], "[PX140]"),
+        (["--nnodes", "1", "--head", "h:99999", "ECHO"], "port 99999 is not 1 to 65535"),
+        (["--nnodes", "1", "missing.py"], "no such script: missing.py"),
+    ],
+)
+def test_phalanx_run_refuses_bad_arguments_and_starts_nothing(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "echo.py").write_text("raise SystemExit('started')")
+    argv = [a.replace("ECHO", str(tmp_path / "echo.py")) for a in argv]
+    assert cli.main(["run", *argv]) == 2  # in-process: an exec would replace pytest
+    captured = capsys.readouterr()
+    assert captured.err.startswith("phalanx run: ") and message in captured.err
+    assert captured.out == ""
+
+
+def test_phalanx_run_needs_nnodes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "train.py"]) == 2
+    assert "--nnodes" in capsys.readouterr().err

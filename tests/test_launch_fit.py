@@ -202,3 +202,22 @@ def test_torchrun_with_one_process_per_node_trains_one_job(tmp_path: Path) -> No
         "ckpt-000000004.pt",
         "ckpt-000000008.pt",
     ]
+
+
+def _phalanx(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "phalanx", *argv]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_phalanx_run_several_nodes_is_refused_one_node_trains(tmp_path: Path) -> None:
+    script, run_dir = _script(tmp_path), tmp_path / "run"
+    head = ("--head", "127.0.0.1:29410")
+    proc = _run(_phalanx("run", "--nnodes", "2", "--node-rank", "1", *head, str(script),
+                         str(run_dir), "single"))  # fmt: skip
+    assert proc.returncode == 1
+    assert "[PX142]" in proc.stderr and "node 1 of 2 (PHALANX_NNODES)" in proc.stderr
+    assert not run_dir.exists()
+    proc = _run(_phalanx("run", "--nnodes", "1", str(script), str(run_dir), "single"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps 8" in proc.stdout and (run_dir / "model.pt").is_file()

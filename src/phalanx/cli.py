@@ -1,4 +1,5 @@
-"""The ``phalanx`` command: ``explain [CODE]``, ``demo``, ``report RUN_DIR``, ``plot RUN_DIR``.
+"""The ``phalanx`` command: ``explain [CODE]``, ``demo``, ``report RUN_DIR``, ``plot RUN_DIR``,
+``run --nnodes N [--node-rank R] [--head HOST:PORT] SCRIPT [ARGS]``.
 
 :func:`main` returns the exit status instead of exiting, so it can be called from tests.
 Exit statuses (also in ``phalanx --help``):
@@ -14,6 +15,9 @@ Exit statuses (also in ``phalanx --help``):
   system can requeue the job);
 - 141: stdout was closed before the output was written (``phalanx explain | head -2``):
   nothing more is printed.
+
+``run`` becomes the script (``exec``), so its exit status is the script's; 2 when its
+arguments are wrong (nothing is started).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ EXIT_CODES = """exit status:
   130  interrupted by Ctrl-C (the run saved a checkpoint: demo --resume goes on)
   143  ended by SIGTERM (likewise; a batch system can requeue the job)
   141  stdout closed early (e.g. piped into head): the rest of the output is dropped
+  run: the script's own exit status (2: bad arguments, the script was not started)
 """
 
 
@@ -107,6 +112,54 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment ``phalanx run`` executes: this Python on the script
+    with its arguments, the environment with ``PHALANX_NNODES``, ``PHALANX_NODE_RANK`` and
+    (when given) ``PHALANX_HEAD`` set. Raises LaunchEnvironmentError (PX140) for values
+    :func:`phalanx.launch.detect` would refuse, and FileNotFoundError for a missing script."""
+    from phalanx.launch import detect
+
+    env = {k: v for k, v in os.environ.items() if k != "PHALANX_HEAD"}
+    env["PHALANX_NNODES"] = str(args.nnodes)
+    env["PHALANX_NODE_RANK"] = str(args.node_rank)
+    if args.head is not None:
+        env["PHALANX_HEAD"] = args.head
+    detect({k: v for k, v in env.items() if k.startswith("PHALANX_")})  # the same rules as fit
+    if not os.path.isfile(args.script):
+        raise FileNotFoundError(f"no such script: {args.script}")
+    return [sys.executable, args.script, *args.args], env
+
+
+def _run_usage(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``phalanx run``'s flags, in their own names (None: nothing)."""
+    n, rank = args.nnodes, args.node_rank
+    if n < 1:
+        return f"--nnodes {n}: pass the number of nodes, 1 or more"
+    if rank is None and n > 1:
+        return f"--nnodes {n} needs --node-rank: this node's number, 0 (the head) to {n - 1}"
+    if rank is not None and not 0 <= rank < n:
+        return f"--node-rank {rank} with --nnodes {n}: pass 0 (the head) to {n - 1}"
+    if args.head is None and n > 1:
+        return f"--nnodes {n} needs --head HOST:PORT: node 0's address and a free port"
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
+    usage = _run_usage(args)
+    if args.node_rank is None:
+        args.node_rank = 0
+    try:
+        if usage is not None:
+            raise ValueError(usage)
+        argv, env = run_command(args)
+    except (PhalanxError, OSError, ValueError) as exc:
+        print(f"phalanx run: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, env)  # never returns
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; each subparser sets ``handler`` to the function that runs it."""
     parser = argparse.ArgumentParser(
@@ -147,7 +200,30 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("-o", "--output", metavar="FILE", help="default: RUN_DIR/run.png")
     plot.set_defaults(handler=_plot)
+    _add_run(sub)
     return parser
+
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = sub.add_parser(
+        "run",
+        help="start a script as one node of a job (sets PHALANX_NNODES, _NODE_RANK, _HEAD)",
+        description="Set PHALANX_NNODES, PHALANX_NODE_RANK and PHALANX_HEAD and run SCRIPT "
+        "with this Python (the process becomes the script: its exit status is the script's). "
+        "Start one per node; phalanx starts one worker per device of the node itself. This "
+        "version trains on one node only: with --nnodes above 1, fit() refuses (PX142).",
+    )
+    run.add_argument("--nnodes", type=int, required=True, help="number of nodes (1: one machine)")
+    run.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this node's number, 0 (the head) to NNODES-1 (default 0 with --nnodes 1)",
+    )
+    run.add_argument("--head", metavar="HOST:PORT", help="node 0's address and a port")
+    run.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
+    run.add_argument("args", nargs="*", metavar="ARGS", help="its arguments, passed as they are")
+    run.set_defaults(handler=_run)
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -202,12 +278,35 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
+def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``run``'s own arguments up to SCRIPT, and the script's arguments after it, verbatim
+    (argparse would take a ``--`` or an option of the script's as its own)."""
+    if argv[:1] != ["run"]:
+        return argv, []
+    valued = ("--nnodes", "--node-rank", "--head")
+    i = 1
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i] + argv[i + 1 : i + 2], argv[i + 2 :]
+        if token in valued:
+            i += 2
+        elif token.startswith("-"):
+            i += 1
+        else:
+            return argv[: i + 1], argv[i + 1 :]
+    return argv, []
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
+    own, script_args = _split_script(list(sys.argv[1:] if argv is None else argv))
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(own)
     except SystemExit as exc:  # --help, --version (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 2
+    if getattr(args, "handler", None) is _run:
+        args.args = script_args
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
