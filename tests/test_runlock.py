@@ -251,3 +251,16 @@ def test_a_second_fit_beside_a_live_run_is_refused_and_touches_nothing(tmp_path:
     assert f"took over the stale lock of pid {live.pid}" in notice.text
     assert notice.level == "warning"
     assert json.loads((run_dir / "run.json").read_text())["run_id"]
+
+
+def test_the_demo_does_not_move_a_live_runs_files_aside(tmp_path: Path) -> None:
+    from phalanx.demo import start_over
+
+    run_dir = tmp_path / "run"
+    learner().fit(dataset(), batch_size=8, run_dir=str(run_dir), sinks=[])
+    before = folder_state(run_dir)
+    with RunLock.acquire(run_dir), pytest.raises(RunDirLockedError):
+        start_over(str(run_dir))
+    assert folder_state(run_dir) == before and not (run_dir / "earlier").exists()
+    start_over(str(run_dir))  # no live run: the last run's files move aside
+    assert (run_dir / "earlier").is_dir() and not (run_dir / "run.json").exists()
