@@ -171,9 +171,11 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(180)
 def test_torchrun_with_two_processes_per_node_trains_no_copies(tmp_path: Path) -> None:
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    # torchrun looks at its processes every --monitor-interval seconds and ends the others
+    # once one failed; 10 s lets each process reach its own refusal (about 2 s after start).
     proc = _run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs),
-         "--redirects", "3", str(_script(tmp_path)), str(run_dir), "ddp"]
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--monitor-interval", "10",
+         "--log-dir", str(logs), "--redirects", "3", str(_script(tmp_path)), str(run_dir), "ddp"]
     )  # fmt: skip
     assert proc.returncode != 0
     # torchrun's summary: both ranks failed, each with exit code 1.
