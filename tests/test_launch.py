@@ -77,8 +77,13 @@ CASES: list[tuple[str, dict[str, str], Launch]] = [
     ("phalanx, one node", {"PHALANX_NNODES": "1"}, Launch("phalanx")),
     (
         "phalanx, node 2 of 4",
-        {"PHALANX_NNODES": "4", "PHALANX_NODE_RANK": "2", "PHALANX_HEAD": "node0:29410"},
-        Launch("phalanx", nnodes=4, node_rank=2, head=Address("node0", 29410)),
+        {
+            "PHALANX_NNODES": "4",
+            "PHALANX_NODE_RANK": "2",
+            "PHALANX_HEAD": "node0:29410",
+            "PHALANX_RUN_ID": "exp3",
+        },
+        Launch("phalanx", nnodes=4, node_rank=2, head=Address("node0", 29410), job_id="exp3"),
     ),
     (
         "phalanx, IPv6 head and spaces",

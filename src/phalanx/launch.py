@@ -64,7 +64,8 @@ class Launch:
     ``source`` says which environment named the node (``nnodes``, ``node_rank``, ``head``);
     ``local_world_size`` is how many processes ``per_node_from`` (``"torchrun"``,
     ``"slurm"``, or ``""`` when nothing says so: one) started on this node, of which this one
-    is ``local_rank``. ``job_id`` is torchrun's run id or Slurm's job id, ``restart_count``
+    is ``local_rank``. ``job_id`` is ``PHALANX_RUN_ID``, torchrun's run id or Slurm's job id
+    (empty when none is given), ``restart_count``
     torchrun's ``TORCHELASTIC_RESTART_COUNT`` or Slurm's ``SLURM_RESTART_COUNT``.
     """
 
@@ -77,10 +78,6 @@ class Launch:
     per_node_from: str = ""
     job_id: str = ""
     restart_count: int = 0
-
-    @property
-    def is_head(self) -> bool:
-        return self.node_rank == 0
 
 
 def detect(environ: Mapping[str, str]) -> Launch:
