@@ -71,9 +71,7 @@ class Signer:
         if type(seq) is not int or not isinstance(payload, str) or not isinstance(mac, str):
             raise Rejection("a malformed envelope")
         if not hmac.compare_digest(mac, self._mac(key, seq, payload)):
-            raise Rejection(
-                "its MAC does not check out (not signed with this run's token for this key)"
-            )
+            raise Rejection("a bad MAC: not signed with this run's token for this key")
         return seq, payload
 
 
