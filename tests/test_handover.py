@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,10 @@ def test_any_keys_and_leaves_travel() -> None:
         "device": torch.device("cpu"),
         "floats": [float("inf"), float("-inf"), 1e-300, 0.1],
         "big": 2**70,
+        "milestones": Counter({30: 1, 80: 2}),  # MultiStepLR's state
+        "set": {1, "a"},
+        "bytes": (b"\x00\xff", bytearray(b"ab")),
+        "complex": 1 + 2j,
     }
     back, _ = through_the_wire(state)
     assert set(back) == set(state)
@@ -104,6 +108,10 @@ def test_any_keys_and_leaves_travel() -> None:
     assert type(decode(encode(torch.Size([2, 3])))) is torch.Size  # the wire keeps it
     assert back["dtype"] is torch.bfloat16 and back["device"] == torch.device("cpu")
     assert back["floats"] == state["floats"] and back["big"] == 2**70
+    assert type(back["milestones"]) is Counter and back["milestones"] == state["milestones"]
+    assert back["set"] == {1, "a"} and back["complex"] == 1 + 2j
+    assert back["bytes"] == (b"\x00\xff", bytearray(b"ab"))
+    assert type(back["bytes"][1]) is bytearray
     nan = decode(encode({"x": float("nan")}))["x"]
     assert nan != nan
 
@@ -118,7 +126,7 @@ def trained(optimizer: Any, precision: str = "32-true") -> Trainable:
         model=linear,
         optimizer=optimizer,
         step=lambda m, b: m(b).pow(2).mean(),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, [1, 3], gamma=0.5),
         precision=Precision(precision),
     )
     t = Trainable(spec, torch.device("cpu"), seed=0)
@@ -201,5 +209,7 @@ def test_a_value_it_cannot_carry_is_a_loud_error() -> None:
         encode({"optimizer": {"x": Custom()}})
     with pytest.raises(WireError, match="frozenset"):
         encode([frozenset()])
+    with pytest.raises(WireError, match="defaultdict"):
+        encode({"x": __import__("collections").defaultdict(int)})
     with pytest.raises(WireError, match="a key"):
         encode({frozenset(): 1})

@@ -4,7 +4,7 @@ During a real ddp run over gloo on 127.0.0.1, a rogue client connects to the run
 and writes a forged generation announcement, a stop key, a forged abort key, a genuine
 signed message replayed under another key, and a pickle whose unpickling would create a
 file. The run must end as a clean run does (the same weights, an exact ledger), the file
-must never exist, and each rejected value must be warned about exactly once (PX140).
+must never exist, and each rejected value must be warned about exactly once (PX150).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def warnings_about(rec: Recorder) -> list[str]:
-    return [e.text for e in rec.of(Notice) if e.text.startswith("PX140")]
+    return [e.text for e in rec.of(Notice) if e.text.startswith("PX150")]
 
 
 class Rogue(Recorder):

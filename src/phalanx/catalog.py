@@ -3,7 +3,7 @@
 One :class:`Explanation` per code: every code an error class in :mod:`phalanx.errors` uses,
 plus the kinds of :class:`~phalanx.errors.TrainingFailed` (PX201 crash, PX202 hang, PX203 out
 of memory, PX204 poison batch, PX205 preflight, PX206 a step that keeps failing), and the
-warnings a run gives by code (PX140 a rejected control message). The shape follows burn's
+warnings a run gives by code (PX150 a rejected control message). The shape follows burn's
 error pages: what it means, when it happens, common causes, what to do, an
 example fix.
 """
@@ -784,7 +784,7 @@ _ENTRIES = [
         "# after\npx.Learner(model, functools.partial(torch.optim.SGD, lr=0.1), step)",
     ),
     Explanation(
-        code="PX140",
+        code="PX150",
         title="a control message that is not this run's was ignored",
         meaning="A ddp worker read a value from the run's store (a generation announcement, "
         "the stop or abort key, a member's arrival) that was not signed with this run's "
@@ -804,7 +804,7 @@ _ENTRIES = [
             "Across machines, give every node the same PHALANX_TOKEN.",
             "Nothing to do for the run itself: the message was ignored.",
         ],
-        example="# warning: PX140: ignored a control message under store key "
+        example="# warning: PX150: ignored a control message under store key "
         "'control/abort' that is not this run's (a bad MAC ...)\n"
         "# check who else connects to the store's port, e.g. `ss -tnp | grep <port>`",
     ),

@@ -9,7 +9,7 @@ for the key it is read from (a genuine message replayed under another key fails)
 sequence number is not below one already accepted under that key (a replay of an older
 message). Anything else (a bad MAC, not an envelope at all, a pickle) is ignored: the run
 goes on, and the reader reports it once (:class:`~.protocol.Rejected`), which the supervisor
-turns into one warning per rejected value (PX140).
+turns into one warning per rejected value (PX150).
 
 The token (32 random bytes per run, or ``PHALANX_TOKEN``) goes to the workers in their spawn
 arguments, never through the store. The counters ``gen/latest`` and ``control/version`` are
@@ -132,11 +132,11 @@ def latest_generation(store: SignedStore, known: int) -> int:
 
 
 def rejected_notice(msg: Rejected) -> Notice:
-    """The supervisor's one warning for a rejected control value (PX140)."""
+    """The supervisor's one warning for a rejected control value (PX150)."""
     return Notice(
-        f"PX140: ignored a control message under store key {msg.key!r} that is not this "
+        f"PX150: ignored a control message under store key {msg.key!r} that is not this "
         f"run's ({msg.reason}; value {msg.digest}, first read by worker {msg.slot}; the "
         "address it came from is unknown: torch's store does not record who writes a key). "
-        "The run goes on. See `phalanx explain PX140`.",
+        "The run goes on. See `phalanx explain PX150`.",
         level="warning",
     )

@@ -4,7 +4,9 @@ A skeleton (see :func:`.handover.split_tensors`) is what a checkpoint holds, wit
 tensor swapped for a :class:`TensorSlot`: ``None``, bools, ints, floats (NaN and infinities
 too), strings, lists, tuples, dicts with keys of those types (an optimizer's state has int
 keys; they come back as ints), ``OrderedDict`` with a module state dict's ``_metadata``,
-``torch.Size``, ``torch.dtype``, ``torch.device``. Anything else is refused loudly on the
+``Counter`` (MultiStepLR's milestones), sets, bytes, complex numbers, ``torch.Size``,
+``torch.dtype``, ``torch.device``: what a checkpoint may hold
+(:func:`phalanx.checkpoint.io.check_weights_only`). Anything else is refused loudly on the
 sending side (:class:`WireError`), and a payload that is not such a document (a pickle, say)
 is refused on the receiving one: nothing received is ever unpickled.
 
@@ -14,9 +16,10 @@ itself: ``{"@": "dict", "k": [...], "v": [...]}``, ``{"@": "tuple", "v": [...]}`
 
 from __future__ import annotations
 
+import base64
 import json
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,10 +77,15 @@ def _enc(value: Any, where: str) -> Any:
         return torch_value
     if type(value) is list:
         return [_enc(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if type(value) is tuple:
-        return {"@": "tuple", "v": [_enc(v, f"{where}[{i}]") for i, v in enumerate(value)]}
-    if type(value) is dict or isinstance(value, OrderedDict):  # (and the module-state node)
+    if type(value) in (tuple, set):
+        items = [_enc(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return {"@": type(value).__name__, "v": items}
+    if type(value) in (dict, Counter) or isinstance(value, OrderedDict):  # (module states)
         return _enc_dict(value, where)
+    if type(value) in (bytes, bytearray):
+        return {"@": type(value).__name__, "v": base64.b64encode(value).decode()}
+    if type(value) is complex:
+        return {"@": "complex", "v": [_enc(value.real, where), _enc(value.imag, where)]}
     _refuse(value, where)
 
 
@@ -102,7 +110,7 @@ def _enc_torch(value: Any) -> dict[str, Any] | None:
 def _enc_dict(value: dict[Any, Any], where: str) -> dict[str, Any]:
     keys = list(value.keys())
     doc: dict[str, Any] = {
-        "@": "odict" if isinstance(value, OrderedDict) else "dict",
+        "@": _MAPPING_TAGS.get(type(value), "odict"),
         "k": [_key(k, where) for k in keys],
         "v": [_enc(value[k], f"{where}[{k!r}]") for k in keys],
     }
@@ -112,10 +120,16 @@ def _enc_dict(value: dict[Any, Any], where: str) -> dict[str, Any]:
     return doc
 
 
+_MAPPING_TAGS: dict[type, str] = {dict: "dict", Counter: "counter"}
+_MAPPINGS: dict[str, Callable[[list[tuple[Any, Any]]], dict[Any, Any]]] = {
+    "dict": dict,
+    "odict": OrderedDict,
+    "counter": lambda pairs: Counter(dict(pairs)),
+}
+
+
 def _key(key: Any, where: str) -> Any:
-    if key is None or type(key) in (bool, int, float, str):
-        return _enc(key, where)
-    if type(key) is tuple:
+    if key is None or type(key) in (bool, int, float, str, bytes, complex, tuple):
         return _enc(key, where)
     _refuse(key, f"{where} (a key)")
 
@@ -123,8 +137,9 @@ def _key(key: Any, where: str) -> Any:
 def _refuse(value: Any, where: str) -> Any:
     raise WireError(
         f"the hand-over cannot carry a {type(value).__module__}.{type(value).__qualname__} "
-        f"(at {where or 'the top'}): a state dict may hold tensors, numbers, strings, None, "
-        "lists, tuples, dicts, torch.Size, dtypes and devices only"
+        f"(at {where or 'the top'}): a state dict may hold what a checkpoint may: tensors, "
+        "numbers, strings, bytes, None, lists, tuples, sets, dicts, torch.Size, dtypes and "
+        "devices"
     )
 
 
@@ -154,7 +169,7 @@ def _dec_dict(doc: dict[str, Any]) -> dict[Any, Any]:
     if len(keys) != len(values):
         raise WireError("a dict's keys and values differ in number")
     pairs = [(_hashable(_dec(k)), _dec(v)) for k, v in zip(keys, values, strict=True)]
-    out: dict[Any, Any] = OrderedDict(pairs) if doc["@"] == "odict" else dict(pairs)
+    out = _MAPPINGS[doc["@"]](pairs)
     if "meta" in doc:
         out._metadata = _dec(doc["meta"])  # type: ignore[attr-defined]
     return out
@@ -169,8 +184,13 @@ def _dec_float(doc: dict[str, Any]) -> float:
 
 _NODES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "tuple": lambda doc: tuple(_dec(v) for v in _list(doc["v"])),
+    "set": lambda doc: {_hashable(_dec(v)) for v in _list(doc["v"])},
     "dict": _dec_dict,
     "odict": _dec_dict,
+    "counter": _dec_dict,
+    "bytes": lambda doc: base64.b64decode(_str(doc["v"]), validate=True),
+    "bytearray": lambda doc: bytearray(base64.b64decode(_str(doc["v"]), validate=True)),
+    "complex": lambda doc: complex(_number(doc["v"][0]), _number(doc["v"][1])),
     "tensor": lambda doc: TensorSlot(
         _int(doc["i"]),
         tuple(_int(s) for s in _list(doc["shape"])),
@@ -194,6 +214,13 @@ def _int(v: Any) -> int:
     if type(v) is not int:
         raise WireError("expected an int in a skeleton node")
     return v
+
+
+def _number(v: Any) -> float:
+    value = _dec(v)
+    if type(value) not in (int, float):
+        raise WireError("expected a number in a skeleton node")
+    return float(value)
 
 
 def _str(v: Any) -> str:
