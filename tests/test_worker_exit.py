@@ -36,7 +36,7 @@ def a_worker() -> tuple[Worker, Member, Pipe]:
     config = FitConfig(epochs=1, batch_size=4, devices=["cpu:0", "cpu:1"], strategy="ddp")
     pipe = Pipe()
     args = WorkerArgs(
-        slot=1, store_port=0, user=b"", config=config, plan=Plan(8, 4, 0),
+        slot=1, store_port=0, token=b"t", user=b"", config=config, plan=Plan(8, 4, 0),
         train=[], valid=None, valid_size=0, conn=pipe, parent_pid=0, stack_file="",
         weights_path="", threads=1,
     )  # fmt: skip

@@ -2,8 +2,9 @@
 
 One :class:`Explanation` per code: every code an error class in :mod:`phalanx.errors` uses,
 plus the kinds of :class:`~phalanx.errors.TrainingFailed` (PX201 crash, PX202 hang, PX203 out
-of memory, PX204 poison batch, PX205 preflight, PX206 a step that keeps failing). The shape
-follows burn's error pages: what it means, when it happens, common causes, what to do, an
+of memory, PX204 poison batch, PX205 preflight, PX206 a step that keeps failing), and the
+warnings a run gives by code (PX150 a rejected control message). The shape follows burn's
+error pages: what it means, when it happens, common causes, what to do, an
 example fix.
 """
 
@@ -883,6 +884,31 @@ _ENTRIES = [
         example="# before: a second terminal, while the first run trains\n"
         "learner.fit(data, run_dir='runs/a', resume=True)\n"
         "# after\nlearner.fit(data, run_dir='runs/b')   # or wait for runs/a to finish",
+    ),
+    Explanation(
+        code="PX150",
+        title="a control message that is not this run's was ignored",
+        meaning="A ddp worker read a value from the run's store (a generation announcement, "
+        "the stop or abort key, a member's arrival) that was not signed with this run's "
+        "token: a bad MAC, not a signed message at all (a pickle, say), or a genuine "
+        "message replayed under another key or older than one already read. The worker "
+        "ignored it and the run went on; this warning is given once per such value. "
+        "torch's store does not record who writes a key, so the address is not known.",
+        when="During a ddp run, when a worker reads the store's control keys.",
+        causes=[
+            "Another process that can reach the store's port wrote to it: a stray script, "
+            "a second run pointed at the same port, or someone probing the port.",
+            "Workers started with a different PHALANX_TOKEN than the supervisor's.",
+        ],
+        fixes=[
+            "Keep the store's port on a private network (on one host it listens on "
+            "127.0.0.1 only); find the process that connects to it.",
+            "Across machines, give every node the same PHALANX_TOKEN.",
+            "Nothing to do for the run itself: the message was ignored.",
+        ],
+        example="# warning: PX150: ignored a control message under store key "
+        "'control/abort' that is not this run's (a bad MAC ...)\n"
+        "# check who else connects to the store's port, e.g. `ss -tnp | grep <port>`",
     ),
 ]
 

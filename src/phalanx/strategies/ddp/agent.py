@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from phalanx.strategies.ddp.control import Signer, run_token
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
@@ -61,6 +62,10 @@ class Agent:
     slots: dict[int, SlotState] = field(default_factory=dict)
     retired: list[Any] = field(default_factory=list)  # replaced processes, joined at close
     queue: list[Seen] = field(default_factory=list)  # seen, not handed out yet
+    # The run's token (PHALANX_TOKEN, or random): signs every control value it writes; the
+    # workers get it in their spawn arguments, never through the store.
+    signer: Signer = field(default_factory=lambda: Signer(run_token()))
+    seq: int = 0  # of the last control value written (a reader refuses an older one)
 
     def __post_init__(self) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -165,16 +170,20 @@ class Agent:
         return text or "(no stacks: the worker did not answer SIGUSR1)"
 
     # -- the store -------------------------------------------------------------------------
+    def _signed(self, key: str, payload: str) -> None:
+        self.seq += 1
+        self.store.set(key, self.signer.seal(key, payload, self.seq))
+
     def announce(self, doc: Announcement) -> None:
         """Written before the counter moves, so a reader sees it whole."""
-        self.store.set(f"{GEN_PREFIX}{doc.number}", doc.to_json())
+        self._signed(f"{GEN_PREFIX}{doc.number}", doc.to_json())
         self.store.add(GEN_LATEST, 1 if doc.number > 0 else 0)
         self.store.add(CONTROL_KEY, 1)
 
     def set_stop(self, reason: str) -> None:
-        self.store.set(STOP_KEY, reason)
+        self._signed(STOP_KEY, reason)
         self.store.add(CONTROL_KEY, 1)
 
     def set_abort(self, reason: str) -> None:
-        self.store.set(ABORT_KEY, reason)
+        self._signed(ABORT_KEY, reason)
         self.store.add(CONTROL_KEY, 1)

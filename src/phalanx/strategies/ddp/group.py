@@ -15,7 +15,6 @@ worker reads that as "this generation is over", never as a bug of its own.
 from __future__ import annotations
 
 import contextlib
-import pickle
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -99,9 +98,11 @@ class GenerationGroup:
         with _broken_on_error("barrier"):
             dist.barrier(group=self._group())
 
-    def broadcast_object(self, obj: Any, src: int) -> Any:
-        """``src``'s picklable ``obj``, on every member (its length first, then its bytes)."""
-        data = pickle.dumps(obj) if self.rank == src else b""
+    def broadcast_bytes(self, data: bytes, src: int) -> bytes:
+        """``src``'s ``data``, on every member (its length first, then the bytes). Bytes
+        only: what comes off the network is parsed as data by the caller, never unpickled."""
+        if self.rank != src:
+            data = b""
         length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         self.broadcast(length, src)
         if self.rank == src:
@@ -109,7 +110,7 @@ class GenerationGroup:
         else:
             buf = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self.broadcast(buf, src)
-        return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
+        return data if self.rank == src else buf.cpu().numpy().tobytes()
 
     # -- DDP ------------------------------------------------------------------------------
     def wrap(self, module: nn.Module, init_sync: bool) -> DistributedDataParallel:

@@ -8,16 +8,16 @@ same reduced gradients), so a shrink or a rebuild moves nothing.
 
 The snapshot travels as a skeleton: the snapshot with each tensor replaced by a
 :class:`TensorSlot` (index, shape, dtype, device; torch's pytree maps the leaves), as one
-pickled object, then each tensor in its own broadcast; a
+JSON document (:mod:`.wire`: data that cannot run code, never a pickle), then each tensor in
+its own broadcast; a
 barrier of all members ends it, so nobody enters a step's collectives while a peer still
-receives. No process ever holds a pickled copy of the whole state.
+receives. No process ever holds a serialized copy of the whole state.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,21 +25,13 @@ from torch.utils import _pytree as pytree
 
 from phalanx.loop import TrainLoop
 from phalanx.strategies.ddp.group import GenerationGroup
+from phalanx.strategies.ddp.wire import TensorSlot, decode, encode
+
+__all__ = ["TensorSlot", "fill_tensors", "hand_over", "split_tensors", "tensor_slots"]
 
 # Builds the group of the source and the members behind it (sorted ranks): its rank is
 # this member's index among them.
 SubgroupFactory = Callable[[list[int]], GenerationGroup]
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where a tensor was in a state being handed over: its index among the tensors (the
-    order they travel in), shape, type and device."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
 
 
 class _ModuleState(OrderedDict[str, Any]):
@@ -85,7 +77,8 @@ def _keep_metadata(state: Any) -> Any:
 
 def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """``state`` as (skeleton, tensors): the skeleton is ``state`` with each tensor replaced
-    by a :class:`TensorSlot`, so it pickles without any tensor in it."""
+    by a :class:`TensorSlot`, so it travels as data (:func:`.wire.encode`) without any
+    tensor in it."""
     tensors: list[torch.Tensor] = []
 
     def take(tensor: torch.Tensor) -> TensorSlot:
@@ -142,7 +135,9 @@ def _transfer(loop: TrainLoop, group: GenerationGroup, src: int) -> None:
     (on this member's device while it travels; a CPU tensor goes back to the CPU)."""
     sending = group.rank == src
     skeleton, tensors = split_tensors(loop.snapshot()) if sending else (None, [])
-    skeleton = group.broadcast_object(skeleton, src)
+    payload = group.broadcast_bytes(encode(skeleton) if sending else b"", src)
+    if not sending:
+        skeleton = decode(payload)  # (a WireError for anything but a skeleton document)
     received: list[torch.Tensor] = []
     for i, slot in enumerate(tensor_slots(skeleton)):
         if sending:

@@ -17,6 +17,9 @@ GEN_LATEST = "gen/latest"  # counter: the newest generation announced
 CONTROL_KEY = "control/version"  # counter: bumped after each write of the keys above, so a
 # worker's watch thread reads one key per tick and the others only when it moved
 GEN_PREFIX = "gen/"  # gen/<n>: an :class:`Announcement` as JSON
+ARRIVED_PREFIX = "arrived/"  # arrived/g<n>/<rank>: a member reached generation n's barrier
+# Every value the workers act on (gen/<n>, stop, abort, arrived/...) is signed with the run's
+# token (:mod:`.control`); the two counters are hints of when to look again, never trusted.
 
 
 @dataclass
@@ -175,3 +178,15 @@ class Joined:
     slot: int
     generation: int
     step: int
+
+
+@dataclass
+class Rejected:
+    """A store value under ``key`` that is not a genuine control message of this run (why:
+    ``reason``): the worker ignored it. ``digest`` names the value, so the supervisor warns
+    once per rejected value however many workers read it."""
+
+    slot: int
+    key: str
+    reason: str
+    digest: str

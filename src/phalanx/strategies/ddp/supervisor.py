@@ -39,6 +39,7 @@ from phalanx.strategies.ddp.actions import (
 )
 from phalanx.strategies.ddp.agent import Agent, SlotState
 from phalanx.strategies.ddp.book import FailureBook
+from phalanx.strategies.ddp.control import rejected_notice
 from phalanx.strategies.ddp.coordinator import (
     AllExited,
     Coordinator,
@@ -53,6 +54,7 @@ from phalanx.strategies.ddp.coordinator import (
     Tick,
     Timeouts,
 )
+from phalanx.strategies.ddp.protocol import Rejected
 
 __all__ = ["SlotState", "Supervisor", "run_ddp"]
 
@@ -87,6 +89,7 @@ class Supervisor:
         self.coord = Coordinator(Setup(plan, list(config.devices), recovery, timeouts, run_dir))
         cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
         self.threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+        self.rejected: set[tuple[str, str]] = set()  # (key, digest) already warned about
 
     @property
     def outcome(self) -> FailureBook:
@@ -115,8 +118,16 @@ class Supervisor:
             if seen.exited:
                 assert seen.code is not None
                 self._feed(Exited(seen.slot, seen.code))
+            elif isinstance(seen.message, Rejected):
+                self._rejected(seen.message)
             else:
                 self._feed(Received(seen.slot, seen.message, seen.stale))
+
+    def _rejected(self, msg: Rejected) -> None:
+        """One warning per rejected store value, however many workers read it."""
+        if (msg.key, msg.digest) not in self.rejected:
+            self.rejected.add((msg.key, msg.digest))
+            self.emit(rejected_notice(msg))
 
     def _feed(self, event: CoordinatorEvent) -> None:
         self._act(self.coord.handle(event, now()))
@@ -156,6 +167,7 @@ class Supervisor:
             return worker_mod.WorkerArgs(
                 slot=action.slot,
                 store_port=self.agent.store.port,
+                token=self.agent.signer.token,
                 user=self.user,
                 config=config,
                 plan=self.plan,

@@ -41,6 +41,7 @@ from phalanx.plan import Plan
 from phalanx.report import is_secondary
 from phalanx.runner import build_loop, make_checkpointer, start_run
 from phalanx.spec import FitConfig, TrainSpec
+from phalanx.strategies.ddp.control import SignedStore, Signer, latest_generation
 from phalanx.strategies.ddp.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
 from phalanx.strategies.ddp.handover import hand_over
@@ -48,9 +49,9 @@ from phalanx.strategies.ddp.identity import announce
 from phalanx.strategies.ddp.preflight import preflight
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
+    ARRIVED_PREFIX,
     CONTROL_KEY,
     EXIT_TOLD,
-    GEN_LATEST,
     GEN_PREFIX,
     STOP_KEY,
     Aborted,
@@ -62,6 +63,7 @@ from phalanx.strategies.ddp.protocol import (
     Joined,
     Progress,
     Ready,
+    Rejected,
     Relay,
 )
 
@@ -124,6 +126,7 @@ class WorkerArgs:
 
     slot: int
     store_port: int
+    token: bytes  # the run's: control values in the store are signed with it (see control)
     user: bytes  # the TrainSpec, pickled: see spec
     config: FitConfig
     plan: Plan
@@ -161,14 +164,25 @@ class WorkerArgs:
         """A new client of the supervisor's store (one per thread: clients are not shared)."""
         return dist.TCPStore("127.0.0.1", self.store_port, is_master=False, timeout=timeout)
 
+    def signed(self, store: dist.TCPStore, send: Callable[[object], None]) -> SignedStore:
+        """``store``'s control keys, read only when signed with this run's token; a rejected
+        value is told to the supervisor once (``send`` a :class:`Rejected`)."""
+
+        def report(key: str, reason: str, digest: str) -> None:
+            send(Rejected(self.slot, key, reason, digest))
+
+        return SignedStore(store, Signer(self.token), report)
+
 
 class Watcher:
     """The watch thread: exits the process when the parent is gone, the store unreachable
     or the run aborted; keeps the stop reason and the newest generation announced; for NCCL,
     aborts the group of a generation that a newer one leaves a member out of."""
 
-    def __init__(self, args: WorkerArgs, device: torch.device) -> None:
-        self.a, self.device = args, device
+    def __init__(
+        self, args: WorkerArgs, device: torch.device, send: Callable[[object], None]
+    ) -> None:
+        self.a, self.device, self.send = args, device, send
         self.stop_reason: str | None = None
         self.latest = -1  # the newest generation announced
         self.generation = -1  # the one this worker is in
@@ -177,9 +191,10 @@ class Watcher:
         self.aborted_for = -1  # the generation for which this group was aborted (NCCL)
 
     def start(self) -> None:
-        threading.Thread(target=self._run, args=(self.a.connect(),), daemon=True).start()
+        store = self.a.signed(self.a.connect(), self.send)
+        threading.Thread(target=self._run, args=(store,), daemon=True).start()
 
-    def _run(self, store: dist.TCPStore) -> None:
+    def _run(self, store: SignedStore) -> None:
         """One store read a tick (the control counter); the keys only when it moved, or while
         a CUDA worker is behind the newest generation (its abort may have to wait for the
         group to exist)."""
@@ -189,7 +204,7 @@ class Watcher:
             if os.getppid() != self.a.parent_pid:
                 os._exit(1)  # the supervisor died: no orphans
             try:
-                version = int(store.add(CONTROL_KEY, 0))
+                version = int(store.store.add(CONTROL_KEY, 0))
                 pending = self.device.type == "cuda" and self.latest > self.generation
                 if version == seen and not pending:  # (NCCL: try the abort again each tick)
                     continue
@@ -200,17 +215,18 @@ class Watcher:
             if abort:
                 os._exit(EXIT_TOLD)
 
-    def _read(self, store: dist.TCPStore) -> bool:
-        """The control keys; whether the run was aborted."""
-        present = [k for k in (ABORT_KEY, STOP_KEY) if store.check([k])]
-        self.latest = int(store.add(GEN_LATEST, 0))
-        if STOP_KEY in present and self.stop_reason is None:
-            self.stop_reason = store.get(STOP_KEY).decode()
+    def _read(self, store: SignedStore) -> bool:
+        """The control keys (signed ones only); whether the run was aborted."""
+        aborted = store.get(ABORT_KEY) is not None
+        stop = store.get(STOP_KEY)
+        self.latest = latest_generation(store, self.latest)
+        if stop is not None and self.stop_reason is None:
+            self.stop_reason = stop
         if self.device.type == "cuda" and self.latest > self.generation:
             self._abort_if_peer_fell(store)
-        return ABORT_KEY in present
+        return aborted
 
-    def _abort_if_peer_fell(self, store: dist.TCPStore) -> None:
+    def _abort_if_peer_fell(self, store: SignedStore) -> None:
         """NCCL: a collective with a dead peer never returns (gloo errors at once, when the
         peer's socket closes). When the newest generation leaves out a member of this one,
         abort this group so the main thread gets an error and moves on; likewise when it
@@ -219,7 +235,10 @@ class Watcher:
         group = self.group
         if self.aborted_for >= self.latest or group is None:
             return
-        doc = Announcement.from_json(self.latest, store.get(f"{GEN_PREFIX}{self.latest}"))
+        text = store.get(f"{GEN_PREFIX}{self.latest}")
+        if text is None:
+            return
+        doc = Announcement.from_json(self.latest, text)
         if doc.rebuild or set(self.members) - set(doc.members):
             self.aborted_for = self.latest
             group.abort()
@@ -233,7 +252,7 @@ class Worker:
         self.a = args
         self.label = args.config.devices[args.slot]
         self.device = torch_device(self.label)
-        self.watcher = Watcher(args, self.device)
+        self.watcher = Watcher(args, self.device, self.send)
         self.rank = args.slot
         self.step = 0
         self.phase = "start"
@@ -273,7 +292,7 @@ class Worker:
     # -- before the first generation ---------------------------------------------------
     def run(self) -> int:
         a = self.a
-        store = a.connect()
+        store = a.signed(a.connect(), self.send)
         self.watcher.start()
         if self.device.type == "cpu":
             torch.set_num_threads(a.threads)
@@ -326,14 +345,14 @@ class Worker:
             phase = "joining" if self.a.replacement else "preflight"
             raise FailedHere(self.failure(exc, phase)) from None
 
-    def wait_generation(self, store: dist.TCPStore, after: int, timeout: timedelta) -> Generation:
+    def wait_generation(self, store: SignedStore, after: int, timeout: timedelta) -> Generation:
         """The newest generation after ``after`` that counts this worker in (or one that
         leaves it out: then it exits). Raises TimeoutError when none comes in time."""
         deadline = time.monotonic() + timeout.total_seconds()
         while time.monotonic() < deadline:
-            latest = int(store.add(GEN_LATEST, 0))
-            if latest > after:
-                text = store.get(f"{GEN_PREFIX}{latest}")
+            latest = latest_generation(store, after)  # (verified announcements only)
+            text = store.get(f"{GEN_PREFIX}{latest}") if latest > after else None
+            if text is not None:
                 gen = Announcement.from_json(latest, text).generation()
                 if self.a.slot in gen.members or not self.a.replacement:
                     return gen
@@ -342,7 +361,7 @@ class Worker:
         raise TimeoutError(f"no new generation after {after} within {timeout}")
 
     # -- generations ---------------------------------------------------------------------
-    def generations(self, store: dist.TCPStore, member: Member, gen: Generation) -> int:
+    def generations(self, store: SignedStore, member: Member, gen: Generation) -> int:
         """Train in one generation after another until the run ends for this worker."""
         while self.a.slot in gen.members:
             left = self.run_generation(store, member, gen)
@@ -367,7 +386,7 @@ class Worker:
                 return 1
         return EXIT_TOLD
 
-    def run_generation(self, store: dist.TCPStore, member: Member, gen: Generation) -> Left:
+    def run_generation(self, store: SignedStore, member: Member, gen: Generation) -> Left:
         """Train in ``gen`` until it ends for this worker; exceptions become an :class:`Exit`
         here, and only here."""
         try:
@@ -426,22 +445,22 @@ class Worker:
             group.leave()
         gc.collect()  # drops the old DDP reducer and its autograd hooks
 
-    def arrive(self, store: dist.TCPStore, gen: Generation, rank: int) -> None:
+    def arrive(self, store: SignedStore, gen: Generation, rank: int) -> None:
         """Wait until every member of ``gen`` has arrived, before any of them starts the
         group's rendezvous (which cannot be interrupted). If a newer generation is announced
         meanwhile (a member fell before arriving), this one is dropped: Superseded."""
-        keys = [f"arrived/g{gen.number}/{r}" for r in range(len(gen.members))]
-        store.set(keys[rank], "1")
+        keys = [f"{ARRIVED_PREFIX}g{gen.number}/{r}" for r in range(len(gen.members))]
+        store.set(keys[rank], "1", seq=gen.number)  # (signed: a forged arrival is not one)
         deadline = time.monotonic() + forming_timeout(self.a.config).total_seconds()
-        while not store.check(keys):
-            if self.watcher.latest > gen.number and not store.check(keys):
+        while not store.all_present(keys):
+            if self.watcher.latest > gen.number and not store.all_present(keys):
                 # (checked again: a peer that saw every key is already in the rendezvous)
                 raise Superseded(gen.number)
             if time.monotonic() > deadline:
                 raise GroupBroken(f"generation {gen.number} did not form in time")
             time.sleep(0.02)
 
-    def train_in(self, store: dist.TCPStore, member: Member, gen: Generation) -> None:
+    def train_in(self, store: SignedStore, member: Member, gen: Generation) -> None:
         """Form ``gen``'s group, take the agreed state, train until the run ends."""
         cfg = self.a.config
         rank = gen.rank_of(self.a.slot)

@@ -1,0 +1,142 @@
+"""Signed control values in the store: only this run's supervisor and workers are heard.
+
+torch's TCPStore has no authentication: any process that reaches its port reads and writes
+every key. So each control value the workers act on (``gen/<n>``, ``control/stop``,
+``control/abort``, the arrival keys ``arrived/g<n>/<rank>``) is an envelope: the payload, a
+sequence number, and an HMAC-SHA256 with the run's token over the key's name, the sequence
+number and the payload. A reader acts on a value only when its MAC checks out, it was sealed
+for the key it is read from (a genuine message replayed under another key fails), and its
+sequence number is not below one already accepted under that key (a replay of an older
+message). Anything else (a bad MAC, not an envelope at all, a pickle) is ignored: the run
+goes on, and the reader reports it once (:class:`~.protocol.Rejected`), which the supervisor
+turns into one warning per rejected value (PX150).
+
+The token (32 random bytes per run, or ``PHALANX_TOKEN``) goes to the workers in their spawn
+arguments, never through the store. The counters ``gen/latest`` and ``control/version`` are
+hints only (when to look again): a worker learns of generation n only from a verified
+``gen/<n>``, walking up from the last one it verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.events import Notice
+from phalanx.strategies.ddp.protocol import GEN_LATEST, GEN_PREFIX, Rejected
+
+TOKEN_ENV = "PHALANX_TOKEN"
+ENVELOPE = "px-signed/1"
+
+
+def run_token() -> bytes:
+    """``PHALANX_TOKEN`` (UTF-8) when set, else 32 fresh random bytes for this run."""
+    given = os.environ.get(TOKEN_ENV)
+    return given.encode() if given else secrets.token_bytes(32)
+
+
+class Rejection(Exception):
+    """A store value that is not a genuine control message of this run; says why."""
+
+
+@dataclass(frozen=True)
+class Signer:
+    """Seals and opens control values with the run's ``token``."""
+
+    token: bytes = field(repr=False)
+
+    def _mac(self, key: str, seq: int, payload: str) -> str:
+        message = json.dumps([key, seq, payload]).encode()
+        return hmac.new(self.token, message, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, payload: str, seq: int) -> str:
+        mac = self._mac(key, seq, payload)
+        return json.dumps({"format": ENVELOPE, "seq": seq, "payload": payload, "mac": mac})
+
+    def open(self, key: str, raw: bytes) -> tuple[int, str]:
+        """(seq, payload) of a value sealed for ``key``; :class:`Rejection` otherwise."""
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise Rejection("not a signed control message") from None
+        if not isinstance(doc, dict) or doc.get("format") != ENVELOPE:
+            raise Rejection("not a signed control message")
+        seq, payload, mac = doc.get("seq"), doc.get("payload"), doc.get("mac")
+        if type(seq) is not int or not isinstance(payload, str) or not isinstance(mac, str):
+            raise Rejection("a malformed envelope")
+        if not hmac.compare_digest(mac, self._mac(key, seq, payload)):
+            raise Rejection("a bad MAC: not signed with this run's token for this key")
+        return seq, payload
+
+
+def digest(raw: bytes) -> str:
+    """A short name of a raw value, so the same rejected value is reported once."""
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+@dataclass
+class SignedStore:
+    """A worker's view of the control keys on one store client: signed writes, checked
+    reads. ``report(key, reason, digest)`` is called once per rejected value."""
+
+    store: Any
+    signer: Signer
+    report: Callable[[str, str, str], None]
+    accepted: dict[str, int] = field(default_factory=dict)  # key -> highest seq accepted
+    rejected: set[tuple[str, str]] = field(default_factory=set)  # (key, digest) reported
+
+    def set(self, key: str, payload: str, seq: int) -> None:
+        self.store.set(key, self.signer.seal(key, payload, seq))
+
+    def get(self, key: str) -> str | None:
+        """The verified payload under ``key``, or None (absent, or rejected and reported)."""
+        if not self.store.check([key]):
+            return None
+        raw = bytes(self.store.get(key))
+        try:
+            seq, payload = self.signer.open(key, raw)
+            if seq < self.accepted.get(key, seq):
+                raise Rejection(f"a replay of an older message (seq {seq})")
+        except Rejection as exc:
+            name = digest(raw)
+            if (key, name) not in self.rejected:
+                self.rejected.add((key, name))
+                self.report(key, str(exc), name)
+            return None
+        self.accepted[key] = seq
+        return payload
+
+    def all_present(self, keys: list[str]) -> bool:
+        """Every key holds a verified value."""
+        return self.store.check(keys) and all(self.get(k) is not None for k in keys)
+
+
+def latest_generation(store: SignedStore, known: int) -> int:
+    """The newest generation announced, by verified ``gen/<n>`` only: announcements are
+    numbered one after another, so walk up from ``known`` while the next one checks out.
+    The counter is a hint: when it points past that, its ``gen/<n>`` is read too, only so a
+    forged one is reported."""
+    n = known
+    while store.get(f"{GEN_PREFIX}{n + 1}") is not None:
+        n += 1
+    hint = int(store.store.add(GEN_LATEST, 0))
+    if hint > n + 1:
+        store.get(f"{GEN_PREFIX}{hint}")
+    return n
+
+
+def rejected_notice(msg: Rejected) -> Notice:
+    """The supervisor's one warning for a rejected control value (PX150)."""
+    return Notice(
+        f"PX150: ignored a control message under store key {msg.key!r} that is not this "
+        f"run's ({msg.reason}; value {msg.digest}, first read by worker {msg.slot}; the "
+        "address it came from is unknown: torch's store does not record who writes a key). "
+        "The run goes on. See `phalanx explain PX150`.",
+        level="warning",
+    )

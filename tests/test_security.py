@@ -1,0 +1,285 @@
+"""Only this run is heard: a rogue client of the run's store cannot steer its workers.
+
+During a real ddp run over gloo on 127.0.0.1, a rogue client connects to the run's TCPStore
+and writes a forged generation announcement, a stop key, a forged abort key, a genuine
+signed message replayed under another key, and a pickle whose unpickling would create a
+file. The run must end as a clean run does (the same weights, an exact ledger), the file
+must never exist, and each rejected value must be warned about exactly once (PX150).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import phalanx as px
+from phalanx.events import Notice, StepEnded
+from phalanx.strategies.ddp import agent as agent_mod
+from phalanx.strategies.ddp.control import (
+    ENVELOPE,
+    Rejection,
+    SignedStore,
+    Signer,
+    digest,
+    latest_generation,
+    run_token,
+)
+from phalanx.strategies.ddp.protocol import (
+    ABORT_KEY,
+    CONTROL_KEY,
+    GEN_LATEST,
+    GEN_PREFIX,
+    STOP_KEY,
+    Announcement,
+)
+from procs import alive, children, is_resource_tracker
+from recorder import Recorder
+from recovery_helpers import linear, make_data, sgd, slow_step
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")
+
+TWO = "cpu:0,cpu:1"
+DATA = make_data(400)
+FIT: dict[str, Any] = dict(batch_size=20, epochs=5, seed=3)  # 100 steps, 0.04 s each
+STEPS = 100
+TOLERANCE = 1e-5
+
+
+# -- the envelope, without processes ------------------------------------------------------
+
+
+class DictStore:
+    """The part of a TCPStore that :class:`SignedStore` uses."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def add(self, key: str, n: int) -> int:
+        value = int(self.values.get(key, b"0")) + n
+        self.values[key] = str(value).encode()
+        return value
+
+
+def signed(token: bytes = b"token") -> tuple[SignedStore, list[tuple[str, str, str]]]:
+    reports: list[tuple[str, str, str]] = []
+    store = SignedStore(DictStore(), Signer(token), lambda *r: reports.append(r))
+    return store, reports
+
+
+def test_a_signed_value_is_read_and_anything_else_ignored_and_reported_once() -> None:
+    store, reports = signed()
+    store.set(STOP_KEY, "user stop", seq=1)
+    assert store.get(STOP_KEY) == "user stop"
+    assert store.get(ABORT_KEY) is None and reports == []  # absent: nothing to report
+    raw_stop = store.store.get(STOP_KEY)
+
+    forged = {"format": ENVELOPE, "seq": 2, "payload": "go", "mac": "0" * 64}
+    cases = {
+        "not an envelope": b"plain text",
+        "a pickle": pickle.dumps({"payload": "x"}),
+        "another run's token": Signer(b"other").seal(ABORT_KEY, "why", 3).encode(),
+        "a forged MAC": json.dumps(forged).encode(),
+        "a genuine message under another key": raw_stop,
+    }
+    for raw in cases.values():
+        store.store.set(ABORT_KEY, raw)
+        assert store.get(ABORT_KEY) is None
+        assert store.get(ABORT_KEY) is None  # read again: not reported again
+    assert [r[0] for r in reports] == [ABORT_KEY] * len(cases)
+    assert [r[2] for r in reports] == [digest(raw) for raw in cases.values()]
+    assert "not a signed control message" in reports[0][1]
+    assert "not a signed control message" in reports[1][1]
+    assert all("bad MAC" in r[1] for r in reports[2:])
+
+
+def test_a_replay_of_an_older_message_under_the_same_key_is_refused() -> None:
+    store, reports = signed()
+    store.set(STOP_KEY, "first", seq=1)
+    old = store.store.get(STOP_KEY)
+    store.set(STOP_KEY, "second", seq=2)
+    assert store.get(STOP_KEY) == "second"
+    store.store.set(STOP_KEY, old)
+    assert store.get(STOP_KEY) is None
+    assert len(reports) == 1 and "replay of an older message" in reports[0][1]
+
+
+def test_generations_are_learned_from_verified_announcements_only() -> None:
+    store, reports = signed()
+    sig = store.signer
+    for n in range(2):
+        doc = Announcement(n, (0, 1)).to_json()
+        store.store.set(f"{GEN_PREFIX}{n}", sig.seal(f"{GEN_PREFIX}{n}", doc, n + 1))
+        store.store.add(GEN_LATEST, 1 if n else 0)
+    assert latest_generation(store, -1) == 1
+    # A rogue moves the counter and plants gen/2 (a replay of gen/1) and gen/7.
+    store.store.set(f"{GEN_PREFIX}2", store.store.get(f"{GEN_PREFIX}1"))
+    store.store.set(f"{GEN_PREFIX}7", b"{}")
+    store.store.add(GEN_LATEST, 6)
+    assert latest_generation(store, 1) == 1
+    assert sorted(r[0] for r in reports) == [f"{GEN_PREFIX}2", f"{GEN_PREFIX}7"]
+
+
+def test_the_token_comes_from_the_environment_or_is_random(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PHALANX_TOKEN", "shared secret")
+    assert run_token() == b"shared secret"
+    monkeypatch.delenv("PHALANX_TOKEN")
+    first, second = run_token(), run_token()
+    assert len(first) == 32 and first != second
+    with pytest.raises(Rejection):
+        Signer(first).open("k", Signer(second).seal("k", "x", 1).encode())
+
+
+# -- a rogue client during a real run -----------------------------------------------------
+
+
+class Planted:
+    """Unpickling this creates a file: the payload a rogue plants where a message belongs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (open, (self.path, "w"))
+
+
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def warnings_about(rec: Recorder) -> list[str]:
+    return [e.text for e in rec.of(Notice) if e.text.startswith("PX150")]
+
+
+class Rogue(Recorder):
+    """A sink (it runs in the supervisor: this process) that, at step 5, starts a rogue
+    client of the run's store. Each value it writes is followed by the counters a genuine
+    write moves, so the workers look; it waits for that value's warning before the next
+    (each write under a key replaces the one before)."""
+
+    def __init__(self, port: list[int], planted: Path) -> None:
+        super().__init__()
+        self.port, self.planted = port, planted
+        self.written: list[tuple[str, bytes]] = []
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.done_at_step: int | None = None
+
+    def handle(self, event: Any) -> None:
+        super().handle(event)
+        if isinstance(event, StepEnded) and event.global_step == 5 and self.thread is None:
+            self.thread = threading.Thread(target=self._attack, daemon=True)
+            self.thread.start()
+
+    def _attack(self) -> None:
+        try:
+            store = dist.TCPStore("127.0.0.1", self.port[0], is_master=False)
+            genuine = bytes(store.get(f"{GEN_PREFIX}0"))  # the run's own first announcement
+            fake = Announcement(1, (0,), cause="rogue").to_json()
+            forged = json.dumps({"format": ENVELOPE, "seq": 99, "payload": fake, "mac": "ab" * 32})
+            messages = [
+                (f"{GEN_PREFIX}1", forged.encode(), True),  # a fake generation
+                (STOP_KEY, b"rogue says stop", False),  # the old, unsigned format
+                (
+                    ABORT_KEY,
+                    b'{"format": "px-signed/1", "seq": 5, "payload": "x", "mac": ""}',
+                    False,
+                ),
+                (ABORT_KEY, genuine, False),  # a genuine signed message under another key
+                (f"{GEN_PREFIX}1", pickle.dumps(Planted(str(self.planted))), False),
+            ]
+            for key, raw, bump_generation in messages:
+                store.set(key, raw)
+                if bump_generation:
+                    store.add(GEN_LATEST, 1)
+                store.add(CONTROL_KEY, 1)
+                self.written.append((key, raw))
+                deadline = time.monotonic() + 20
+                while not any(digest(raw) in text for text in warnings_about(self)):
+                    assert time.monotonic() < deadline, f"no warning for {key}"
+                    time.sleep(0.02)
+            self.done_at_step = len(self.of(StepEnded))
+        except BaseException as exc:  # (reported by the test)
+            self.error = exc
+
+
+def fit(sinks: list[Any], run_dir: Path) -> px.FitResult:
+    return px.Learner(linear, sgd, slow_step).fit(
+        DATA, devices=TWO, strategy="ddp", sinks=sinks, run_dir=str(run_dir), **FIT
+    )
+
+
+def assert_exact(result: px.FitResult, rec: Recorder) -> None:
+    assert (result.steps, result.failures) == (STEPS, [])
+    assert [e.global_step for e in rec.of(StepEnded)] == list(range(1, STEPS + 1))
+    assert result.ledger_ok is True and result.ledger_problems == []
+
+
+@pytest.mark.timeout(240)
+def test_a_rogue_client_of_the_store_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean_rec = Recorder()
+    clean = fit([clean_rec], tmp_path / "clean")
+    assert_exact(clean, clean_rec)
+    assert warnings_about(clean_rec) == []  # a run alone warns about nothing
+
+    port: list[int] = []  # the run's store port, as a test can find it
+    opened = agent_mod.Agent.__post_init__
+
+    def record_port(self: agent_mod.Agent) -> None:
+        opened(self)
+        port.append(self.store.port)
+
+    monkeypatch.setattr(agent_mod.Agent, "__post_init__", record_port)
+    planted = tmp_path / "planted-by-a-pickle"
+    rogue = Rogue(port, planted)
+    result = fit([rogue], tmp_path / "attacked")
+    assert rogue.thread is not None
+    rogue.thread.join(timeout=5)
+    assert rogue.error is None, repr(rogue.error)
+    assert len(rogue.written) == 5
+    assert rogue.done_at_step is not None and rogue.done_at_step < STEPS  # during the run
+
+    assert_exact(result, rogue)
+    diff = rel_diff(params(result.model), params(clean.model))
+    assert diff <= TOLERANCE, f"the model differs from the clean run by {diff:.2e}"
+    assert not planted.exists()
+    warned = warnings_about(rogue)
+    assert len(warned) == 5, warned
+    for key, raw in rogue.written:  # each rejected value exactly once, naming its key
+        assert sum(digest(raw) in text and repr(key) in text for text in warned) == 1, key
+    assert [g for g in rogue.of(Notice) if "rogue" in g.text] == []  # no generation formed
+
+    deadline = time.monotonic() + 10  # no worker left behind
+    while True:
+        left = [p for p in children(os.getpid()) if alive(p) and not is_resource_tracker(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert left == []
