@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
 from phalanx import rng
 from phalanx.plan import DataPrint, Plan, split
@@ -36,6 +36,38 @@ class Loading:
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
         )
+
+    def batches(self, dataset: Dataset[Any], batch_sampler: list[list[int]]) -> Iterator[Any]:
+        """The collated batches of ``batch_sampler``: what :meth:`loader` yields. A
+        ``TensorDataset`` (or a ``Subset`` of one) loaded with the default collate in this
+        process is indexed once per batch instead (``[t[idx] for t in tensors]``, the same
+        values, dtypes and layout as ``default_collate`` of its samples), without a sample
+        fetch, a stack and the DataLoader's machinery per batch."""
+        tensors = self._direct(dataset)
+        if tensors is None:
+            return iter(self.loader(dataset, batch_sampler))
+        base, mapping = tensors
+        return (_index(base, mapping, batch) for batch in batch_sampler)
+
+    def _direct(self, dataset: Dataset[Any]) -> tuple[tuple[torch.Tensor, ...], Any] | None:
+        """The tensors and the index mapping of a dataset :meth:`batches` can index, else None."""
+        if self.collate_fn is not None or self.num_workers or self.pin_memory:
+            return None
+        maps: list[Any] = []
+        while isinstance(dataset, Subset) and type(dataset).__getitem__ is Subset.__getitem__:
+            maps.append(dataset.indices)
+            dataset = dataset.dataset
+        if type(dataset) is not TensorDataset:  # (a subclass may override __getitem__)
+            return None
+        return dataset.tensors, maps  # (the outermost Subset's indices first)
+
+
+def _index(tensors: tuple[torch.Tensor, ...], maps: list[Any], batch: list[int]) -> list[Any]:
+    indices: Any = batch
+    for mapping in maps:
+        indices = [mapping[i] for i in indices]
+    idx = torch.as_tensor(indices, dtype=torch.long)
+    return [t[idx] for t in tensors]
 
 
 class LocalBatches:
@@ -71,7 +103,7 @@ class LocalBatches:
     def _iterate(self, step: int) -> Iterator[Any]:
         """Collated slices from ``step`` on (empty slices are skipped: nothing to load)."""
         sampler = [s for s in self.slices[step - self.start :] if s]
-        return iter(self._loading.loader(self._dataset, sampler))
+        return self._loading.batches(self._dataset, sampler)
 
     def indices(self, step: int) -> list[int]:
         return self.slices[step - self.start]

@@ -304,7 +304,7 @@ class TrainLoop:
         absorbed: list[WorkerFailure] = []  # this step's failures that a retry or split absorbed
         while True:
             self.attempt = attempt
-            torch.manual_seed(step_seed(self.s.seed, st.global_step, self.engine.rank))
+            rng.reseed(step_seed(self.s.seed, st.global_step, self.engine.rank))
             # Read when the vote is built, after the local work: a stop asked for during
             # this step ends the run after this step.
             vote = self.engine.attempt(st.epoch, st.step, st.global_step, self._stopping)

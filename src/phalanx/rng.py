@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -36,3 +37,27 @@ def restore(state: dict[str, Any]) -> None:
     )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+
+
+def reseed(seed: int) -> None:
+    """``torch.manual_seed(seed)`` without the cost it has at every call in a process where
+    CUDA is available but not initialised (a CPU worker on a CUDA build): it queues the CUDA
+    seeding for later with the caller's formatted stack, 0.3 to 0.5 ms a step. Here the CPU
+    generator is seeded, and CUDA's once CUDA is initialised (a CUDA replica's is, from its
+    first step; a process that initialises it later gets it seeded at the next call); other
+    accelerators (mps, xpu) through ``torch.manual_seed`` itself."""
+    if torch.cuda.is_available() or not _other_accelerator():
+        torch.default_generator.manual_seed(seed)
+        if torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+@functools.cache
+def _other_accelerator() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    xpu = getattr(torch, "xpu", None)
+    return bool(
+        (mps is not None and mps.is_available()) or (xpu is not None and xpu.is_available())
+    )

@@ -28,6 +28,8 @@ from phalanx.strategies.ddp.protocol import (
     GEN_PREFIX,
     STOP_KEY,
     Announcement,
+    Heartbeat,
+    Progress,
 )
 
 STACK_WAIT = timedelta(seconds=0.5)
@@ -40,6 +42,7 @@ class SlotState:
     process: Any
     conn: Connection
     exit_seen: bool = False
+    heartbeat: Heartbeat | None = None  # shared with the process: its phase entries
 
 
 @dataclass
@@ -74,27 +77,30 @@ class Agent:
     def spawn(
         self, slot: int, name: str, target: Callable[[Any], None], make_args: Callable[..., Any]
     ) -> int | None:
-        """Start ``target(make_args(write_end, stack_file))`` as the process of ``slot``; the
-        one it replaces is read to the end and retired. Returns the new pid."""
+        """Start ``target(make_args(write_end, stack_file, heartbeat))`` as the process of
+        ``slot``; the one it replaces is read to the end and retired. Returns the new pid."""
         reader, writer = self.ctx.Pipe(duplex=False)
         if slot in self.slots:
             old = self.slots[slot]
             self._read(slot, old.conn, stale=True)  # its last words, then let the pipe go
             old.conn.close()
             self.retired.append(old.process)
-        args = make_args(writer, self.stack_file(slot))
+        heartbeat = Heartbeat.create(self.ctx)
+        args = make_args(writer, self.stack_file(slot), heartbeat)
         # Not daemonic: a daemonic process cannot start children (DataLoader workers when
         # num_workers > 0). close() kills every worker, and a worker whose parent is gone
         # exits by itself (its watch thread), so none outlives the run.
         proc = self.ctx.Process(target=target, args=(args,), name=name, daemon=False)
         proc.start()
         writer.close()  # the worker holds the only write end: EOF means it is gone
-        self.slots[slot] = SlotState(proc, reader)
+        self.slots[slot] = SlotState(proc, reader, heartbeat=heartbeat)
         return proc.pid
 
     def poll(self, timeout: timedelta) -> list[Seen]:
-        """What arrives within ``timeout`` (wakes on a message or a process exit); an exit
-        is reported once, after everything its process wrote."""
+        """What arrives within ``timeout`` (wakes on a message or a process exit, not on a
+        heartbeat); an exit is reported once, after everything its process wrote. Each
+        slot's latest heartbeat, read after its pipe, comes first: a beat written before a
+        message is never handled after it (one written after it is the newer state)."""
         conns = [s.conn for s in self.slots.values() if not s.conn.closed]
         sentinels = [s.process.sentinel for s in self.slots.values()]
         ready = wait([*conns, *sentinels], timeout=timeout.total_seconds())
@@ -108,8 +114,19 @@ class Agent:
                 if not state.conn.closed:
                     self._read(slot, state.conn)
                 self.queue.append(Seen(slot, code=code, exited=True))
-        seen, self.queue = self.queue, []
+        beats = [Seen(slot, beat) for slot, beat in self._beats()]
+        seen, self.queue = [*beats, *self.queue], []
         return seen
+
+    def _beats(self) -> list[tuple[int, Progress]]:
+        now = time.time()
+        beats = []
+        for slot, state in self.slots.items():
+            if state.heartbeat is not None:
+                beat = state.heartbeat.read(slot, now)
+                if beat is not None:
+                    beats.append((slot, beat))
+        return beats
 
     def _read(self, slot: int, conn: Connection, stale: bool = False) -> None:
         try:

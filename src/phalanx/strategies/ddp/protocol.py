@@ -1,5 +1,6 @@
 """What workers tell the supervisor (each over its own pipe) and the store keys the
-supervisor uses to talk back. Every message is a small picklable dataclass."""
+supervisor uses to talk back. Every message is a small picklable dataclass, except the
+heartbeat, which is a :class:`Heartbeat` in shared memory (no pipe write per phase)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.events import Event
-from phalanx.failures import WorkerFailure
+from phalanx.failures import PHASES, WorkerFailure
 
 EXIT_TOLD = 3  # a worker's exit code when it exited because the supervisor said so
 STOP_KEY = "control/stop"  # value: the reason; workers stop after the current step
@@ -118,6 +119,53 @@ class Progress:
     phase: str
     time: float
     attempt: int = 0
+
+
+# Every phase a heartbeat can name, by its index in shared memory.
+HEARTBEAT_PHASES = ("start", *PHASES, "regroup", "joining")
+_PHASE_CODE = {name: code for code, name in enumerate(HEARTBEAT_PHASES)}
+
+
+class Heartbeat:
+    """A worker's heartbeat as two 64-bit integers in memory it shares with the supervisor:
+    a counter, and (step, attempt, phase) packed into one integer. The worker writes the
+    packed value, then bumps the counter (each is one aligned 8-byte store: never torn); the
+    supervisor reads the counter, then the value, and sees a :class:`Progress` whenever the
+    counter moved (the value it reads is the latest, at least as new as that count). Like
+    a pipe write, a store is there when ``beat`` returns: a worker killed a moment later has
+    still told its phase. Only the latest beat is seen; the supervisor reads it after the
+    pipe's messages and before handling them, and after a process's exit."""
+
+    def __init__(self, shared: Any) -> None:
+        self.shared = shared  # a RawArray("q", 2) of a multiprocessing context
+        self.count = 0
+
+    @classmethod
+    def create(cls, ctx: Any) -> Heartbeat:
+        return cls(ctx.RawArray("q", 2))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"shared": self.shared}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.shared, self.count = state["shared"], 0
+
+    def beat(self, step: int, phase: str, attempt: int) -> None:
+        """The worker: it entered ``phase`` of ``step`` (its ``attempt``-th attempt)."""
+        self.shared[1] = (step << 16) | (min(attempt, 255) << 8) | _PHASE_CODE[phase]
+        self.count += 1
+        self.shared[0] = self.count
+
+    def read(self, slot: int, now: float) -> Progress | None:
+        """The supervisor: the latest beat, when there was one since the last read."""
+        count = self.shared[0]
+        if count == self.count:
+            return None
+        self.count = count
+        packed = self.shared[1]
+        return Progress(
+            slot, packed >> 16, HEARTBEAT_PHASES[packed & 0xFF], now, (packed >> 8) & 0xFF
+        )
 
 
 @dataclass

@@ -163,7 +163,7 @@ class Supervisor:
         replacement = action.replaces is not None
         train, valid, valid_size = self.data
 
-        def make_args(conn: Any, stack_file: str) -> worker_mod.WorkerArgs:
+        def make_args(conn: Any, stack_file: str, heartbeat: Any) -> worker_mod.WorkerArgs:
             return worker_mod.WorkerArgs(
                 slot=action.slot,
                 store_port=self.agent.store.port,
@@ -182,6 +182,7 @@ class Supervisor:
                 replacement=replacement,
                 faults_after=action.faults_after,
                 after_generation=-1 if action.restart_after is None else action.restart_after,
+                heartbeat=heartbeat,
             )
 
         name = f"phalanx-worker-{action.slot}" + ("-replacement" if replacement else "")

@@ -60,6 +60,7 @@ from phalanx.strategies.ddp.protocol import (
     Done,
     Failed,
     Generation,
+    Heartbeat,
     Joined,
     Progress,
     Ready,
@@ -146,6 +147,8 @@ class WorkerArgs:
     # restarted from the checkpoint once every member fell ignores the generations its
     # fallen predecessors formed.
     after_generation: int = -1
+    # The heartbeat in memory shared with the supervisor (None: beats go through the pipe)
+    heartbeat: Heartbeat | None = None
 
     def __post_init__(self) -> None:
         self._spec: TrainSpec | None = None
@@ -270,9 +273,14 @@ class Worker:
             self.a.conn.send(message)
 
     def on_phase(self, step: int, phase: str) -> None:
+        """The heartbeat: a store into shared memory (no pickling, no pipe write, no wake-up
+        of the supervisor), read by the supervisor within its poll interval."""
         self.step, self.phase = step, phase
         attempt = self.loop.attempt if self.loop is not None else 0
-        self.send(Progress(self.a.slot, step, phase, time.time(), attempt))
+        if self.a.heartbeat is not None:
+            self.a.heartbeat.beat(step, phase, attempt)
+        else:
+            self.send(Progress(self.a.slot, step, phase, time.time(), attempt))
 
     def emit(self, event: Event) -> None:
         self.send(Relay(event))

@@ -1,0 +1,376 @@
+"""Per-step cost and start-up of phalanx ddp next to what a user would write instead.
+
+    .venv/bin/python bench/steps.py [--rounds 3] [--steps 200] [--workers 2]
+                                    [--sizes small,medium,large] [--skip-startup]
+                                    [--skip-threads] [--arms floor,loader,phalanx,fabric]
+
+Every arm trains the same MLP on the same data (a ``TensorDataset`` of 256 features, 10
+classes) with the same global batch, world size and torch threads per worker (cores /
+workers), on CPU over gloo. The arms:
+
+- ``floor``: plain DDP, each rank indexing its slice of the plan's global batch straight out
+  of the tensors (no DataLoader): the least a data-parallel step can cost;
+- ``floor+vote`` (not in the default arms): ``floor`` plus one all-reduce of 16 float64
+  numbers after backward, what a vote of its own costs;
+- ``loader``: plain DDP with ``DataLoader`` + ``DistributedSampler`` (what users write);
+- ``phalanx``: ``Learner.fit(strategy="ddp")``, no sinks but the stamps, no run_dir;
+- ``fabric``: Lightning Fabric (``strategy="ddp"``, launched through ``fabric.launch``), when
+  ``lightning`` imports (a dev-only extra; the arm is skipped otherwise).
+
+A run's step time is the mean interval between consecutive optimizer steps on rank 0 after
+the first 10 (start-up, DDP's bucket rebuild and warm-up excluded); arms alternate round by
+round and the table gives each arm's median over rounds and its ratio to ``floor`` and to
+``loader``. Three model sizes give about 5 ms, 15 ms and over 100 ms a step on the
+development machine (2 cores).
+
+Start-up: the time from calling ``fit`` (phalanx) or ``mp.spawn`` (plain DDP, the same model
+and data) to the first committed step on rank 0, and how often the model factory ran.
+
+Threads: ``strategy="threads"`` on ``cpu:0,cpu:1`` against a plain single-process loop over
+the same global batch (one process, all cores), and ``strategy="single"`` against the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import phalanx as px
+from phalanx.events import Event, StepEnded
+from phalanx.plan import Plan, split
+
+FEATURES = 256
+CLASSES = 10
+WARM = 10  # steps left out of every mean: start-up, bucket rebuild, warm-up
+# name -> (hidden width, hidden layers, global batch)
+SIZES = {
+    "small": (256, 2, 128),  # ~0.13 M params, ~5 ms a step
+    "medium": (832, 3, 128),  # ~1.6 M params, ~15 ms a step (the issue's case)
+    "large": (2048, 3, 256),  # ~8.9 M params, >= 100 ms a step
+}
+
+
+def make_model(width: int, layers: int) -> nn.Module:
+    mods: list[nn.Module] = [nn.Linear(FEATURES, width), nn.ReLU()]
+    for _ in range(layers - 1):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    mods.append(nn.Linear(width, CLASSES))
+    return nn.Sequential(*mods)
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def train_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def dataset(samples: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, FEATURES, generator=g)
+    return TensorDataset(x, torch.randint(0, CLASSES, (samples,), generator=g))
+
+
+def mean_interval(stamps: list[float]) -> float:
+    warm = stamps[WARM:]
+    return (warm[-1] - warm[0]) / (len(warm) - 1)
+
+
+# -- plain torch DDP (floor and loader) -----------------------------------------------------
+CALLS = "PHALANX_BENCH_FACTORY_CALLS"
+
+
+class Counted:
+    """A model factory that counts its calls in a file (one line per call, any process)."""
+
+    def __init__(self, path: str, width: int, layers: int) -> None:
+        self.path, self.width, self.layers = path, width, layers
+
+    def __call__(self) -> nn.Module:
+        with open(self.path, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+        return make_model(self.width, self.layers)
+
+
+def _plain(
+    rank: int, world: int, port: int, steps: int, size: str, arm: str, out: Any, t0: float
+) -> None:
+    width, layers, batch = SIZES[size]
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(make_model(width, layers))
+    opt = make_optimizer(model.parameters())
+    data = dataset(steps * batch)
+    stamps: list[float] = []
+    if arm in ("floor", "floor+vote"):
+        plan = Plan(len(data), batch, seed=0)
+        order = plan.order(0)
+        x, y = data.tensors
+        vote = torch.zeros(16, dtype=torch.float64)
+        for s in range(steps):
+            idx = torch.tensor(split(plan.global_batch(0, s, order), world)[rank])
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            if arm == "floor+vote":  # what one more small all-reduce a step costs
+                vote.zero_()
+                dist.all_reduce(vote)
+            opt.step()
+            stamps.append(time.time())
+    else:
+        sampler = DistributedSampler(data, world, rank, shuffle=True, seed=0)
+        sampler.set_epoch(0)
+        for xb, yb in DataLoader(data, batch_size=batch // world, sampler=sampler):
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            stamps.append(time.time())
+    if rank == 0:
+        out.put(stamps)
+    dist.destroy_process_group()
+
+
+def plain_ddp(arm: str, steps: int, world: int, size: str) -> list[float]:
+    """Rank 0's step stamps (time.time()); the first is the first committed step."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    t0 = time.time()
+    procs = [
+        ctx.Process(target=_plain, args=(r, world, store.port, steps, size, arm, out, t0))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    stamps: list[float] = out.get(timeout=900)
+    for p in procs:
+        p.join()
+    return [t0, *stamps]
+
+
+# -- phalanx ---------------------------------------------------------------------------------
+class Stamps:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, StepEnded):
+            self.times.append(event.time)
+
+    def close(self) -> None:
+        pass
+
+
+def phalanx_run(
+    steps: int,
+    world: int,
+    size: str,
+    strategy: str = "ddp",
+    model: Callable[[], nn.Module] | None = None,
+    **fit: Any,
+) -> list[float]:
+    width, layers, batch = SIZES[size]
+    sink = Stamps()
+    factory = model or functools.partial(make_model, width, layers)
+    learner = px.Learner(factory, make_optimizer, train_step)
+    devices = ",".join(f"cpu:{i}" for i in range(world)) if strategy != "single" else "cpu"
+    t0 = time.time()
+    learner.fit(
+        dataset(steps * batch),
+        epochs=1,
+        batch_size=batch,
+        strategy=strategy,
+        devices=devices,
+        sinks=[sink],
+        shuffle=True,
+        **fit,
+    )
+    return [t0, *sink.times]
+
+
+# -- Lightning Fabric --------------------------------------------------------------------------
+def _fabric_main(fabric: Any, steps: int, size: str, out: str) -> None:
+    width, layers, batch = SIZES[size]
+    torch.manual_seed(0)
+    model = make_model(width, layers)
+    opt = make_optimizer(model.parameters())
+    model, opt = fabric.setup(model, opt)
+    data = dataset(steps * batch)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch // fabric.world_size))
+    stamps = []
+    for xb, yb in loader:
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        opt.zero_grad()
+        fabric.backward(loss)
+        opt.step()
+        stamps.append(time.time())
+    if fabric.global_rank == 0:
+        with open(out, "w") as fh:
+            fh.write("\n".join(map(str, stamps)))
+
+
+def fabric_ddp(steps: int, world: int, size: str) -> list[float]:
+    from lightning.fabric import Fabric  # type: ignore[import-not-found]
+
+    threads = max(1, (os.cpu_count() or 1) // world)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp_spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "stamps")
+        t0 = time.time()
+        fabric.launch(functools.partial(_fabric_entry, threads, steps, size, out))
+        with open(out) as fh:
+            return [t0, *(float(line) for line in fh)]
+
+
+def _fabric_entry(threads: int, steps: int, size: str, out: str, fabric: Any) -> None:
+    torch.set_num_threads(threads)
+    _fabric_main(fabric, steps, size, out)
+
+
+def fabric_available() -> bool:
+    try:
+        import lightning.fabric  # type: ignore[import-not-found]  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# -- tables --------------------------------------------------------------------------------
+def step_table(args: argparse.Namespace) -> None:
+    arms = [a for a in args.arms.split(",") if a != "fabric" or fabric_available()]
+    if "fabric" in args.arms and "fabric" not in arms:
+        print("(lightning is not installed: no fabric column)", file=sys.stderr)
+    runners: dict[str, Callable[[str], list[float]]] = {
+        "floor": lambda s: plain_ddp("floor", args.steps, args.workers, s),
+        "floor+vote": lambda s: plain_ddp("floor+vote", args.steps, args.workers, s),
+        "loader": lambda s: plain_ddp("loader", args.steps, args.workers, s),
+        "phalanx": lambda s: phalanx_run(args.steps, args.workers, s, preflight=False),
+        "fabric": lambda s: fabric_ddp(args.steps, args.workers, s),
+    }
+    head = " | ".join(f"{a} ms/step" for a in arms)
+    print(f"\n| model | params | global batch | {head} | phalanx/floor | phalanx/loader |")
+    print("|---" * (5 + len(arms)) + "|")
+    for size in args.sizes.split(","):
+        width, layers, batch = SIZES[size]
+        times: dict[str, list[float]] = {a: [] for a in arms}
+        for r in range(args.rounds):
+            for arm in arms:
+                times[arm].append(mean_interval(runners[arm](size)[1:]))
+            line = ", ".join(f"{a} {times[a][-1] * 1e3:.2f}" for a in arms)
+            print(f"{size}, round {r + 1}: {line} ms/step", file=sys.stderr)
+        med = {a: statistics.median(v) for a, v in times.items()}
+        params = sum(p.numel() for p in make_model(width, layers).parameters()) / 1e6
+        cells = " | ".join(f"{med[a] * 1e3:.2f}" for a in arms)
+        ratio = {
+            b: f"{med['phalanx'] / med[b]:.3f}x" if b in med else "-" for b in ("floor", "loader")
+        }
+        print(
+            f"| {size} | {params:.2f} M | {batch} | {cells} | {ratio['floor']} | {ratio['loader']} |",  # noqa: E501
+            flush=True,
+        )
+
+
+def startup_table(args: argparse.Namespace) -> None:
+    """fit -> first committed step, against mp.spawn + DDP; model factory calls."""
+    plain, ours, calls = [], [], []
+    for _ in range(args.rounds):
+        s = plain_ddp("floor", 12, args.workers, "medium")
+        plain.append(s[1] - s[0])
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "calls")
+            width, layers, _ = SIZES["medium"]
+            t = phalanx_run(12, args.workers, "medium", model=Counted(path, width, layers))
+            ours.append(t[1] - t[0])
+            with open(path) as fh:
+                pids = fh.read().split()
+            calls.append(f"{len(pids)} in {len(set(pids))} processes")
+    p, o = statistics.median(plain), statistics.median(ours)
+    print(
+        "\n| start-up (2 workers, medium model) | mp.spawn + DDP | phalanx ddp (preflight) | difference | model factory calls |"  # noqa: E501
+    )
+    print("|---|---|---|---|---|")
+    print(
+        f"| spawn/fit -> first committed step | {p:.2f} s | {o:.2f} s | {o - p:+.2f} s | {calls[-1]} |"  # noqa: E501
+    )
+
+
+def plain_single(steps: int, size: str) -> list[float]:
+    width, layers, batch = SIZES[size]
+    torch.manual_seed(0)
+    model = make_model(width, layers)
+    opt = make_optimizer(model.parameters())
+    data = dataset(steps * batch)
+    stamps = []
+    for xb, yb in DataLoader(data, batch_size=batch, shuffle=True):
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        stamps.append(time.time())
+    return stamps
+
+
+def threads_table(args: argparse.Namespace) -> None:
+    """threads (one replica per device, one process) and single against a plain loop."""
+    print(
+        "\n| model | plain loop ms/step | single ms/step | threads (2 x cpu) ms/step | single/plain | threads/plain |"  # noqa: E501
+    )
+    print("|---|---|---|---|---|---|")
+    for size in args.sizes.split(","):
+        plain, single, threads = [], [], []
+        for _ in range(args.rounds):
+            plain.append(mean_interval(plain_single(args.steps, size)))
+            single.append(mean_interval(phalanx_run(args.steps, 1, size, "single")[1:]))
+            threads.append(mean_interval(phalanx_run(args.steps, 2, size, "threads")[1:]))
+        p, s, t = (statistics.median(v) for v in (plain, single, threads))
+        print(
+            f"| {size} | {p * 1e3:.2f} | {s * 1e3:.2f} | {t * 1e3:.2f} | {s / p:.3f}x | {t / p:.3f}x |",  # noqa: E501
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--sizes", default="small,medium,large")
+    parser.add_argument("--arms", default="floor,loader,phalanx,fabric")
+    parser.add_argument("--skip-steps", action="store_true")
+    parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--skip-threads", action="store_true")
+    args = parser.parse_args(argv)
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores, {args.workers} workers, {args.steps} steps, {args.rounds} rounds"
+    )
+    if not args.skip_steps:
+        step_table(args)
+    if not args.skip_startup:
+        startup_table(args)
+    if not args.skip_threads:
+        threads_table(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
