@@ -77,3 +77,29 @@ def test_the_model_factory_runs_once_per_worker_process(tmp_path: Path) -> None:
         with_preflight.model.state_dict().values(), plain.model.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b)
+
+
+def test_a_heartbeat_in_shared_memory_reads_as_the_latest_progress_once() -> None:
+    """The shared-memory heartbeat: a beat written in a child process is read back as that
+    (step, phase, attempt); a read with no new beat gives nothing; only the latest of several
+    beats is seen (the supervisor needs the newest phase, not every one)."""
+    import multiprocessing as mp
+
+    from phalanx.strategies.ddp.protocol import Heartbeat
+
+    ctx = mp.get_context("spawn")
+    beat = Heartbeat.create(ctx)
+    assert beat.read(0, 1.0) is None
+    child = ctx.Process(target=_beat_twice, args=(beat,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    seen = beat.read(3, 2.0)
+    assert seen is not None
+    assert (seen.slot, seen.step, seen.phase, seen.attempt) == (3, 41, "backward", 2)
+    assert beat.read(3, 2.5) is None
+
+
+def _beat_twice(beat: Any) -> None:
+    beat.beat(40, "forward", 1)
+    beat.beat(41, "backward", 2)
