@@ -568,6 +568,7 @@ def test_tensorboard_sink_writes_steps_epochs_and_failures_as_text(tmp_path: Pat
     assert [s.step for s in board.Scalars("step/valid/loss")] == [2, 6]  # mid-epoch only
     (failure,) = board.Tensors("failures/text_summary")
     text = failure.tensor_proto.string_val[0].decode()
-    assert "worker 0 (rank 0) on device cpu failed at step 3" in text
+    # the 4th step (Fault step=3 counts from 0), numbered as every line on screen numbers it
+    assert "worker 0 (rank 0) on device cpu failed at step 4 (forward)" in text
     assert "injected exception" in text and "-> retried" in text
-    assert failure.step == 3
+    assert failure.step == 4

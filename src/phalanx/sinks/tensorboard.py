@@ -8,8 +8,10 @@ torch's own ``torch.utils.tensorboard.SummaryWriter``. Tags:
   and ``valid/<metric>`` of a mid-epoch validation (``fit(val_every_steps=N)``);
 - ``epoch/<key>`` at each epoch end (x = the epoch, counted from 1): every key of the
   epoch's history entry (``train/loss``, ``valid/accuracy``, ...);
-- text ``failures`` (each failure the run saw: worker, device, step, phase, cause, action)
-  and ``notices`` (warnings such as a skipped checkpoint or early stopping), at the step.
+- text ``failures`` (each failure the run saw: worker, device, step, phase, cause, action),
+  at the step it failed in, numbered from 1 as on screen (one before the first step: at the
+  latest committed step), and ``notices`` (warnings such as a skipped checkpoint or early
+  stopping), at the latest committed step.
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ class TensorBoardSink:
         elif isinstance(event, EpochEnded):
             self._scalars("epoch", event.metrics, event.epoch + 1)
         elif isinstance(event, WorkerFailed):
-            self._writer.add_text("failures", _failure_text(event), self._step)
+            step = event.failure.step
+            at = step + 1 if step is not None else self._step  # the failed step's number
+            self._writer.add_text("failures", _failure_text(event), at)
         elif isinstance(event, CheckpointSkipped):
             text = f"checkpoint skipped: {event.path}: {event.reason}"
             self._writer.add_text("notices", text, self._step)
@@ -84,7 +88,7 @@ class TensorBoardSink:
 
 def _failure_text(event: WorkerFailed) -> str:
     f = event.failure
-    at = f"step {f.step}" if f.step is not None else "before its first step"
+    at = f"step {f.step + 1}" if f.step is not None else "before its first step"
     return (
         f"worker {f.worker} (rank {f.rank}) on device {f.device} failed at {at} "
         f"({f.phase}): {cause(f)} -> {event.action}"
