@@ -150,6 +150,8 @@ def test_report_tells_the_run_end_from_its_files(tmp_path: Path) -> None:
     assert "Final world size: 1 of 2 worker(s) (generation 3)." in out
     assert "Respawn: worker 1 (cpu:1), crash at step 4: its replacement joined generation 2" in out
     assert "Failures and recoveries" in out
+    assert f"checkpoints in {run_dir}/checkpoints, logs in {run_dir}" in out.replace("\n", " ")
+    assert "To continue after an interruption" in out
     assert report_run(tmp_path / "nothing", console) == 1
 
 

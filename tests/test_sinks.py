@@ -506,6 +506,62 @@ def test_a_failed_run_ends_with_its_committed_steps_and_the_report_to_follow() -
     assert "fit(..., run_dir='runs/x', resume=True)" in out
 
 
+def test_the_lost_column_counts_a_hang_from_its_last_progress() -> None:
+    """The summary's recovery column says what it measures: from the failure to the next
+    committed step, and for a hang from the worker's last progress (it was silent for
+    ``time - last_progress`` before anyone could tell)."""
+    from phalanx.sinks.summary import lost_seconds, render_failures
+
+    crash = WorkerFailure(1, 1, "cpu:1", "crash", "SIGKILL", "forward", step=3, time=100.0,
+                          action="respawned", recovery_seconds=0.4)  # fmt: skip
+    hang = WorkerFailure(0, 0, "cpu:0", "hang", "silent", "forward", step=20, time=160.0,
+                         action="respawned", recovery_seconds=0.43,
+                         last_progress=100.0)  # fmt: skip
+    pending = WorkerFailure(0, 0, "cpu:0", "exception", "boom", "backward", step=30,
+                            time=170.0, action="aborted")  # fmt: skip
+    assert lost_seconds(crash) == pytest.approx(0.4)
+    assert lost_seconds(hang) == pytest.approx(60.43)  # not "back in 0.43 s"
+    assert lost_seconds(pending) is None  # no step committed after it
+    console = Console(file=io.StringIO(), width=120)
+    render_failures([crash, hang, pending], console)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    rows = re.findall(r"│ (\d) +│ cpu:\d +│ (\w+) +│ (\d+) +│ \w+ +│ \w+ +│ +(\S+) │", out)
+    assert rows == [("1", "crash", "4", "0.4s"), ("0", "hang", "21", "60.4s"),
+                    ("0", "exception", "31", "-")]  # fmt: skip
+    assert "lost: from the failure (a hang: its last progress) to the next committed step" in out
+
+
+def test_the_end_of_a_run_says_where_its_files_are_and_how_to_resume() -> None:
+    console = Console(file=io.StringIO(), width=300)
+    sink = SummarySink(console)
+    for e in full_run():
+        if isinstance(e, RunEnded):
+            sink.handle(RunEnded(e.history, e.steps, e.epochs, "Training interrupted: SIGINT", 3.0))
+        else:
+            sink.handle(e)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "Trained 2 epoch(s), 8 step(s) in 3.0s." in out
+    assert "Survived 1 failure(s): 1 exception." in out
+    assert "Final world size: 2 of 2 worker(s)." in out
+    assert "checkpoints in runs/x/checkpoints, logs in runs/x (run.json, events.jsonl" in out
+    assert "To continue after an interruption: fit(..., run_dir='runs/x', resume=True)" in out
+    assert out.rstrip().endswith("Training interrupted: SIGINT")
+
+
+def test_steps_csv_writes_every_nth_step_and_each_epochs_last(tmp_path: Path) -> None:
+    sink = StepsCsvSink(tmp_path / "steps.csv", every=3)
+    for e in full_run():  # 2 epochs of 4 steps
+        sink.handle(e)
+    sink.close()
+    rows = _read_csv(tmp_path / "steps.csv")[1]
+    assert [r["global_step"] for r in rows] == ["3", "4", "6", "8"]  # 4 and 8 end an epoch
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        StepsCsvSink(tmp_path / "other.csv", every=0)
+    every_two = default_sinks(str(tmp_path / "run"), Console(file=io.StringIO()), every_steps=2)
+    (steps,) = [s for s in every_two if isinstance(s, StepsCsvSink)]
+    assert steps.every == 2
+
+
 def test_a_log_line_turns_back_into_its_event() -> None:
     from phalanx.events import Beat, GenerationStarted, WorkerState, WorkersTick, from_record
 
