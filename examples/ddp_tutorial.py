@@ -13,13 +13,15 @@ precision with a gradient scaler, and AdamW with weight decay on the weights onl
     python examples/ddp_tutorial.py --resume              # after Ctrl-C: from the checkpoint
 
 Ctrl-C stops after the current step with a checkpoint in --run-dir and exits 130 (a
-KeyboardInterrupt); SIGTERM likewise, exiting 143. Run again with --resume to continue.
+KeyboardInterrupt); SIGTERM likewise, exiting 143. Run again with --resume to continue;
+without --resume a new run starts, and the last run's files and checkpoints move to
+--run-dir's earlier/<run id>/ (px.start_over). When it finishes, --run-dir holds
+model.pt, the final state dict, which torch.load(path, weights_only=True) opens.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -78,6 +80,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     learner = px.Learner(ToyModel, make_optimizer, train_step, precision=args.precision)
+    if not args.resume:  # a new run: the last one's files and checkpoints move aside
+        moved = px.start_over(args.run_dir)
+        if moved is not None:
+            print(f"starting over in {args.run_dir}; the last run's files are in {moved}")
     try:
         result = learner.fit(
             toy_data(args.samples),
@@ -94,12 +100,12 @@ def main(argv: list[str]) -> int:
         steps = getattr(stopped, "result", None) and stopped.result.steps  # type: ignore[attr-defined]
         print(f"interrupted after step {steps}; --resume continues")
         return 130
-    final = os.path.join(args.run_dir, "final.pt")
-    torch.save(result.model.state_dict(), final)  # a plain state dict: torch.load opens it
+    # fit saved the final weights as run_dir/model.pt: a plain state dict, so
+    # model.load_state_dict(torch.load(result.model_path, weights_only=True)) opens it
     print(
         f"final train loss {result.history[-1]['train/loss']:.4f} after {result.steps} steps; "
         f"failures survived: {len(result.failures)}; exactly-once: {result.ledger_ok}; "
-        f"saved {final}"
+        f"saved {result.model_path}"
     )
     return 0
 

@@ -13,7 +13,10 @@ Zen of Python (``import this``): offline, and small enough to train on a CPU in 
     python examples/mingpt.py --resume               # after Ctrl-C: from the checkpoint
 
 Ctrl-C stops after the current step with a checkpoint in --run-dir and exits 130 (a
-KeyboardInterrupt); SIGTERM likewise, exiting 143. Run again with --resume to continue.
+KeyboardInterrupt); SIGTERM likewise, exiting 143. Run again with --resume to continue;
+without --resume a new run starts, and the last run's files and checkpoints move to
+--run-dir's earlier/<run id>/ (px.start_over). When it finishes, --run-dir holds
+model.pt, the final state dict, which torch.load(path, weights_only=True) opens.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import argparse
 import codecs
 import functools
 import math
-import os
 import sys
 import this
 
@@ -154,6 +156,10 @@ def main(argv: list[str]) -> int:
         grad_clip_norm=1.0,
         precision=args.precision,
     )
+    if not args.resume:  # a new run: the last one's files and checkpoints move aside
+        moved = px.start_over(args.run_dir)
+        if moved is not None:
+            print(f"starting over in {args.run_dir}; the last run's files are in {moved}")
     try:
         result = learner.fit(
             train,
@@ -170,12 +176,12 @@ def main(argv: list[str]) -> int:
         steps = getattr(stopped, "result", None) and stopped.result.steps  # type: ignore[attr-defined]
         print(f"interrupted after step {steps}; --resume continues")
         return 130
-    final = os.path.join(args.run_dir, "final.pt")
-    torch.save(result.model.state_dict(), final)  # a plain state dict: torch.load opens it
+    # fit saved the final weights as run_dir/model.pt: a plain state dict, so
+    # model.load_state_dict(torch.load(result.model_path, weights_only=True)) opens it
     print(
         f"final train loss {result.history[-1]['train/loss']:.4f} after {result.steps} steps; "
         f"failures survived: {len(result.failures)}; exactly-once: {result.ledger_ok}; "
-        f"saved {final}"
+        f"saved {result.model_path}"
     )
     print("sample:", sample(result.model, train, "Beautiful is ", 60))
     return 0

@@ -1,6 +1,7 @@
 """The examples in examples/ as a user runs them (small sizes), under ddp with 2 CPU
 workers, fp16 mixed precision and named weight-decay groups: a killed worker is survived,
-Ctrl-C leaves a checkpoint that --resume continues from, the final file opens with torch."""
+Ctrl-C leaves a checkpoint that --resume continues from, the final file opens with torch, and
+an example run again in its run dir starts a new run (the README runs them one after another)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_example_survives_a_killed_worker(script: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     m = re.search(r"failures survived: (\d+); exactly-once: (\w+)", done.stdout)
     assert m and m.groups() == ("1", "True"), done.stdout[-2000:]
-    state = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert state and all(torch.isfinite(v).all() for v in state.values())
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
     assert any(e["event"] == "WorkerFailed" for e in events)
@@ -75,9 +76,30 @@ def test_ddp_tutorial_resumes_after_ctrl_c(tmp_path: Path) -> None:
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
     stopped = int(re.search(r"interrupted after step (\d+)", out).group(1))  # type: ignore[union-attr]
     assert 1 <= stopped < 384
-    assert not (tmp_path / "run" / "final.pt").exists()  # not saved as if it had finished
+    assert not (tmp_path / "run" / "model.pt").exists()  # not saved as if it had finished
     done = run(tmp_path, "ddp_tutorial.py", *args, "--resume")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "after 384 steps" in done.stdout and "exactly-once: True" in done.stdout
     resumed = [json.loads(line) for line in events.open() if '"Resumed"' in line]
     assert resumed and resumed[-1]["global_step"] == stopped
+
+
+def test_an_example_run_again_starts_a_new_run_beside_the_last_one(tmp_path: Path) -> None:
+    """The README runs an example, then the same one again with --fault: the second run
+    starts over (fit alone would refuse a fresh run among the first one's checkpoints,
+    PX118), the first run's files and checkpoints move to earlier/<its id>/, none deleted.
+    One process (single) keeps it short; the start-over is the same for ddp."""
+    small = ["--strategy", "single", "--devices", "cpu", "--samples", "256", "--epochs", "1"]
+    first = run(tmp_path, "ddp_tutorial.py", *small)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    first_id = json.loads((tmp_path / "run" / "run.json").read_text())["run_id"]
+    again = run(tmp_path, "ddp_tutorial.py", *small, "--fault", "exception:0@2")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "starting over in" in again.stdout and "failures survived: 1" in again.stdout
+    earlier = tmp_path / "run" / "earlier" / first_id
+    assert sorted(p.name for p in (earlier / "checkpoints").glob("ckpt-*.pt"))
+    assert (
+        torch.load(earlier / "model.pt", weights_only=True).keys()
+        == torch.load(tmp_path / "run" / "model.pt", weights_only=True).keys()
+    )
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["run_id"] != first_id

@@ -9,6 +9,7 @@ from phalanx.faults import Fault
 from phalanx.interrupt import FitTerminated
 from phalanx.learner import FitResult, Learner
 from phalanx.policy import Recovery
+from phalanx.runinfo import start_over
 from phalanx.step import StepOutput, cross_entropy_step, mse_step
 
 __all__ = [
@@ -30,5 +31,6 @@ __all__ = [
     "load_checkpoint",
     "metrics",
     "mse_step",
+    "start_over",
 ]
 __version__ = "0.1.0"

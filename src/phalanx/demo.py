@@ -9,7 +9,6 @@ them to worker processes.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -149,13 +148,9 @@ def start_over(run_dir: str) -> None:
     """The demo without --resume starts a new run: the last run's checkpoints and files in
     ``run_dir`` move to ``run_dir/earlier/<its run id>/`` (fit itself refuses to mix two
     runs: PX118), unless a live run holds the folder (PX143: nothing is moved)."""
-    from phalanx.runinfo import move_aside
-    from phalanx.runlock import RunLock
+    from phalanx.runinfo import start_over as move_last_run_aside
 
-    if not os.path.isdir(run_dir):
-        return
-    with RunLock.acquire(run_dir):
-        moved = move_aside(run_dir, with_checkpoints=True)
+    moved = move_last_run_aside(run_dir)
     if moved is not None:
         print(
             f"phalanx demo: starting over in {run_dir}; the last run's files are in {moved} "

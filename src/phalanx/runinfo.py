@@ -96,6 +96,20 @@ def move_aside(run_dir: str | Path, with_checkpoints: bool = False) -> Path | No
     return target
 
 
+def start_over(run_dir: str | os.PathLike[str]) -> Path | None:
+    """Make ``run_dir`` ready for a fresh run (``fit`` refuses one among an earlier run's
+    checkpoints, PX118): the earlier run's files and its ``checkpoints/`` move to
+    ``run_dir/earlier/<its run id>/``; nothing is deleted. Return where they went (None: the
+    folder held no run). Done while holding the folder's lock, so a live run's files are
+    never moved: that raises ``RunDirLockedError`` (PX143) and leaves them as they are."""
+    from phalanx.runlock import RunLock  # (runlock is imported by fit only)
+
+    if not os.path.isdir(run_dir):
+        return None
+    with RunLock.acquire(os.fspath(run_dir)):
+        return move_aside(os.fspath(run_dir), with_checkpoints=True)
+
+
 def versions() -> dict[str, str]:
     import torch
 
