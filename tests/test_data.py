@@ -154,6 +154,33 @@ def test_a_custom_collate_fn_is_used_for_training_and_validation_in_single_and_d
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_pin_memory_reaches_every_dataloader_where_cuda_can_use_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fit(pin_memory=True) is passed to the training and validation DataLoaders when CUDA
+    is there to use pinned batches, and is left off on a CPU-only machine (torch would
+    warn). Recorded from the DataLoader calls; the real one pins nothing here (no GPU)."""
+    import phalanx.data
+
+    asked: list[bool] = []
+    real = phalanx.data.DataLoader
+
+    def recording(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        asked.append(pin_memory)
+        return real(*args, pin_memory=False, **kwargs)
+
+    monkeypatch.setattr(phalanx.data, "DataLoader", recording)
+    fit_sentences(pin_memory=True)  # 2 epochs: 2 training and 2 validation loaders at least
+    assert len(asked) >= 4 and not any(asked)  # no CUDA: not pinned
+    asked.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fit_sentences(pin_memory=True)
+    assert len(asked) >= 4 and all(asked)
+    asked.clear()
+    fit_sentences()
+    assert asked and not any(asked)  # only when asked for
+
+
 def test_fingerprint_of_random_splits() -> None:
     """minGPT's case: an unseeded random_split gives another training set of the same size
     on each run; a seeded one gives the same."""

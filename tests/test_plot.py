@@ -68,6 +68,8 @@ def test_plot_marks_each_injected_failure_at_its_step(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = load_run(run_dir)
     assert data.steps == list(range(1, 9))  # 2 epochs x 4 steps, 1-based
+    assert cli.main(["plot", str(run_dir), "-o", str(tmp_path / "cli.png")]) == 0
+    assert (tmp_path / "cli.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     drawn = plot_run(run_dir, tmp_path / "other.png")
     assert (tmp_path / "other.png").exists()
     # the 3rd and 6th steps (0-based 2 and 5), at the loss of the step committed there

@@ -16,6 +16,7 @@ from amp_helpers import OVERFLOWING, SKIPS, Collect, halve_each, mlp, mse_step, 
 from ddp_helpers import make_data
 from phalanx.checkpoint.io import list_checkpoints, read_verified
 from phalanx.errors import PrecisionError
+from phalanx.events import StepEnded
 from phalanx.precision import LossScaler, step_scheduler_quietly
 
 DATA = make_data(256, seed=4)
@@ -89,6 +90,8 @@ def test_fp16_overflow_skips_the_step_and_training_goes_on(strategy: str, device
     result, sink = fit(strategy, devices, "16-mixed", learner={"grad_scaler": OVERFLOWING})
     assert sink.skipped() == skipped  # the same steps skipped, then none
     assert result.steps == STEPS and result.ledger_ok  # skipped steps still consumed their data
+    assert not result.failures  # a skip is not a failure, and no step was retried
+    assert [e.global_step for e in sink.of(StepEnded)] == list(range(1, STEPS + 1))
     # Skipped steps left the weights alone; the others trained like torch's AMP loop.
     assert_close(result.model, reference, tol=2e-3)
     assert not torch.equal(result.model[0].weight, mlp()[0].weight)
@@ -186,7 +189,7 @@ def test_ddp_skips_together_and_matches_single() -> None:
     single, single_sink = fit("single", "cpu", "16-mixed", learner=args)
     ddp, sink = fit("ddp", "cpu:0,cpu:1", "16-mixed", learner=args)
     assert sink.skipped() == single_sink.skipped() and sum(sink.skipped()) == SKIPS
-    assert ddp.ledger_ok and ddp.steps == STEPS
+    assert ddp.ledger_ok and ddp.steps == STEPS and not ddp.failures  # no failure, no retry
     assert [h["train/lr"] for h in ddp.history] == [0.05, 0.025]  # once per epoch
     assert_close(ddp.model, single.model, tol=2e-3)
 
