@@ -101,7 +101,7 @@ class Learner:
         shuffle: bool = True,
         faults: Sequence[Fault] = (),
         preflight: bool = True,
-        hang_timeout: timedelta = timedelta(seconds=60),
+        hang_timeout: timedelta | float = timedelta(seconds=60),
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
@@ -122,7 +122,10 @@ class Learner:
         ``run_dir=""`` is the same as None: nothing is written.
         """
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
-        check_launch(os.environ)  # one process on one node (PX140-PX142), before all else
+        if isinstance(hang_timeout, int | float) and not isinstance(hang_timeout, bool):
+            hang_timeout = timedelta(seconds=hang_timeout)  # seconds, as torch's timeouts read
+        # One process per node; several nodes with ddp only (PX140-PX142), before all else.
+        launch = check_launch(os.environ, strategy)
         labels = parse_devices(devices)
         recovery = on_failure if on_failure is not None else Recovery()
         config = FitConfig(
@@ -154,10 +157,17 @@ class Learner:
             self.spec, config, train_size, has_valid=valid is not None, train=train, valid=valid
         )
         check_free_memory(labels, min_free_memory)
-        with _holding(run_dir) as lock:  # PX143 while another live run holds run_dir
-            validate_run_dir(config)
-            # Only a run that writes checkpoints needs the data's fingerprint (it reads samples).
-            sample_hash = fingerprint(train, train_size) if run_dir else DataPrint("")
+        remote = launch.nnodes > 1 and launch.node_rank > 0
+        # A node other than the head writes nothing in run_dir (the head's lock, files and
+        # sinks): it only reads the token and, resuming, the checkpoints there.
+        # PX143 while another live run holds run_dir.
+        with _holding(None if remote else run_dir) as lock:
+            if not remote:
+                validate_run_dir(config)
+            # A run that writes checkpoints needs the data's fingerprint (it reads samples),
+            # and so does one over several nodes (every node must train on the same data).
+            wanted = run_dir or launch.nnodes > 1
+            sample_hash = fingerprint(train, train_size) if wanted else DataPrint("")
             plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
             check_resume_plan(config, plan)  # before anything starts, as the checks above
             run = RunInputs(
@@ -167,7 +177,10 @@ class Learner:
                 train=train,
                 valid=valid,
                 valid_size=valid_size,
+                launch=launch,
             )
+            if remote:
+                return self._run_node(run, sinks)
             return self._run(run, lock, sinks)
 
     def _run(self, run: RunInputs, lock: RunLock | None, sinks: Sequence[Sink] | None) -> FitResult:
@@ -204,12 +217,35 @@ class Learner:
         self.interrupter.raise_if_signalled(result)  # Ctrl-C, SIGTERM: not a success
         return result
 
+    def _run_node(self, run: RunInputs, sinks: Sequence[Sink] | None) -> FitResult:
+        """A node other than the head: its agent trains this node's workers as the head
+        orders and returns the run's end as the head tells it. Its sinks see only its own
+        notices (the head's have the run); it writes nothing in run_dir."""
+        from dataclasses import replace
+
+        from phalanx.strategies.ddp import run_ddp
+
+        if sinks is None:
+            from phalanx.sinks import default_sinks
+
+            sinks = default_sinks(None)
+        emit = Fanout(list(sinks))
+        self.interrupter.reset()
+        try:
+            with handle_signals(self.interrupter), _keep_rng(run.config.devices):
+                end = run_ddp(run, emit, self.interrupter, run.launch)
+                result = finish(end, replace(run, config=replace(run.config, run_dir=None)))
+        finally:
+            emit.close()
+        self.interrupter.raise_if_signalled(result)
+        return result
+
     def _dispatch(self, run: RunInputs, emit: Fanout) -> RunEnd:
         """Train with the run's strategy; raises TrainingFailed when it stopped."""
         if run.config.strategy == "ddp":
             from phalanx.strategies.ddp import run_ddp
 
-            return run_ddp(run, emit, self.interrupter)
+            return run_ddp(run, emit, self.interrupter, run.launch)
         return self._in_process(run, emit)
 
     def _in_process(self, run: RunInputs, emit: Fanout) -> RunEnd:

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from phalanx import ledger, report
 from phalanx.errors import TrainingFailed
 from phalanx.failures import WorkerFailure
+from phalanx.launch import Launch
 from phalanx.plan import Plan
 from phalanx.spec import FitConfig, TrainSpec
 
@@ -33,6 +34,7 @@ class RunInputs:
     train: Dataset[Any]
     valid: Dataset[Any] | None
     valid_size: int  # 0 without a validation set
+    launch: Launch | None = None  # how this process was started (several nodes: ddp only)
 
     @property
     def valid_or_none(self) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -69,9 +70,16 @@ class Agent:
     # workers get it in their spawn arguments, never through the store.
     signer: Signer = field(default_factory=lambda: Signer(run_token()))
     seq: int = 0  # of the last control value written (a reader refuses an older one)
+    # Where the store listens: 127.0.0.1 on one machine; the head's address across machines.
+    # None: a node's agent, whose workers use the head's store (``store_at``).
+    bind: tuple[str, int] | None = ("127.0.0.1", 0)
+    store_at: tuple[str, int] | None = None  # (host, port) of the store the workers use
 
     def __post_init__(self) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store: dist.TCPStore | None = None
+        if self.bind is not None:
+            self.store = serve_store(*self.bind)
+            self.store_at = (self.bind[0], self.store.port)
 
     # -- processes -------------------------------------------------------------------------
     def spawn(
@@ -188,19 +196,36 @@ class Agent:
 
     # -- the store -------------------------------------------------------------------------
     def _signed(self, key: str, payload: str) -> None:
+        assert self.store is not None, "only the head's agent writes control values"
         self.seq += 1
         self.store.set(key, self.signer.seal(key, payload, self.seq))
 
     def announce(self, doc: Announcement) -> None:
         """Written before the counter moves, so a reader sees it whole."""
         self._signed(f"{GEN_PREFIX}{doc.number}", doc.to_json())
+        assert self.store is not None
         self.store.add(GEN_LATEST, 1 if doc.number > 0 else 0)
         self.store.add(CONTROL_KEY, 1)
 
     def set_stop(self, reason: str) -> None:
         self._signed(STOP_KEY, reason)
-        self.store.add(CONTROL_KEY, 1)
+        self._bump()
 
     def set_abort(self, reason: str) -> None:
         self._signed(ABORT_KEY, reason)
+        self._bump()
+
+    def _bump(self) -> None:
+        assert self.store is not None
         self.store.add(CONTROL_KEY, 1)
+
+
+def serve_store(host: str, port: int) -> dist.TCPStore:
+    """A TCPStore server listening on ``host`` only. torch's own listens on every interface
+    whatever host it is given, so the socket is bound here and handed to it (the store owns
+    its descriptor from then on, and closes it)."""
+    sock = socket.create_server((host, port))
+    bound = sock.getsockname()[1]
+    return dist.TCPStore(
+        host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach()
+    )

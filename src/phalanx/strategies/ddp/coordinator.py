@@ -118,7 +118,19 @@ class AllExited:
     pass
 
 
-CoordinatorEvent = Received | Exited | Spawned | Tick | StacksTaken | StopRequested | AllExited
+@dataclass(frozen=True)
+class NodeLost:
+    """Node ``node`` (``host``) is gone with every worker it held: killed, frozen, cut off
+    (``cause``: what the head saw). Its workers' own exits will never be seen."""
+
+    node: int
+    host: str
+    cause: str
+
+
+CoordinatorEvent = (
+    Received | Exited | Spawned | Tick | StacksTaken | StopRequested | AllExited | NodeLost
+)
 
 
 class SlotStatus(Enum):
@@ -166,6 +178,10 @@ class Setup:
     recovery: Recovery
     timeouts: Timeouts
     run_dir: bool = False
+    nodes: tuple[int, ...] = ()  # the node of each slot, across machines (empty: one node)
+
+    def node_of(self, slot: int) -> int:
+        return self.nodes[slot] if self.nodes else 0
 
 
 @dataclass
@@ -212,6 +228,7 @@ class Coordinator:
         self.now = Now(0.0, 0.0)
         self.out: list[Action] = []
         self.panel = Panel(list(setup.devices))
+        self.lost_nodes: set[int] = set()
 
     # -- the one entry point -------------------------------------------------------------
     def start(self, now: Now) -> list[Action]:
@@ -246,6 +263,8 @@ class Coordinator:
             self.settle(everything=True)
         elif isinstance(event, Tick):
             self._tick()
+        elif isinstance(event, NodeLost):
+            self._node_lost(event)
         if self.decided and self.decided_at is None:
             self.decided_at = now.mono
             self.out.append(SetAbort("run decided"))
@@ -447,6 +466,56 @@ class Coordinator:
             self.kill(slot)
             self.fallen(failure)
 
+    def _node_lost(self, event: NodeLost) -> None:
+        """A node is gone with its workers: one failure names it (not an attempt of its
+        step: the batch is not suspect), and the survivors go on as a new generation
+        without it (shrink), while at least ``min_workers`` are left."""
+        if event.node in self.lost_nodes:
+            return
+        self.lost_nodes.add(event.node)
+        lost = [
+            slot
+            for slot, state in sorted(self.slots.items())
+            if self.setup.node_of(slot) == event.node and not state.ended
+        ]
+        if not lost:
+            return
+        first = self._where(lost[0])
+        step = "?" if first.step is None else first.step + 1
+        message = (
+            f"node {event.node} ({event.host}) lost with its workers {lost} at step {step}, "
+            f"phase {first.phase}: {event.cause}"
+        )
+        failure = replace(first, message=message, host=event.host, attempt=None)
+        self.settle(before=max(self.slots[s].generation for s in lost))
+        for slot in lost:
+            self.move(slot, SlotStatus.ENDED)
+            self.show(slot, "fallen", f"node {event.node} lost")
+            self.unready.discard(slot)
+            if slot in self.waiting:
+                self.waiting.remove(slot)
+        survivors = [m for m in self.gens.current if not self.slots[m].ended]
+        book = self.book
+        if book.done is not None or self.decided:
+            book.record(failure, "ignored" if book.done is not None else "aborted", self.out)
+            return
+        policy = self.setup.recovery
+        few = len(survivors) < max(1, policy.min_workers)
+        if self.gens.latest < 0 or few or policy.mode == "abort":
+            book.record(failure, "aborted", self.out)
+            book.fatal = True
+            why = (
+                "before training began"
+                if self.gens.latest < 0
+                else "too few workers left"
+                if few
+                else 'the recovery policy is mode="abort"'
+            )
+            book.notes.append(f"The run stopped when node {event.node} was lost: {why}.")
+            return
+        book.record(failure, "shrunk", self.out, recovers=True)
+        self.announce(survivors, f"node {event.node} lost: shrunk")
+
     def _stop(self, reason: str) -> None:
         if not self.stop_sent and not self.decided:
             self.stop_sent = True
@@ -494,6 +563,10 @@ class Coordinator:
         from the newest intact checkpoint in run_dir (replacements still starting are
         dropped: they would wait for state nobody holds). The faults up to the last fall
         fired already; the steps after the checkpoint are computed again."""
+        if self.lost_nodes:  # (a lost node's slots cannot be started again)
+            self.book.fatal = True
+            self.book.notes.append("Every worker fell after a node was lost: nothing to restart.")
+            return
         for slot, state in self.slots.items():
             if not state.ended:
                 self.kill(slot)

@@ -5,7 +5,7 @@ heartbeat, which is a :class:`Heartbeat` in shared memory (no pipe write per pha
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from phalanx.events import Event
@@ -238,3 +238,56 @@ class Rejected:
     key: str
     reason: str
     digest: str
+
+
+# -- across machines: messages as data ---------------------------------------------------
+# A worker's message crosses the node's link to the head as JSON (never pickled off the
+# network): ``{"type": name, ...fields}``, with an event as its :func:`to_record` and a
+# failure as its fields.
+_WIRE_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (Relay, Progress, Failed, Broke, Aborted, Done, Ready, Joined, Rejected)
+}
+
+
+def to_wire(message: object) -> dict[str, Any]:
+    """A worker's message as a JSON-friendly dict (see :func:`from_wire`)."""
+    from phalanx.events import to_record
+
+    name = type(message).__name__
+    if name not in _WIRE_TYPES:
+        raise TypeError(f"not a worker message: {name}")
+    if isinstance(message, Relay):
+        return {"type": name, "event": to_record(message.event)}
+    doc: dict[str, Any] = {"type": name}
+    for f in fields(message):  # type: ignore[arg-type]
+        value = getattr(message, f.name)
+        doc[f.name] = value.to_dict() if isinstance(value, WorkerFailure) else value
+    return doc
+
+
+def from_wire(doc: dict[str, Any]) -> object:
+    """The message a :func:`to_wire` dict holds. Raises ValueError for anything else."""
+    from phalanx.events import from_record
+
+    cls = _WIRE_TYPES.get(str(doc.get("type")))
+    if cls is None:
+        raise ValueError(f"not a worker message: {doc.get('type')!r}")
+    if cls is Relay:
+        event = from_record(dict(doc.get("event") or {}))
+        if event is None:
+            raise ValueError("a relayed event of an unknown type")
+        return Relay(event)
+    known = {f.name for f in fields(WorkerFailure)}
+    args: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in doc:
+            continue
+        value = doc[f.name]
+        if f.name == "failure":
+            value = WorkerFailure(**{k: v for k, v in dict(value).items() if k in known})
+        args[f.name] = value
+    try:
+        return cls(**args)
+    except TypeError as exc:
+        raise ValueError(f"a malformed {cls.__name__}: {exc}") from None

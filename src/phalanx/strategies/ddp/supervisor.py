@@ -22,10 +22,10 @@ from torch.utils.data import Dataset
 from phalanx.events import Notice, WorkerFailed
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
+from phalanx.launch import Launch
 from phalanx.plan import Plan
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.ddp import worker as worker_mod
 from phalanx.strategies.ddp.actions import (
     Action,
     Announce,
@@ -37,7 +37,7 @@ from phalanx.strategies.ddp.actions import (
     SetStop,
     Spawn,
 )
-from phalanx.strategies.ddp.agent import Agent, SlotState
+from phalanx.strategies.ddp.agent import STACK_WAIT, Agent, SlotState
 from phalanx.strategies.ddp.book import FailureBook
 from phalanx.strategies.ddp.control import rejected_notice
 from phalanx.strategies.ddp.coordinator import (
@@ -45,6 +45,7 @@ from phalanx.strategies.ddp.coordinator import (
     Coordinator,
     CoordinatorEvent,
     Exited,
+    NodeLost,
     Now,
     Received,
     Setup,
@@ -54,7 +55,18 @@ from phalanx.strategies.ddp.coordinator import (
     Tick,
     Timeouts,
 )
-from phalanx.strategies.ddp.protocol import Rejected
+from phalanx.strategies.ddp.link import Frame
+from phalanx.strategies.ddp.nodes import (
+    Nodes,
+    RemoteNode,
+    decode_seen,
+    rejected_link,
+    run_node,
+    start_head,
+    tell_end,
+)
+from phalanx.strategies.ddp.protocol import Done, Rejected
+from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
 
 __all__ = ["SlotState", "Supervisor", "run_ddp"]
 
@@ -77,19 +89,30 @@ class Supervisor:
         data: tuple[Dataset[Any], Dataset[Any] | None, int],
         emit: Any,
         interrupter: Interrupter,
+        nodes: Nodes | None = None,
     ) -> None:
-        self.spec, self.config, self.plan = spec, config, plan
-        self.user = worker_mod.pack_user(spec)  # unpickled by each worker (see WorkerArgs)
+        self.spec, self.plan = spec, plan
         self.data = data
         self.emit, self.interrupter = emit, interrupter
-        self.agent = Agent()
+        self.hub = nodes.hub if nodes is not None else None
+        self.agent = nodes.agent if nodes is not None else Agent()
         self.retired = self.agent.retired
+        local = len(config.devices)
+        shown = list(config.devices)
+        slot_nodes: tuple[int, ...] = ()
+        if nodes is not None:  # every node's devices, in node order
+            config = dataclasses.replace(config, devices=nodes.labels)
+            shown, slot_nodes = nodes.shown, nodes.slot_nodes
+        self.config = config
+        self.spawner = Spawner(spec, config, plan, data, self.agent, local)
+        self.user = self.spawner.user
+        self.threads = self.spawner.threads
         timeouts = Timeouts(config.hang_timeout, broke_settle=timedelta(seconds=BROKE_SETTLE))
         recovery, run_dir = config.recovery, bool(config.run_dir)
-        self.coord = Coordinator(Setup(plan, list(config.devices), recovery, timeouts, run_dir))
-        cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
-        self.threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+        setup = Setup(plan, shown, recovery, timeouts, run_dir, slot_nodes)
+        self.coord = Coordinator(setup)
         self.rejected: set[tuple[str, str]] = set()  # (key, digest) already warned about
+        self.stacks_due: tuple[float, dict[int, str | None]] | None = None  # remote dumps
 
     @property
     def outcome(self) -> FailureBook:
@@ -108,20 +131,77 @@ class Supervisor:
                 stop_told = True
                 self._feed(StopRequested(self.interrupter.reason or "stop requested"))
             self._feed(Tick())
-            if self.agent.all_exited():
+            if self.agent.all_exited() and (self.hub is None or self.hub.all_exited()):
                 self._see(timedelta(0))  # the last words
                 self._feed(AllExited())
                 return self.coord.book
 
     def _see(self, timeout: timedelta) -> None:
         for seen in self.agent.poll(timeout):
-            if seen.exited:
-                assert seen.code is not None
-                self._feed(Exited(seen.slot, seen.code))
-            elif isinstance(seen.message, Rejected):
-                self._rejected(seen.message)
-            else:
-                self._feed(Received(seen.slot, seen.message, seen.stale))
+            self._seen(seen.slot, seen.message, seen.code, seen.exited, seen.stale)
+        if self.hub is not None:
+            self._hear()
+
+    def _seen(
+        self, slot: int, message: object, code: int | None, exited: bool, stale: bool
+    ) -> None:
+        if exited:
+            assert code is not None
+            self._feed(Exited(slot, code))
+        elif isinstance(message, Rejected):
+            self._rejected(message)
+        else:
+            self._feed(Received(slot, message, stale))
+
+    def _hear(self) -> None:
+        """What the other nodes' agents sent, and the nodes lost."""
+        assert self.hub is not None
+        frames, lost = self.hub.poll()
+        for node, frame in frames:
+            try:
+                self._frame(node, frame)
+            except (KeyError, TypeError, ValueError):
+                continue  # (authenticated, but not a frame this version reads)
+        for node, cause in lost:
+            self._feed(NodeLost(node.rank, node.host, cause))
+        self._stacks_ready()
+
+    def _frame(self, node: RemoteNode, frame: Frame) -> None:
+        doc = frame.doc
+        if frame.kind == "seen":
+            slot, message, code, exited, stale = decode_seen(doc)
+            if slot not in node.slots:
+                return  # (a node speaks for its own slots only)
+            if exited:
+                node.alive.discard(slot)
+            if isinstance(message, Done) and message.weights_path:
+                message = dataclasses.replace(message, weights_path=self._weights(slot))
+            self._seen(slot, message, code, exited, stale)
+        elif frame.kind == "weights" and int(doc["slot"]) in node.slots:
+            with open(self._weights(int(doc["slot"])), "wb") as fh:
+                fh.write(frame.payload)
+        elif frame.kind == "spawned" and int(doc["slot"]) in node.slots:
+            self._feed(Spawned(int(doc["slot"]), doc.get("pid")))
+        elif frame.kind == "stacks" and self.stacks_due is not None:
+            for key, text in dict(doc.get("stacks", {})).items():
+                if int(key) in node.slots:
+                    self.stacks_due[1][int(key)] = str(text)
+        elif frame.kind == "stop":
+            self._feed(StopRequested(f"node {node.rank}: {doc.get('reason')}"))
+
+    def _weights(self, slot: int) -> str:
+        return os.path.join(self.agent.tmp, f"final-{slot}-received.pt")
+
+    def _stacks_ready(self, force: bool = False) -> None:
+        """The stacks asked for, once every node answered (or did not in time)."""
+        if self.stacks_due is None:
+            return
+        asked_at, stacks = self.stacks_due
+        late = time.monotonic() - asked_at > 2 * STACK_WAIT.total_seconds() + 1
+        if force or late or all(text is not None for text in stacks.values()):
+            self.stacks_due = None
+            answer = "(no answer from the worker's node in time)"
+            self._feed(StacksTaken({s: answer if t is None else t for s, t in stacks.items()}))
 
     def _rejected(self, msg: Rejected) -> None:
         """One warning per rejected store value, however many workers read it."""
@@ -146,48 +226,54 @@ class Supervisor:
         elif isinstance(action, Spawn):
             self._spawn(action)
         elif isinstance(action, Kill):
-            self.agent.kill(action.slot)
+            node = self._node(action.slot)
+            if node is None:
+                self.agent.kill(action.slot)
+            else:
+                assert self.hub is not None
+                self.hub.send(node, "kill", {"slot": action.slot})
         elif isinstance(action, DumpStacks):
-            stacks = {slot: self.agent.dump_stacks(slot) for slot in action.slots}
-            self._feed(StacksTaken(stacks))
+            self._dump_stacks_of(action.slots)
         elif isinstance(action, SetStop):
             self.agent.set_stop(action.reason)
         elif isinstance(action, SetAbort):
             self.agent.set_abort(action.reason)
 
+    def _node(self, slot: int) -> RemoteNode | None:
+        return None if self.hub is None else self.hub.node_of(slot)
+
     def _spawn(self, action: Spawn) -> None:
-        """Start the worker of a slot as the coordinator asked."""
-        config = self.config
-        if action.restart_after is not None:  # (it passed preflight before)
-            config = dataclasses.replace(config, resume=True, preflight=False)
-        replacement = action.replaces is not None
-        train, valid, valid_size = self.data
+        """Start the worker of a slot as the coordinator asked, on its node."""
+        order = SpawnOrder(
+            action.slot, action.replaces is not None, action.faults_after, action.restart_after
+        )
+        node = self._node(action.slot)
+        if node is None:
+            self._feed(Spawned(action.slot, self.spawner.spawn(order)))
+            return
+        assert self.hub is not None
+        node.alive.add(action.slot)
+        self.hub.send(node, "spawn", dataclasses.asdict(order))
 
-        def make_args(conn: Any, stack_file: str, heartbeat: Any) -> worker_mod.WorkerArgs:
-            return worker_mod.WorkerArgs(
-                slot=action.slot,
-                store_port=self.agent.store.port,
-                token=self.agent.signer.token,
-                user=self.user,
-                config=config,
-                plan=self.plan,
-                train=train,
-                valid=valid,
-                valid_size=valid_size,
-                conn=conn,
-                parent_pid=os.getpid(),
-                stack_file=stack_file,
-                weights_path=os.path.join(self.agent.tmp, "final.pt"),
-                threads=self.threads,
-                replacement=replacement,
-                faults_after=action.faults_after,
-                after_generation=-1 if action.restart_after is None else action.restart_after,
-                heartbeat=heartbeat,
-            )
-
-        name = f"phalanx-worker-{action.slot}" + ("-replacement" if replacement else "")
-        pid = self.agent.spawn(action.slot, name, worker_mod.main, make_args)
-        self._feed(Spawned(action.slot, pid))
+    def _dump_stacks_of(self, slots: list[int]) -> None:
+        stacks: dict[int, str | None] = {}
+        remote: dict[int, list[int]] = {}
+        for slot in slots:
+            node = self._node(slot)
+            if node is None:
+                stacks[slot] = self.agent.dump_stacks(slot)
+            elif node.lost:
+                stacks[slot] = "(its node was lost)"
+            else:
+                stacks[slot] = None
+                remote.setdefault(node.rank, []).append(slot)
+        if not remote:
+            self._feed(StacksTaken({s: t or "" for s, t in stacks.items()}))
+            return
+        assert self.hub is not None
+        for rank, asked in remote.items():
+            self.hub.send(self.hub.nodes[rank], "stacks", {"slots": asked})
+        self.stacks_due = (time.monotonic(), stacks)
 
     # -- kept for the process tests ----------------------------------------------------------
     def _stack_file(self, slot: int) -> str:
@@ -197,8 +283,18 @@ class Supervisor:
         self.agent.slots[slot] = state
         return self.agent.dump_stacks(slot)
 
+    def rejected_links(self) -> list[Notice]:
+        """One warning for each connection the head refused (not this run's token)."""
+        if self.hub is None:
+            return []
+        self.hub.poll()
+        found, self.hub.rejected = self.hub.rejected, []
+        return [rejected_link(address, why) for address, why in found]
+
     def close(self) -> None:
         self.agent.close()
+        if self.hub is not None:
+            self.hub.close()
 
     def final_model(self, path: str) -> torch.nn.Module:
         model = self.spec.build_model()
@@ -206,31 +302,62 @@ class Supervisor:
         return model
 
 
-def run_ddp(run: RunInputs, emit: Any, interrupter: Interrupter) -> RunEnd:
+def run_ddp(
+    run: RunInputs, emit: Any, interrupter: Interrupter, launch: Launch | None = None
+) -> RunEnd:
     """Train on one worker process per device; raises TrainingFailed when the run stopped
-    (the caller finishes it: :func:`phalanx.run.finish`)."""
+    (the caller finishes it: :func:`phalanx.run.finish`). Across machines (``launch`` with
+    several nodes) this is the head's part; a node's is :func:`.nodes.run_node`."""
+    if launch is not None and launch.nnodes > 1 and launch.node_rank > 0:
+        return run_node(run, launch, emit, interrupter)
     started = time.time()
     config = run.config
     data = (run.train, run.valid, run.valid_size)
-    sup = Supervisor(run.spec, config, run.plan, data, emit, interrupter)
+    nodes = None
+    if launch is not None and launch.nnodes > 1:
+        nodes = start_head(run, launch, emit)
+    sup = Supervisor(run.spec, config, run.plan, data, emit, interrupter, nodes)
+    told = False
     try:
         sup.start()
         outcome = sup.watch()
         fates = sup.coord.respawn_fates()
         for line in fates:  # the run's end says what became of every respawn
             emit(Notice(line))
+        for note in sup.rejected_links():
+            emit(note)
         if outcome.fatal or outcome.aborted or outcome.done is None:
             failures = outcome.failures or [_lost(config)]
             poison = outcome.poison and not outcome.fatal
+            if sup.hub is not None:
+                told = True
+                tell_end(sup.hub, _failed_doc(failures, poison, outcome.notes, fates))
             raise stopped(failures, poison, config, tuple(outcome.notes), fates)
         done = outcome.done
         assert done.weights_path is not None
         model = sup.final_model(done.weights_path)
+        interrupted = done.interrupted
+        if interrupted and interrupter.reason:  # the reason as the supervisor was told it
+            interrupted = f"Training interrupted: {interrupter.reason}"
+        if sup.hub is not None:
+            with open(done.weights_path, "rb") as fh:
+                weights = fh.read()
+            doc = {
+                "ok": True,
+                "history": done.history,
+                "steps": done.steps,
+                "epochs": done.epochs,
+                "interrupted": interrupted,
+                "ledger": done.ledger,
+                "failures": [f.to_dict() for f in outcome.failures],
+                "fates": fates,
+            }
+            told = True
+            tell_end(sup.hub, doc, weights)
     finally:
+        if sup.hub is not None and not told:  # (a bug of ours: the nodes must not wait)
+            tell_end(sup.hub, _failed_doc([_lost(config)], False, [], []))
         sup.close()
-    interrupted = done.interrupted
-    if interrupted and interrupter.reason:  # the reason as the supervisor was told it
-        interrupted = f"Training interrupted: {interrupter.reason}"
     return RunEnd(
         model=model,
         history=done.history,
@@ -242,6 +369,18 @@ def run_ddp(run: RunInputs, emit: Any, interrupter: Interrupter) -> RunEnd:
         seconds=time.time() - started,
         fates=fates,
     )
+
+
+def _failed_doc(
+    failures: list[WorkerFailure], poison: bool, notes: list[str], fates: list[str]
+) -> dict[str, Any]:
+    return {
+        "ok": False,
+        "failures": [f.to_dict() for f in failures],
+        "poison": poison,
+        "notes": list(notes),
+        "fates": fates,
+    }
 
 
 def _lost(config: FitConfig) -> WorkerFailure:

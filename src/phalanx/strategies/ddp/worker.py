@@ -149,6 +149,8 @@ class WorkerArgs:
     after_generation: int = -1
     # The heartbeat in memory shared with the supervisor (None: beats go through the pipe)
     heartbeat: Heartbeat | None = None
+    # The host of the store: the head's address across machines
+    store_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         self._spec: TrainSpec | None = None
@@ -165,7 +167,7 @@ class WorkerArgs:
 
     def connect(self, timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
         """A new client of the supervisor's store (one per thread: clients are not shared)."""
-        return dist.TCPStore("127.0.0.1", self.store_port, is_master=False, timeout=timeout)
+        return dist.TCPStore(self.store_host, self.store_port, is_master=False, timeout=timeout)
 
     def signed(self, store: dist.TCPStore, send: Callable[[object], None]) -> SignedStore:
         """``store``'s control keys, read only when signed with this run's token; a rejected

@@ -1,0 +1,503 @@
+"""Several machines: the head's view of the nodes (:class:`NodeHub`) and a node's agent
+(:func:`run_node`).
+
+Node 0's ``fit`` is the head: it hosts the store and the coordinator, and its own agent
+starts its own workers. Every other node's ``fit`` connects to the head over an
+authenticated :class:`~.link.Link`, says who it is (its devices, and what must agree across
+nodes: torch and phalanx versions, the plan with the data's fingerprint, the configuration),
+and from then on is an agent: it starts, watches, kills and dumps the stacks of its own
+workers as the head orders, and sends everything its agent sees back as data. The slots
+are numbered in node order (node 0's devices first), so a coordinator decides as on one
+machine; a node that stops talking for ``node_timeout`` is lost with all its workers
+(:class:`~.coordinator.NodeLost`). A node that loses the head for as long stops its
+workers and fails with a report that names the head.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from phalanx import __version__
+from phalanx.errors import ConfigError
+from phalanx.failures import WorkerFailure
+from phalanx.interrupt import Interrupter
+from phalanx.launch import Launch
+from phalanx.plan import Plan
+from phalanx.run import RunEnd, RunInputs, stopped
+from phalanx.spec import FitConfig
+from phalanx.strategies.ddp.agent import Agent
+from phalanx.strategies.ddp.control import TOKEN_ENV, Signer
+from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
+from phalanx.strategies.ddp.protocol import Done, from_wire, to_wire
+from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
+
+NODE_TIMEOUT = timedelta(seconds=10)  # silence after which a node (or the head) is lost
+BEAT_EVERY = 1.0  # seconds between a link's keep-alive frames
+JOIN_TIMEOUT = timedelta(seconds=300)  # for every node to register (the head waits)
+TOKEN_FILE = "token"  # in run_dir, owner-only: the run's token for every node
+
+
+class NodesDisagreeError(ConfigError):
+    code = "PX144"
+
+
+class NoTokenError(ConfigError):
+    code = "PX151"
+
+
+def link_address(launch: Launch) -> tuple[str, int]:
+    """Where the head listens for nodes: ``PHALANX_HEAD`` (Slurm: the first node, on
+    ``PHALANX_PORT``); under torchrun the port after ``MASTER_PORT`` (which torchrun's own
+    store holds)."""
+    assert launch.head is not None
+    extra = 1 if launch.source == "torchrun" else 0
+    return launch.head.host, launch.head.port + extra
+
+
+# -- the run's token across machines ------------------------------------------------------
+def head_token(run_dir: str | None) -> bytes:
+    """The head's token: ``PHALANX_TOKEN``, else a new one written to ``run_dir/token``
+    (mode 0600), which the nodes read from the shared folder."""
+    given = os.environ.get(TOKEN_ENV)
+    if given:
+        return given.encode()
+    if not run_dir:
+        raise NoTokenError(
+            "a run over several nodes needs a token every node holds: set PHALANX_TOKEN to the "
+            "same secret on every node, or give fit a run_dir on a folder every node shares "
+            "(the head writes the token there, readable by its owner only)"
+        )
+    token = secrets.token_hex(32)
+    path = os.path.join(run_dir, TOKEN_FILE)
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token)
+    os.replace(path + ".tmp", path)
+    return token.encode()
+
+
+def node_token(run_dir: str | None, wait: float) -> bytes:
+    """A node's token: ``PHALANX_TOKEN``, else the head's ``run_dir/token`` (waited for up
+    to ``wait`` seconds: the head may start later); refused when others can read it."""
+    given = os.environ.get(TOKEN_ENV)
+    if given:
+        return given.encode()
+    if not run_dir:
+        raise NoTokenError(
+            "this node has no token for the run: set PHALANX_TOKEN (the same on every node), "
+            "or give fit the run_dir the head writes its token to (a shared folder)"
+        )
+    path = os.path.join(run_dir, TOKEN_FILE)
+    deadline = time.monotonic() + wait
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise NoTokenError(f"no token at {path} within {wait:g}s: is the head started?")
+        time.sleep(0.2)
+    if os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise NoTokenError(f"{path} is readable by others: chmod 600 it (it is the run's key)")
+    with open(path) as fh:
+        return fh.read().strip().encode()
+
+
+# -- what must agree across nodes ----------------------------------------------------------
+def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
+    """What every node's ``fit`` must have the same of (the devices may differ)."""
+    return {
+        "torch": torch.__version__,
+        "phalanx": __version__,
+        "plan": plan.record(),
+        "epochs": config.epochs,
+        "max_steps": config.max_steps,
+        "precision": precision,
+        "recovery": repr(config.recovery),
+        "hang_timeout": config.hang_timeout.total_seconds(),
+        "checkpoint": repr(config.checkpoint),
+        "resume": config.resume,
+    }
+
+
+def disagreements(head: dict[str, Any], node: dict[str, Any], plan: Plan) -> list[str]:
+    found = []
+    for key, mine in head.items():
+        theirs = node.get(key)
+        same = plan.matches(theirs) if key == "plan" else theirs == mine
+        if not same:
+            found.append(f"{key}: the head has {mine!r}, this node {theirs!r}")
+    return found
+
+
+# -- the head's side ----------------------------------------------------------------------
+@dataclass
+class RemoteNode:
+    rank: int
+    host: str
+    devices: list[str]
+    link: Link
+    first: int = 0  # its first slot
+    lost: bool = False
+    last_sent: float = field(default_factory=time.monotonic)
+    alive: set[int] = field(default_factory=set)  # its slots with a live process
+
+    @property
+    def slots(self) -> range:
+        return range(self.first, self.first + len(self.devices))
+
+
+class NodeHub:
+    """The head's links to the other nodes."""
+
+    def __init__(self, listener: Listener, nnodes: int, timeout: timedelta) -> None:
+        self.listener, self.nnodes, self.timeout = listener, nnodes, timeout
+        self.nodes: dict[int, RemoteNode] = {}
+        self.rejected: list[tuple[str, str]] = []
+
+    def gather(
+        self, check: dict[str, Any], plan: Plan, own: list[str], deadline: timedelta
+    ) -> list[str]:
+        """Wait for every other node's hello; refuse one that disagrees (the head fails
+        too: PX144). Returns every slot's device label, in node order."""
+        end = time.monotonic() + deadline.total_seconds()
+        while len(self.nodes) < self.nnodes - 1:
+            self._rejected()
+            left = end - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, self.nnodes)) - set(self.nodes))
+                raise NodesDisagreeError(
+                    f"nodes {missing} did not join within {deadline.total_seconds():g}s: start "
+                    "the same script on every node with PHALANX_HEAD naming this head"
+                )
+            try:
+                link, hello = self.listener.joined.get(timeout=min(left, 0.2))
+            except Exception:
+                continue
+            doc = hello.doc
+            rank = int(doc.get("node", -1))
+            problems = disagreements(check, dict(doc.get("check") or {}), plan)
+            if not 0 < rank < self.nnodes or rank in self.nodes:
+                problems.append(f"node rank {rank} is not a free node rank of {self.nnodes}")
+            if problems:
+                message = "nodes disagree: " + "; ".join(problems)
+                link.send("refused", {"code": NodesDisagreeError.code, "message": message})
+                link.close()
+                raise NodesDisagreeError(f"node {rank} ({doc.get('host')}): {message}")
+            devices = [str(d) for d in doc.get("devices", [])]
+            self.nodes[rank] = RemoteNode(rank, str(doc.get("host", "?")), devices, link)
+        labels = list(own)
+        for rank in sorted(self.nodes):
+            node = self.nodes[rank]
+            node.first = len(labels)
+            labels += node.devices
+        return labels
+
+    def welcome(self, labels: list[str], store: tuple[str, int]) -> None:
+        for node in self.nodes.values():
+            doc = {"devices": labels, "first": node.first, "store": list(store)}
+            node.link.send("welcome", doc)
+            node.link.start()
+
+    def node_of(self, slot: int) -> RemoteNode | None:
+        for node in self.nodes.values():
+            if slot in node.slots:
+                return node
+        return None
+
+    def send(self, node: RemoteNode, kind: str, doc: dict[str, Any], payload: bytes = b"") -> None:
+        if node.lost:
+            return
+        try:
+            node.link.send(kind, doc, payload)
+            node.last_sent = time.monotonic()
+        except LinkError:
+            pass  # seen as the node's loss by poll
+
+    def poll(self) -> tuple[list[tuple[RemoteNode, Frame]], list[tuple[RemoteNode, str]]]:
+        """Frames from every live node, and the nodes lost since the last poll (why)."""
+        frames: list[tuple[RemoteNode, Frame]] = []
+        lost: list[tuple[RemoteNode, str]] = []
+        now = time.monotonic()
+        for node in self.nodes.values():
+            if node.lost:
+                continue
+            for item in node.link.drain():
+                if isinstance(item, LinkError):
+                    node.lost = True
+                    lost.append((node, f"its link closed ({item})"))
+                    break
+                frames.append((node, item))
+            silent = now - node.link.last_heard
+            if not node.lost and silent > self.timeout.total_seconds():
+                node.lost = True
+                limit = self.timeout.total_seconds()
+                lost.append((node, f"no word for {silent:.1f}s (node_timeout {limit:g}s)"))
+            if node.lost:
+                node.link.close()
+                node.alive.clear()
+            elif now - node.last_sent > BEAT_EVERY:
+                self.send(node, "beat", {})
+        self._rejected()
+        return frames, lost
+
+    def _rejected(self) -> None:
+        while not self.listener.rejected.empty():
+            self.rejected.append(self.listener.rejected.get())
+
+    def all_exited(self) -> bool:
+        return all(node.lost or not node.alive for node in self.nodes.values())
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            node.link.close()
+        self.listener.close()
+
+
+@dataclass
+class Nodes:
+    """The head's side of a run over several nodes, set up before its supervisor."""
+
+    hub: NodeHub
+    agent: Agent  # the head's own: hosts the store on the head's address
+    labels: list[str]  # every slot's device, node 0's first
+    shown: list[str]  # the same, with the node of each remote one (for reports)
+    slot_nodes: tuple[int, ...]
+
+
+def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
+    """Listen on ``PHALANX_HEAD``'s address, host the store there, and wait for every node
+    to join and agree; every node is then told the slots and where the store is."""
+    from phalanx.events import Notice
+
+    config = run.config
+    token = head_token(config.run_dir)
+    host, port = link_address(launch)
+    listener = Listener.open(host, port, token)
+    try:
+        store_port = int(os.environ.get("PHALANX_STORE_PORT", "0"))
+        agent = Agent(bind=(host, store_port), signer=Signer(token))
+        hub = NodeHub(listener, launch.nnodes, NODE_TIMEOUT)
+        emit(
+            Notice(
+                f"head: waiting for {launch.nnodes - 1} node(s) at {host}:{listener.port} "
+                f"(store at {host}:{agent.store_at[1] if agent.store_at else '?'})"
+            )
+        )
+        precision = str(getattr(run.spec, "precision", "32"))
+        check = agreement(config, run.plan, precision)
+        labels = hub.gather(check, run.plan, list(config.devices), JOIN_TIMEOUT)
+    except BaseException:
+        listener.close()
+        raise
+    assert agent.store_at is not None
+    hub.welcome(labels, agent.store_at)
+    slot_nodes = [0] * len(config.devices)
+    shown = list(config.devices)
+    for rank in sorted(hub.nodes):
+        node = hub.nodes[rank]
+        slot_nodes += [rank] * len(node.devices)
+        shown += [f"{d}@node{rank}" for d in node.devices]
+    for address, why in hub.rejected:
+        emit(rejected_link(address, why))
+    hub.rejected.clear()
+    return Nodes(hub, agent, labels, shown, tuple(slot_nodes))
+
+
+def rejected_link(address: str, why: str) -> Any:
+    """The head's one warning for a connection it refused (PX150)."""
+    from phalanx.events import Notice
+
+    return Notice(
+        f"PX150: refused a connection from {address} that did not prove this run's token "
+        f"({why}). The run goes on. See `phalanx explain PX150`.",
+        level="warning",
+    )
+
+
+def tell_end(hub: NodeHub, doc: dict[str, Any], weights: bytes = b"") -> None:
+    """Every live node learns how the run ended (with the final weights when it finished)."""
+    for node in hub.nodes.values():
+        hub.send(node, "end", doc, weights)
+
+
+# -- a node's side ------------------------------------------------------------------------
+def connect_to_head(
+    launch: Launch, token: bytes, hello: dict[str, Any], deadline: timedelta
+) -> tuple[Link, Frame]:
+    """Connect to the head, retrying while it is not up yet."""
+    address = link_address(launch)
+    end = time.monotonic() + deadline.total_seconds()
+    while True:
+        try:
+            return Link.connect(address, token, hello, timeout=5.0)
+        except (OSError, LinkError) as exc:
+            if time.monotonic() > end:
+                raise NodesDisagreeError(
+                    f"could not join the head at {launch.head} within "
+                    f"{deadline.total_seconds():g}s: {exc}"
+                ) from None
+            time.sleep(0.5)
+
+
+def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter) -> RunEnd:
+    """A node's agent for one run: join the head, start and watch this node's workers as it
+    orders, and return the run's end as the head tells it (the model with it)."""
+    from phalanx.events import Notice
+
+    started = time.time()
+    config = run.config
+    token = node_token(config.run_dir, JOIN_TIMEOUT.total_seconds())
+    precision = str(getattr(run.spec, "precision", "32"))
+    hello = {
+        "node": launch.node_rank,
+        "host": socket.gethostname(),
+        "devices": list(config.devices),
+        "check": agreement(config, run.plan, precision),
+    }
+    emit(Notice(f"node {launch.node_rank}: joining the head at {launch.head}"))
+    link, answer = connect_to_head(launch, token, hello, JOIN_TIMEOUT)
+    if answer.kind == "refused":
+        link.close()
+        raise NodesDisagreeError(str(answer.doc.get("message")))
+    labels = [str(d) for d in answer.doc["devices"]]
+    host, port = answer.doc["store"]
+    first = int(answer.doc["first"])
+    agent = Agent(bind=None, store_at=(str(host), int(port)), signer=Signer(token))
+    global_config = _with_devices(config, labels)
+    data = (run.train, run.valid, run.valid_size)
+    spawner = Spawner(run.spec, global_config, run.plan, data, agent, len(config.devices))
+    link.start()
+    last = first + len(config.devices) - 1
+    emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
+    try:
+        end = _serve(link, agent, spawner, interrupter)
+    finally:
+        agent.close()
+        link.close()
+    if end is None:
+        failure = WorkerFailure(
+            worker=first,
+            rank=first,
+            device=config.devices[0],
+            kind="crash",
+            message=(
+                f"the head at {launch.head} was lost: no word for "
+                f"{NODE_TIMEOUT.total_seconds():g}s; this node's workers were stopped"
+            ),
+            phase="sync",
+        )
+        raise stopped([failure], False, _no_dir(config))
+    frame = end
+    doc = frame.doc
+    failures = [WorkerFailure(**f) for f in doc.get("failures", [])]
+    fates = list(doc.get("fates", []))
+    if not doc.get("ok"):
+        notes = tuple(doc.get("notes", []))
+        raise stopped(failures, bool(doc.get("poison")), _no_dir(config), notes, fates)
+    model = _load_model(run, frame.payload)
+    return RunEnd(
+        model=model,
+        history=list(doc["history"]),
+        steps=int(doc["steps"]),
+        epochs=int(doc["epochs"]),
+        interrupted=doc.get("interrupted"),
+        ledger=[list(row) for row in doc["ledger"]],
+        failures=failures,
+        seconds=time.time() - started,
+        fates=fates,
+    )
+
+
+def _serve(link: Link, agent: Agent, spawner: Spawner, interrupter: Interrupter) -> Frame | None:
+    """Until the head says the run ended (its ``end`` frame) or is lost (None)."""
+    stop_sent = False
+    last_sent = time.monotonic()
+    while True:
+        for seen in agent.poll(timedelta(seconds=0.1)):
+            message = None if seen.exited else to_wire(seen.message)
+            if isinstance(seen.message, Done) and seen.message.weights_path:
+                with open(seen.message.weights_path, "rb") as fh:
+                    link.send("weights", {"slot": seen.slot}, fh.read())
+            link.send(
+                "seen",
+                {
+                    "slot": seen.slot,
+                    "exited": seen.exited,
+                    "code": seen.code,
+                    "stale": seen.stale,
+                    "message": message,
+                },
+            )
+            last_sent = time.monotonic()
+        for item in link.drain():
+            if isinstance(item, LinkError):
+                return None
+            if item.kind == "end":
+                return item
+            _order(item, link, agent, spawner)
+        if time.monotonic() - link.last_heard > NODE_TIMEOUT.total_seconds():
+            return None
+        if not stop_sent and interrupter.should_stop():
+            stop_sent = True
+            link.send("stop", {"reason": interrupter.reason or "stop requested"})
+        if time.monotonic() - last_sent > BEAT_EVERY:
+            link.send("beat", {})
+            last_sent = time.monotonic()
+
+
+def _order(frame: Frame, link: Link, agent: Agent, spawner: Spawner) -> None:
+    doc = frame.doc
+    if frame.kind == "spawn":
+        order = SpawnOrder(
+            int(doc["slot"]),
+            bool(doc.get("replacement")),
+            int(doc.get("faults_after", -1)),
+            None if doc.get("restart_after") is None else int(doc["restart_after"]),
+        )
+        pid = spawner.spawn(order)
+        link.send("spawned", {"slot": order.slot, "pid": pid})
+    elif frame.kind == "kill":
+        agent.kill(int(doc["slot"]))
+    elif frame.kind == "stacks":
+        stacks = {str(s): agent.dump_stacks(int(s)) for s in doc.get("slots", [])}
+        link.send("stacks", {"stacks": stacks})
+
+
+def decode_seen(doc: dict[str, Any]) -> tuple[int, object, int | None, bool, bool]:
+    """A node's ``seen`` frame: (slot, message, exit code, exited, stale)."""
+    message = doc.get("message")
+    return (
+        int(doc["slot"]),
+        None if message is None else from_wire(dict(message)),
+        None if doc.get("code") is None else int(doc["code"]),
+        bool(doc.get("exited")),
+        bool(doc.get("stale")),
+    )
+
+
+def _with_devices(config: FitConfig, labels: list[str]) -> FitConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, devices=labels)
+
+
+def _no_dir(config: FitConfig) -> FitConfig:
+    """A node writes nothing in run_dir: the head's sinks and reports do."""
+    import dataclasses
+
+    return dataclasses.replace(config, run_dir=None)
+
+
+def _load_model(run: RunInputs, payload: bytes) -> torch.nn.Module:
+    import io
+
+    model = run.spec.build_model()
+    state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
+    return model
