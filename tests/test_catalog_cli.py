@@ -241,7 +241,9 @@ def extras_in_pyproject() -> list[str]:
     [
         ("PX140", ["PHALANX_NODE_RANK=2", "phalanx run"]),
         ("PX141", ["--nproc-per-node 1", "--ntasks-per-node 1", "devices="]),
-        ("PX142", ["one node only", "docs/multinode.md"]),
+        ("PX142", ["one node only", "strategy='ddp'", "docs/multinode.md"]),
+        ("PX144", ["fingerprint", "PHALANX_HEAD"]),
+        ("PX151", ["PHALANX_TOKEN", "0600"]),
         ("PX143", ["phalanx.lock", "another run_dir"]),
     ],
 )

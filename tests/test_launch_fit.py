@@ -94,7 +94,7 @@ NODES = [
 
 
 @pytest.mark.parametrize("env", [c[1] for c in NODES], ids=[c[0] for c in NODES])
-def test_several_nodes_are_refused_as_not_available_yet(
+def test_several_nodes_are_refused_for_a_strategy_that_trains_on_one_node(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str]
 ) -> None:
     set_env(monkeypatch, env)
@@ -103,7 +103,8 @@ def test_several_nodes_are_refused_as_not_available_yet(
         learner().fit(dataset(), batch_size=8, run_dir=str(run_dir), sinks=[])
     assert info.value.code == "PX142"
     assert "of 2" in info.value.message
-    assert "multi-node runs are not available yet" in info.value.message
+    assert "trains on one node only" in info.value.message
+    assert "several nodes train with strategy='ddp'" in info.value.message
     assert not run_dir.exists()
 
 
@@ -212,7 +213,7 @@ def _phalanx(*argv: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_phalanx_run_several_nodes_is_refused_one_node_trains(tmp_path: Path) -> None:
+def test_phalanx_run_several_nodes_with_single_is_refused_one_node_trains(tmp_path: Path) -> None:
     script, run_dir = _script(tmp_path), tmp_path / "run"
     head = ("--head", "127.0.0.1:29410")
     proc = _run(_phalanx("run", "--nnodes", "2", "--node-rank", "1", *head, str(script),

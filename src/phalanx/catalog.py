@@ -841,24 +841,26 @@ _ENTRIES = [
     ),
     Explanation(
         code="PX142",
-        title="multi-node runs are not available in this version",
+        title="several nodes train with strategy='ddp' only",
         meaning="The launch names several nodes (PHALANX_NNODES, torchrun's --nnodes, or "
-        "Slurm's node count for the step is above 1). This version of phalanx trains on one "
-        "node only: its workers, store and supervisor live on one host. Rather than train "
-        "one separate copy per node, fit() refuses. Multi-node training is being built (see "
-        "docs/multinode.md for what exists).",
+        "Slurm's node count for the step is above 1) but fit() was given a strategy that "
+        "trains on one node only ('single' or 'threads'): each node would train its own "
+        "copy. Across nodes, phalanx runs strategy='ddp': node 0 is the head (store, "
+        "coordinator), every node starts and watches its own workers (docs/multinode.md).",
         when="First thing in fit(), on every node, before any other check, process or file.",
         causes=[
-            "torchrun --nnodes 2 (or more), or an srun step over several nodes.",
-            "phalanx run --nnodes 2 (or PHALANX_NNODES=2), which names a multi-node job.",
+            "torchrun --nnodes 2 or an srun step over several nodes with strategy='single' "
+            "or 'threads'.",
+            "phalanx run --nnodes 2 (or PHALANX_NNODES=2) with such a strategy.",
         ],
         fixes=[
-            "Run on one node: torchrun --nnodes 1 --nproc-per-node 1, srun --nodes 1 "
-            "--ntasks-per-node 1, or python train.py, with devices= naming that node's "
-            "devices.",
+            "Pass strategy='ddp' (every node runs the same script; devices= names that "
+            "node's devices).",
+            "Or run on one node: torchrun --nnodes 1 --nproc-per-node 1, srun --nodes 1 "
+            "--ntasks-per-node 1, or python train.py.",
         ],
-        example="# before\nsrun --nodes 2 --ntasks-per-node 1 python train.py\n"
-        "# after\nsrun --nodes 1 --ntasks-per-node 1 python train.py",
+        example="# before\nlearner.fit(data, strategy='threads', devices='cuda:0,cuda:1')\n"
+        "# after (on every node)\nlearner.fit(data, strategy='ddp', devices='cuda:0,cuda:1')",
     ),
     Explanation(
         code="PX143",
@@ -886,6 +888,54 @@ _ENTRIES = [
         "# after\nlearner.fit(data, run_dir='runs/b')   # or wait for runs/a to finish",
     ),
     Explanation(
+        code="PX144",
+        title="the nodes of a run disagree, or did not all join",
+        meaning="Every node's fit() must train the same job: the head compares what each "
+        "node says when it joins (torch and phalanx versions, the plan: dataset size, batch, "
+        "seed, shuffling and a fingerprint of some samples, the epochs, max_steps, "
+        "precision, recovery policy, hang_timeout, checkpoint settings and resume) with its "
+        "own. A node that differs is refused, and the head stops too, before any worker "
+        "starts: each line names the setting, the head's value and the node's. The same "
+        "code is given when a node does not join (or cannot reach the head) in time.",
+        when="In fit() on every node, after the local checks, before any worker starts.",
+        causes=[
+            "Different script versions or arguments on the nodes (epochs, batch size).",
+            "A dataset built differently on one node (an unseeded random_split, another "
+            "file), or different torch versions in the nodes' environments.",
+            "A node that was never started, or PHALANX_HEAD naming another host or port.",
+        ],
+        fixes=[
+            "Run the same script with the same arguments and environment on every node.",
+            "Seed whatever builds the dataset (torch.Generator().manual_seed(...)).",
+            "Start every node with PHALANX_HEAD=<head host>:<port> reachable from it.",
+        ],
+        example="# [PX144] node 1 (gpu7): nodes disagree: epochs: the head has 4, this node 5\n"
+        "# run the same command on every node",
+    ),
+    Explanation(
+        code="PX151",
+        title="a run over several nodes has no token",
+        meaning="Across machines, only processes that hold the run's token are heard: each "
+        "node proves it when it joins, and every control message is signed with it. The "
+        "token comes from PHALANX_TOKEN (the same on every node), or the head makes one and "
+        "writes it to run_dir/token with owner-only permissions (mode 0600), where the "
+        "nodes read it (run_dir is then a folder every node shares). Neither was there, "
+        "or the token file can be read by others.",
+        when="In fit(), on the head before it listens, on a node before it joins.",
+        causes=[
+            "No PHALANX_TOKEN and no run_dir.",
+            "run_dir is not shared: the nodes never see the head's token file.",
+            "run_dir/token was copied with wider permissions.",
+        ],
+        fixes=[
+            "export PHALANX_TOKEN=$(openssl rand -hex 32) on every node (a job scheduler's "
+            "secret store, or the batch script that starts the nodes).",
+            "Or give fit() a run_dir on a shared file system; chmod 600 run_dir/token.",
+        ],
+        example="# before\nlearner.fit(data, strategy='ddp')   # on 2 nodes, no token\n"
+        "# after\nPHALANX_TOKEN=... python train.py     # the same value on every node",
+    ),
+    Explanation(
         code="PX150",
         title="a control message that is not this run's was ignored",
         meaning="A ddp worker read a value from the run's store (a generation announcement, "
@@ -894,7 +944,9 @@ _ENTRIES = [
         "message replayed under another key or older than one already read. The worker "
         "ignored it and the run went on; this warning is given once per such value. "
         "torch's store does not record who writes a key, so the address is not known.",
-        when="During a ddp run, when a worker reads the store's control keys.",
+        when="During a ddp run, when a worker reads the store's control keys; across "
+        "machines also when the head refuses a connection to its node port that does not "
+        "prove the token (then the address is named).",
         causes=[
             "Another process that can reach the store's port wrote to it: a stray script, "
             "a second run pointed at the same port, or someone probing the port.",

@@ -240,7 +240,7 @@ class ProcessesPerNodeError(ConfigError):
 
 
 class MultiNodeUnavailableError(ConfigError):
-    """The launch names several nodes; this version of phalanx trains on one node only."""
+    """The launch names several nodes, with a strategy that trains on one node only."""
 
     code = "PX142"
 
@@ -250,6 +250,20 @@ class RunDirLockedError(ConfigError):
     the folder was moved or written."""
 
     code = "PX143"
+
+
+class NodesDisagreeError(ConfigError):
+    """The nodes of a run disagree on what they train (versions, plan and data, settings),
+    or not every node joined the head in time."""
+
+    code = "PX144"
+
+
+class NoTokenError(ConfigError):
+    """A run over several nodes has no token every node holds (PHALANX_TOKEN, or the
+    head's ``run_dir/token``), or the token file can be read by others."""
+
+    code = "PX151"
 
 
 def all_error_classes() -> list[type[PhalanxError]]:

@@ -122,8 +122,8 @@ class Learner:
         ``run_dir=""`` is the same as None: nothing is written.
         """
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
-        if isinstance(hang_timeout, int | float) and not isinstance(hang_timeout, bool):
-            hang_timeout = timedelta(seconds=hang_timeout)  # seconds, as torch's timeouts read
+        if not isinstance(hang_timeout, timedelta):  # seconds (validated below)
+            hang_timeout = timedelta(seconds=hang_timeout)
         # One process per node; several nodes with ddp only (PX140-PX142), before all else.
         launch = check_launch(os.environ, strategy)
         labels = parse_devices(devices)

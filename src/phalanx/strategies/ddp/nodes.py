@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from phalanx import __version__
-from phalanx.errors import ConfigError
+from phalanx.errors import NodesDisagreeError, NoTokenError
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.launch import Launch
@@ -44,14 +44,6 @@ NODE_TIMEOUT = timedelta(seconds=10)  # silence after which a node (or the head)
 BEAT_EVERY = 1.0  # seconds between a link's keep-alive frames
 JOIN_TIMEOUT = timedelta(seconds=300)  # for every node to register (the head waits)
 TOKEN_FILE = "token"  # in run_dir, owner-only: the run's token for every node
-
-
-class NodesDisagreeError(ConfigError):
-    code = "PX144"
-
-
-class NoTokenError(ConfigError):
-    code = "PX151"
 
 
 def link_address(launch: Launch) -> tuple[str, int]:

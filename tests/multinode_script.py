@@ -1,0 +1,53 @@
+"""One node's part of a multi-node test run: the same script on every node, as a user runs
+it (``PHALANX_NNODES``, ``PHALANX_NODE_RANK``, ``PHALANX_HEAD`` set by the test).
+
+    python multinode_script.py OUT DEVICES EPOCHS RUN_DIR|- [shrink]
+
+Writes the final state dict to OUT and prints one JSON line: steps, ledger, failures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+
+import phalanx as px
+from recovery_helpers import linear, make_data, sgd, slow_step
+
+DATA = make_data(240)
+
+
+def main() -> None:
+    out, devices, epochs, run_dir = (
+        sys.argv[1],
+        sys.argv[2].split(","),
+        int(sys.argv[3]),
+        sys.argv[4],
+    )
+    shrink = len(sys.argv) > 5 and sys.argv[5] == "shrink"
+    learner = px.Learner(linear, sgd, slow_step)
+    result = learner.fit(
+        DATA,
+        epochs=epochs,
+        batch_size=24,
+        seed=5,
+        devices=devices,
+        strategy="ddp",
+        run_dir=None if run_dir == "-" else run_dir,
+        hang_timeout=timedelta(seconds=10),
+        on_failure=px.Recovery(mode="shrink") if shrink else None,
+    )
+    torch.save(result.model.state_dict(), out)
+    doc = {
+        "steps": result.steps,
+        "ledger_ok": result.ledger_ok,
+        "failures": [f.to_dict() for f in result.failures],
+    }
+    print("RESULT " + json.dumps(doc), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Several nodes on one machine: each node is its own ``python script.py`` process with
+``PHALANX_NNODES``/``PHALANX_NODE_RANK``/``PHALANX_HEAD`` set, as on a cluster; the head
+listens on 127.0.0.1. What must hold: the run trains as one job (every node returns the
+model a one-node run of the same devices gives), a node killed with its workers is named
+and the survivors finish without it (exact ledger), nodes that disagree are refused before
+anything trains, and nobody without the run's token is heard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.strategies.ddp.control import ENVELOPE, digest
+from phalanx.strategies.ddp.link import Link, LinkError
+from phalanx.strategies.ddp.protocol import (
+    ABORT_KEY,
+    CONTROL_KEY,
+    GEN_LATEST,
+    GEN_PREFIX,
+    STOP_KEY,
+    Announcement,
+)
+from procs import TESTS_DIR
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="POSIX processes"),
+    pytest.mark.slow,
+]
+
+SCRIPT = TESTS_DIR / "multinode_script.py"
+SRC = TESTS_DIR.parent / "src"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def env_for(rank: int, port: int, token: str | None = "test token") -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PHALANX_TOKEN", None)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]),
+        PHALANX_NNODES="2",
+        PHALANX_NODE_RANK=str(rank),
+        PHALANX_HEAD=f"127.0.0.1:{port}",
+    )
+    if token is not None:
+        env["PHALANX_TOKEN"] = token
+    return env
+
+
+def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """A node: its own process group (so a test can kill it with its workers)."""
+    out = open(log, "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float = 150) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def result_of(log: Path) -> dict[str, Any]:
+    for line in log.read_text().splitlines():
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[len("RESULT ") :]))
+    raise AssertionError(f"no result in {log}:\n{log.read_text()[-3000:]}")
+
+
+def weights(path: Path) -> list[torch.Tensor]:
+    return list(torch.load(path, weights_only=True).values())
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(a, b, strict=True))
+
+
+def one_node_run(tmp_path: Path, epochs: int) -> list[torch.Tensor]:
+    """The same job on one node with the same devices (two workers)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]))
+    for name in ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD"):
+        env.pop(name, None)
+    out, log = tmp_path / "one.pt", tmp_path / "one.log"
+    proc = start([str(out), "cpu:0,cpu:1", str(epochs), "-"], env, log)
+    assert finish(proc) == 0, log.read_text()[-3000:]
+    return weights(out)
+
+
+def two_nodes(
+    tmp_path: Path, epochs: int, extra: tuple[str, ...] = (), tokens: tuple[Any, Any] = ("t", "t")
+) -> tuple[int, list[subprocess.Popen[bytes]], list[Path]]:
+    port = free_port()
+    procs, logs = [], []
+    for rank in (0, 1):
+        log = tmp_path / f"node{rank}.log"
+        args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", str(epochs), "-", *extra]
+        procs.append(start(args, env_for(rank, port, tokens[rank]), log))
+        logs.append(log)
+    return port, procs, logs
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_train_as_one_job_and_every_node_returns_its_model(tmp_path: Path) -> None:
+    port, procs, logs = two_nodes(tmp_path, epochs=4)
+    try:
+        codes = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert codes == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
+    head, node = result_of(logs[0]), result_of(logs[1])
+    assert head["steps"] == node["steps"] == 40
+    assert head["ledger_ok"] and node["ledger_ok"] and not head["failures"]
+    w_head, w_node = weights(tmp_path / "node0.pt"), weights(tmp_path / "node1.pt")
+    assert same(w_head, w_node)
+    assert same(w_head, one_node_run(tmp_path, epochs=4))  # as one node with two devices
+    text = logs[0].read_text()
+    assert "cpu:0@node1" in text and f"127.0.0.1:{port}" in text
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_node_is_named_and_the_survivors_finish_without_it(tmp_path: Path) -> None:
+    _, procs, logs = two_nodes(tmp_path, epochs=12, extra=("shrink",))
+    try:
+        deadline = time.monotonic() + 120
+        while "epoch 2/12 done" not in logs[0].read_text():  # training, both nodes in
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        killed_at = time.time()
+        kill_group(procs[1])  # the node's process and its worker, as a lost machine
+        assert finish(procs[0]) == 0, logs[0].read_text()[-3000:]
+    finally:
+        for p in procs:
+            kill_group(p)
+    head = result_of(logs[0])
+    assert head["steps"] == 120 and head["ledger_ok"]
+    [failure] = head["failures"]
+    assert failure["worker"] == 1 and failure["action"] == "shrunk"
+    assert failure["message"].startswith(
+        f"node 1 ({socket.gethostname()}) lost with its workers [1]"
+    )
+    assert failure["attempt"] is None  # a node's loss is not an attempt of its step
+    assert failure["time"] - killed_at < 5.0  # named within seconds, not a collective timeout
+    assert "Final world size: 1 of 2" in logs[0].read_text()
+
+
+@pytest.mark.timeout(200)
+def test_nodes_that_disagree_are_refused_before_anything_trains(tmp_path: Path) -> None:
+    port = free_port()
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    head = start([str(tmp_path / "a.pt"), "cpu:0", "4", "-"], env_for(0, port), logs[0])
+    node = start([str(tmp_path / "b.pt"), "cpu:0", "5", "-"], env_for(1, port), logs[1])
+    try:
+        codes = [finish(head), finish(node)]
+    finally:
+        kill_group(head)
+        kill_group(node)
+    assert codes == [1, 1]
+    for log in logs:
+        text = log.read_text()
+        assert "[PX144]" in text and "epochs: the head has 4, this node 5" in text, text[-2000:]
+        assert "RESULT" not in text and "starting 2 worker" not in text
+
+
+class Planted:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.timeout(300)
+def test_a_rogue_client_changes_nothing_in_a_two_node_run(tmp_path: Path) -> None:
+    """It connects to the head's node port without the token, and to the head's store: a
+    forged announcement, stop and abort, a replayed signed message, a planted pickle."""
+    planted = tmp_path / "planted"
+    port, procs, logs = two_nodes(tmp_path, epochs=8)
+    refused = 0
+    written: list[tuple[str, bytes, bool]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "epoch 2/8 done" not in logs[0].read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        text = logs[0].read_text()
+        store_port = int(text.split("(store at 127.0.0.1:")[1].split(")")[0])
+        hello = {"node": 1, "host": "rogue", "devices": ["cpu:0"], "check": {}}
+        try:  # the wrong token: the head answers nothing it would act on
+            Link.connect(("127.0.0.1", port), b"not the token", hello, timeout=5.0)
+        except (LinkError, OSError):
+            refused += 1
+        rogue = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=_td(10))
+        genuine = bytes(rogue.get(f"{GEN_PREFIX}0"))  # the run's own first announcement
+        fake = Announcement(1, (0,), cause="rogue").to_json()
+        forged = json.dumps({"format": ENVELOPE, "seq": 99, "payload": fake, "mac": "ab" * 32})
+        written += [
+            (f"{GEN_PREFIX}1", forged.encode(), True),  # a fake generation
+            (STOP_KEY, b"rogue says stop", False),  # unsigned
+            (ABORT_KEY, b'{"format": "px-signed/1", "seq": 5, "payload": "x", "mac": ""}', False),
+            (ABORT_KEY, genuine, False),  # a genuine signed message under another key
+            (f"{GEN_PREFIX}1", pickle.dumps(Planted(str(planted))), False),
+        ]
+        for key, raw, bump in written:
+            rogue.set(key, raw)
+            if bump:
+                rogue.add(GEN_LATEST, 1)
+            rogue.add(CONTROL_KEY, 1)
+            deadline = time.monotonic() + 20
+            while digest(raw) not in logs[0].read_text():
+                assert time.monotonic() < deadline and procs[0].poll() is None, f"no word of {key}"
+                time.sleep(0.05)
+        codes = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert codes == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
+    assert refused == 1
+    assert not planted.exists()
+    head, node = result_of(logs[0]), result_of(logs[1])
+    assert head["steps"] == node["steps"] == 80 and head["ledger_ok"] and not head["failures"]
+    assert same(weights(tmp_path / "node0.pt"), weights(tmp_path / "node1.pt"))
+    assert same(weights(tmp_path / "node0.pt"), one_node_run(tmp_path, epochs=8))
+    warnings = [line for line in logs[0].read_text().splitlines() if "PX150" in line]
+    for key, raw, _ in written:  # each rejected value once, however many workers read it
+        assert sum(digest(raw) in line and repr(key) in line for line in warnings) == 1, key
+    assert sum("refused a connection" in line for line in warnings) == 1, warnings
+
+
+def _td(seconds: float) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

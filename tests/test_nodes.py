@@ -1,0 +1,242 @@
+"""Across machines, without processes: the link's checks (token, MAC, replay), worker
+messages as data, the coordinator's rule for a lost node, and the run's token file."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+import phalanx as px
+from phalanx.errors import NoTokenError
+from phalanx.events import Notice, StepEnded
+from phalanx.failures import WorkerFailure
+from phalanx.plan import Plan
+from phalanx.strategies.ddp.actions import Announce, Record, SetAbort
+from phalanx.strategies.ddp.coordinator import (
+    Coordinator,
+    NodeLost,
+    Now,
+    Received,
+    Setup,
+    Spawned,
+    Timeouts,
+)
+from phalanx.strategies.ddp.link import HEADER, Link, LinkError, Listener
+from phalanx.strategies.ddp.nodes import disagreements, head_token, node_token
+from phalanx.strategies.ddp.protocol import (
+    Aborted,
+    Broke,
+    Done,
+    Failed,
+    Joined,
+    Progress,
+    Ready,
+    Rejected,
+    Relay,
+    from_wire,
+    to_wire,
+)
+
+TOKEN = b"the run's token"
+
+
+# -- the link -------------------------------------------------------------------------------
+def listener() -> Listener:
+    return Listener.open("127.0.0.1", 0, TOKEN)
+
+
+def test_a_node_with_the_token_is_heard_both_ways() -> None:
+    lis = listener()
+    try:
+        link, answer = None, None
+
+        def head() -> None:
+            peer, hello = lis.joined.get(timeout=10)
+            assert hello.doc == {"node": 1}
+            peer.send("welcome", {"devices": ["cpu:0"]}, b"\x00payload")
+            peer.start()
+            peer.send("beat", {})
+
+        t = threading.Thread(target=head)
+        t.start()
+        link, answer = Link.connect(("127.0.0.1", lis.port), TOKEN, {"node": 1}, 10)
+        t.join(10)
+        assert answer.kind == "welcome" and answer.payload == b"\x00payload"
+        assert link.recv().kind == "beat"
+        link.close()
+    finally:
+        lis.close()
+
+
+def test_a_connection_without_the_token_is_refused_and_named() -> None:
+    lis = listener()
+    try:
+        with pytest.raises((LinkError, OSError)):
+            Link.connect(("127.0.0.1", lis.port), b"a guess", {"node": 1}, 10)
+        address, why = lis.rejected.get(timeout=10)
+        assert address.startswith("127.0.0.1:") and "bad MAC" in why
+        assert lis.joined.empty()
+        raw = socket.create_connection(("127.0.0.1", lis.port))  # not phalanx at all
+        raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + b" " * 20)
+        address, why = lis.rejected.get(timeout=10)
+        assert "not a phalanx node" in why
+        raw.close()
+    finally:
+        lis.close()
+
+
+def pair() -> tuple[Link, Link, socket.socket]:
+    a, b = socket.socketpair()
+    return Link(a, b"k" * 32, "a"), Link(b, b"k" * 32, "b"), b
+
+
+def test_a_frame_with_a_bad_mac_or_replayed_is_rejected() -> None:
+    sender, receiver, _ = pair()
+    sender.send("beat", {"n": 1})
+    assert receiver.recv().doc == {"n": 1}
+    # a replay: the same genuine frame again (its number is not the next one)
+    sender.sent = 0
+    sender.send("beat", {"n": 1})
+    with pytest.raises(LinkError) as info:
+        receiver.recv()
+    assert info.value.rejected and "replay" in str(info.value)
+
+    sender, receiver, _ = pair()
+    body = json.dumps({"kind": "end", "doc": {"ok": False}}).encode()
+    forged = HEADER.pack(1, len(body), 0) + body + b"\x00" * 32
+    sender.sock.sendall(forged)
+    with pytest.raises(LinkError) as info:
+        receiver.recv()
+    assert info.value.rejected and "bad MAC" in str(info.value)
+
+
+# -- worker messages as data ----------------------------------------------------------------
+FAILURE = WorkerFailure(1, 1, "cpu:1", "exception", "boom", sample_indices=[3, 4], attempt=1)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Relay(Notice("hello")),
+        Relay(
+            StepEnded(
+                epoch=0,
+                step=2,
+                global_step=3,
+                loss=0.5,
+                samples=8,
+                steps_in_epoch=10,
+                lr=0.1,
+                samples_per_s=80.0,
+            )
+        ),
+        Progress(1, 7, "backward", 12.5, 1),
+        Failed(FAILURE, fatal=True),
+        Broke(FAILURE, 3, splittable=True),
+        Aborted(2, 9, True),
+        Done(0, "/tmp/w.pt", [{"train/loss": 0.1}], 40, 4, None, [[0.0, 1.0, 2.0]]),
+        Ready(1),
+        Joined(1, 2, 30),
+        Rejected(1, "gen/1", "a bad MAC", "abcd"),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_every_worker_message_crosses_as_json_and_comes_back_equal(message: object) -> None:
+    assert from_wire(json.loads(json.dumps(to_wire(message)))) == message
+
+
+def test_anything_else_is_not_a_message() -> None:
+    for doc in ({"type": "Popen", "args": ["rm"]}, {"type": "Ready", "slot": 1, "x": 2}, {}):
+        try:
+            message = from_wire(doc)
+        except ValueError:
+            continue
+        assert message == Ready(1)  # (unknown fields of a known message are left out)
+
+
+# -- the coordinator: a lost node -----------------------------------------------------------
+PLAN = Plan(120, 12, seed=0)
+
+
+def coordinator(nodes: tuple[int, ...], recovery: px.Recovery | None = None) -> Coordinator:
+    devices = [f"cpu:{i}" for i in range(len(nodes))]
+    timeouts = Timeouts(timedelta(seconds=3))
+    c = Coordinator(Setup(PLAN, devices, recovery or px.Recovery(), timeouts, False, nodes))
+    now = Now(0.0, 1000.0)
+    c.start(now)
+    for slot in range(len(nodes)):
+        c.handle(Spawned(slot, 100 + slot), now)
+    return c
+
+
+def training(c: Coordinator, step: int = 4) -> None:
+    now = Now(1.0, 1001.0)
+    for slot in range(c.world):
+        c.handle(Received(slot, Ready(slot)), now)
+    for slot in range(c.world):
+        c.handle(Received(slot, Joined(slot, 0, 0)), now)
+        c.handle(Received(slot, Progress(slot, step, "forward", 1001.0, 0)), now)
+
+
+def test_a_lost_node_is_one_failure_and_the_survivors_shrink_without_its_workers() -> None:
+    c = coordinator((0, 0, 1, 1))
+    training(c)
+    actions = c.handle(NodeLost(1, "gpu7", "no word for 10.2s"), Now(2.0, 1002.0))
+    [record] = [a.failure for a in actions if isinstance(a, Record)]
+    assert record.worker == 2 and record.host == "gpu7" and record.action == "shrunk"
+    assert record.message.startswith("node 1 (gpu7) lost with its workers [2, 3] at step 5")
+    assert record.attempt is None  # not an attempt of its step: the batch is not suspect
+    [announce] = [a.announcement for a in actions if isinstance(a, Announce)]
+    assert announce.members == (0, 1) and "node 1 lost" in announce.cause
+    again = c.handle(NodeLost(1, "gpu7", "again"), Now(3.0, 1003.0))
+    assert not [a for a in again if isinstance(a, Record | Announce)]  # once
+
+
+def test_a_lost_node_stops_the_run_below_min_workers_or_before_training() -> None:
+    c = coordinator((0, 1, 1), px.Recovery(min_workers=2))
+    training(c)
+    actions = c.handle(NodeLost(1, "h1", "its link closed"), Now(2.0, 1002.0))
+    assert [a.failure.action for a in actions if isinstance(a, Record)] == ["aborted"]
+    assert any(isinstance(a, SetAbort) for a in actions) and c.book.fatal
+    assert "too few workers left" in " ".join(c.book.notes)
+
+    c = coordinator((0, 1))  # still starting: no generation to go on in
+    actions = c.handle(NodeLost(1, "h1", "its link closed"), Now(0.5, 1000.5))
+    assert [a.failure.action for a in actions if isinstance(a, Record)] == ["aborted"]
+    assert "before training began" in " ".join(c.book.notes)
+
+
+# -- the token and what nodes must agree on ---------------------------------------------------
+def test_the_head_writes_the_token_owner_only_and_a_node_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PHALANX_TOKEN", raising=False)
+    with pytest.raises(NoTokenError):
+        head_token(None)
+    token = head_token(str(tmp_path))
+    path = tmp_path / "token"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and len(token) == 64
+    assert node_token(str(tmp_path), wait=0) == token
+    os.chmod(path, 0o644)
+    with pytest.raises(NoTokenError, match="chmod 600"):
+        node_token(str(tmp_path), wait=0)
+    with pytest.raises(NoTokenError, match="is the head started"):
+        node_token(str(tmp_path / "elsewhere"), wait=0)
+    monkeypatch.setenv("PHALANX_TOKEN", "shared")
+    assert head_token(None) == node_token(None, wait=0) == b"shared"
+
+
+def test_nodes_that_differ_are_named_setting_by_setting() -> None:
+    plan = Plan(120, 12, seed=0)
+    head = {"torch": "2.13.0", "epochs": 4, "plan": plan.record()}
+    assert disagreements(head, dict(head), plan) == []
+    other = dict(head, epochs=5, plan=Plan(120, 12, seed=1).record())
+    found = disagreements(head, other, plan)
+    assert found[0] == "epochs: the head has 4, this node 5" and found[1].startswith("plan:")
