@@ -210,8 +210,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="start a script as one node of a job (sets PHALANX_NNODES, _NODE_RANK, _HEAD)",
         description="Set PHALANX_NNODES, PHALANX_NODE_RANK and PHALANX_HEAD and run SCRIPT "
         "with this Python (the process becomes the script: its exit status is the script's). "
-        "Start one per node; phalanx starts one worker per device of the node itself. This "
-        "version trains on one node only: with --nnodes above 1, fit() refuses (PX142).",
+        "Start one per node, with the same PHALANX_TOKEN on each (or a shared run_dir); "
+        "phalanx starts one worker per device of the node itself. Node 0 is the head; "
+        "several nodes train with strategy='ddp' (docs/multinode.md).",
     )
     run.add_argument("--nnodes", type=int, required=True, help="number of nodes (1: one machine)")
     run.add_argument(

@@ -107,7 +107,9 @@ class Workers:
             row.since = e.time
         parts = [f"worker {e.worker} ({e.device}): {e.state}"]
         if e.rank is not None and e.state == "training":
-            parts.append(f"as rank {e.rank} of generation {e.generation}")
+            # (its first beat in a step can be read before the word that it joined)
+            gen = "" if e.generation is None else f" of generation {e.generation}"
+            parts.append(f"as rank {e.rank}{gen}")
         if e.pid is not None:
             parts.append(f"(pid {e.pid})")
         if e.detail:
