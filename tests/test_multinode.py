@@ -263,3 +263,37 @@ def _td(seconds: float) -> Any:
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_that_registers_again_rejoins_and_the_model_is_the_clean_one(
+    tmp_path: Path,
+) -> None:
+    port, procs, logs = two_nodes(tmp_path, epochs=30)
+    try:
+        deadline = time.monotonic() + 120
+        while "epoch 2/30 done" not in logs[0].read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        kill_group(procs[1])
+        while "node 1 lost: shrunk" not in logs[0].read_text():
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.1)
+        again = tmp_path / "again.log"
+        args = [str(tmp_path / "again.pt"), "cpu:0", "30", "-"]
+        procs.append(start(args, env_for(1, port, "t"), again))
+        codes = [finish(procs[0]), finish(procs[2])]
+    finally:
+        for p in procs:
+            kill_group(p)
+    text = logs[0].read_text()
+    assert codes == [0, 0], text[-3000:] + again.read_text()[-2000:]
+    head, node = result_of(logs[0]), result_of(again)
+    assert head["steps"] == node["steps"] == 300 and head["ledger_ok"] and node["ledger_ok"]
+    assert [f["action"] for f in head["failures"]] == ["shrunk"]
+    assert "node 1 (" in text and "registered again: workers [1]" in text
+    assert "worker 1's replacement" in text and "joined before step" in text
+    assert "Final world size: 2 of 2" in text
+    w_head, w_node = weights(tmp_path / "node0.pt"), weights(tmp_path / "again.pt")
+    assert same(w_head, w_node)
+    assert same(w_head, one_node_run(tmp_path, epochs=30))  # as if no node was lost

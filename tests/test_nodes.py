@@ -240,3 +240,25 @@ def test_nodes_that_differ_are_named_setting_by_setting() -> None:
     other = dict(head, epochs=5, plan=Plan(120, 12, seed=1).record())
     found = disagreements(head, other, plan)
     assert found[0] == "epochs: the head has 4, this node 5" and found[1].startswith("plan:")
+
+
+def test_a_lost_node_that_registers_again_starts_replacements_of_its_slots() -> None:
+    from phalanx.strategies.ddp.actions import Spawn
+    from phalanx.strategies.ddp.coordinator import NodeJoined
+
+    c = coordinator((0, 1, 1))
+    training(c)
+    c.handle(NodeLost(1, "h1", "its link closed"), Now(2.0, 1002.0))
+    assert c.admits(1) and not c.admits(0)
+    actions = c.handle(NodeJoined(1, "h1b"), Now(3.0, 1003.0))
+    spawned = [a for a in actions if isinstance(a, Spawn)]
+    assert [a.slot for a in spawned] == [1, 2]
+    assert all(a.replaces is not None and a.faults_after == 4 for a in spawned)
+    assert not c.admits(1)  # back: a second registration is refused
+    again = c.handle(NodeJoined(1, "h1c"), Now(4.0, 1004.0))
+    assert not [a for a in again if isinstance(a, Spawn)]
+
+    c = coordinator((0, 0, 1), px.Recovery(mode="abort"))
+    training(c)
+    c.handle(NodeLost(1, "h1", "its link closed"), Now(2.0, 1002.0))
+    assert not c.admits(1)  # the run stopped at the fall

@@ -128,8 +128,25 @@ class NodeLost:
     cause: str
 
 
+@dataclass(frozen=True)
+class NodeJoined:
+    """Node ``node``, lost before, registered again (the same machine back, or a spare in
+    its place): its slots may be started again, as replacements."""
+
+    node: int
+    host: str
+
+
 CoordinatorEvent = (
-    Received | Exited | Spawned | Tick | StacksTaken | StopRequested | AllExited | NodeLost
+    Received
+    | Exited
+    | Spawned
+    | Tick
+    | StacksTaken
+    | StopRequested
+    | AllExited
+    | NodeLost
+    | NodeJoined
 )
 
 
@@ -228,7 +245,7 @@ class Coordinator:
         self.now = Now(0.0, 0.0)
         self.out: list[Action] = []
         self.panel = Panel(list(setup.devices))
-        self.lost_nodes: set[int] = set()
+        self.lost_nodes: dict[int, WorkerFailure] = {}  # node -> the failure that named it
 
     # -- the one entry point -------------------------------------------------------------
     def start(self, now: Now) -> list[Action]:
@@ -265,6 +282,8 @@ class Coordinator:
             self._tick()
         elif isinstance(event, NodeLost):
             self._node_lost(event)
+        elif isinstance(event, NodeJoined):
+            self._node_joined(event)
         if self.decided and self.decided_at is None:
             self.decided_at = now.mono
             self.out.append(SetAbort("run decided"))
@@ -472,7 +491,6 @@ class Coordinator:
         without it (shrink), while at least ``min_workers`` are left."""
         if event.node in self.lost_nodes:
             return
-        self.lost_nodes.add(event.node)
         lost = [
             slot
             for slot, state in sorted(self.slots.items())
@@ -487,6 +505,7 @@ class Coordinator:
             f"phase {first.phase}: {event.cause}"
         )
         failure = replace(first, message=message, host=event.host, attempt=None)
+        self.lost_nodes[event.node] = failure
         self.settle(before=max(self.slots[s].generation for s in lost))
         for slot in lost:
             self.move(slot, SlotStatus.ENDED)
@@ -515,6 +534,29 @@ class Coordinator:
             return
         book.record(failure, "shrunk", self.out, recovers=True)
         self.announce(survivors, f"node {event.node} lost: shrunk")
+
+    def admits(self, node: int) -> bool:
+        """Whether a lost node that registers again is let back in: while the run goes on
+        and the recovery policy does not stop at a fall."""
+        done = self.decided or self.book.done is not None
+        return node in self.lost_nodes and not done and self.setup.recovery.mode != "abort"
+
+    def _node_joined(self, event: NodeJoined) -> None:
+        """A lost node is back: each of its slots starts a replacement, which is let in at
+        a step boundary with the agreed state from a live peer (a respawn at node level)."""
+        if not self.admits(event.node):
+            return
+        fell = self.lost_nodes.pop(event.node)
+        slots = [s for s in sorted(self.slots) if self.setup.node_of(s) == event.node]
+        after = -1 if fell.step is None else fell.step
+        for slot in slots:
+            self.spawn(Spawn(slot, replaces=replace(fell, worker=slot), faults_after=after))
+        self.emit(
+            Notice(
+                f"node {event.node} ({event.host}) registered again: workers {slots} start "
+                "and join at a step boundary"
+            )
+        )
 
     def _stop(self, reason: str) -> None:
         if not self.stop_sent and not self.decided:

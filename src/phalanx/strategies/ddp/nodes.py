@@ -15,11 +15,13 @@ workers and fails with a report that names the head.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -151,12 +153,17 @@ class NodeHub:
         self.listener, self.nnodes, self.timeout = listener, nnodes, timeout
         self.nodes: dict[int, RemoteNode] = {}
         self.rejected: list[tuple[str, str]] = []
+        self.check: dict[str, Any] = {}
+        self.plan: Plan | None = None
+        self.store: tuple[str, int] | None = None
+        self.labels: list[str] = []
 
     def gather(
         self, check: dict[str, Any], plan: Plan, own: list[str], deadline: timedelta
     ) -> list[str]:
         """Wait for every other node's hello; refuse one that disagrees (the head fails
         too: PX144). Returns every slot's device label, in node order."""
+        self.check, self.plan = check, plan
         end = time.monotonic() + deadline.total_seconds()
         while len(self.nodes) < self.nnodes - 1:
             self._rejected()
@@ -191,10 +198,46 @@ class NodeHub:
         return labels
 
     def welcome(self, labels: list[str], store: tuple[str, int]) -> None:
+        self.labels, self.store = labels, store
         for node in self.nodes.values():
-            doc = {"devices": labels, "first": node.first, "store": list(store)}
-            node.link.send("welcome", doc)
-            node.link.start()
+            self._welcome(node)
+
+    def _welcome(self, node: RemoteNode) -> None:
+        assert self.store is not None
+        doc = {"devices": self.labels, "first": node.first, "store": list(self.store)}
+        node.link.send("welcome", doc)
+        node.link.start()
+
+    def rejoined(self, admits: Callable[[int], bool]) -> list[tuple[RemoteNode, str]]:
+        """Nodes that registered again during the run (a lost node's rank, the same devices,
+        agreeing): welcomed back, to be started as replacements. Any other registration is
+        refused, with why (the second item; empty for a node let back in)."""
+        found: list[tuple[RemoteNode, str]] = []
+        while not self.listener.joined.empty():
+            link, hello = self.listener.joined.get()
+            doc = hello.doc
+            rank = int(doc.get("node", -1)) if isinstance(doc.get("node"), int) else -1
+            old = self.nodes.get(rank)
+            assert self.plan is not None
+            problems = disagreements(self.check, dict(doc.get("check") or {}), self.plan)
+            devices = [str(d) for d in doc.get("devices", [])]
+            if old is None or not old.lost or not admits(rank):
+                problems.append(f"node rank {rank} is not a lost node this run takes back")
+            elif devices != old.devices:
+                problems.append(f"devices {devices}: node {rank} had {old.devices}")
+            if problems:
+                message = "nodes disagree: " + "; ".join(problems)
+                with contextlib.suppress(LinkError):
+                    link.send("refused", {"code": NodesDisagreeError.code, "message": message})
+                link.close()
+                found.append((RemoteNode(rank, str(doc.get("host", "?")), devices, link), message))
+                continue
+            assert old is not None
+            node = RemoteNode(rank, str(doc.get("host", "?")), devices, link, first=old.first)
+            self.nodes[rank] = node
+            self._welcome(node)
+            found.append((node, ""))
+        return found
 
     def node_of(self, slot: int) -> RemoteNode | None:
         for node in self.nodes.values():

@@ -45,6 +45,7 @@ from phalanx.strategies.ddp.coordinator import (
     Coordinator,
     CoordinatorEvent,
     Exited,
+    NodeJoined,
     NodeLost,
     Now,
     Received,
@@ -164,6 +165,11 @@ class Supervisor:
                 continue  # (authenticated, but not a frame this version reads)
         for node, cause in lost:
             self._feed(NodeLost(node.rank, node.host, cause))
+        for node, refused in self.hub.rejoined(self.coord.admits):
+            if refused:
+                self.emit(Notice(f"refused node {node.rank} ({node.host}): {refused}", "warning"))
+            else:
+                self._feed(NodeJoined(node.rank, node.host))
         self._stacks_ready()
 
     def _frame(self, node: RemoteNode, frame: Frame) -> None:
