@@ -1,0 +1,130 @@
+"""Two nodes as two network namespaces joined by a veth pair (10.77.x.1 and 10.77.x.2), so
+the head's address is not loopback and each node's gloo uses its own interface
+(``GLOO_SOCKET_IFNAME``). Needs root and ``ip``; the namespaces are made and torn down here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from procs import TESTS_DIR
+from test_multinode import SCRIPT, SRC, finish, kill_group, result_of, same, weights
+
+pytestmark = [
+    pytest.mark.skipif(
+        sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None,
+        reason="network namespaces need root and ip",
+    ),
+    pytest.mark.slow,
+]
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def namespaces() -> Iterator[list[tuple[str, str, str]]]:
+    """[(namespace, interface, address)] for node 0 and node 1."""
+    tag = f"{os.getpid() % 200 + 20}"
+    nodes = [(f"pxt{tag}n{i}", f"pxv{tag}n{i}", f"10.77.{tag}.{i + 1}") for i in (0, 1)]
+    try:
+        for ns, _, _ in nodes:
+            ip("netns", "add", ns)
+        ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
+        for ns, dev, addr in nodes:
+            ip("link", "set", dev, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield nodes
+    finally:
+        for ns, _, _ in nodes:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def start_in(
+    node: tuple[str, str, str], rank: int, head: str, args: list[str], log: Path
+) -> subprocess.Popen[bytes]:
+    ns, dev, _ = node
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]),
+        PHALANX_NNODES="2",
+        PHALANX_NODE_RANK=str(rank),
+        PHALANX_HEAD=head,
+        PHALANX_TOKEN="netns token",
+        GLOO_SOCKET_IFNAME=dev,
+    )
+    out = open(log, "wb")  # noqa: SIM115 - closed with the process
+    cmd = ["ip", "netns", "exec", ns, sys.executable, str(SCRIPT), *args]
+    return subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_in_two_namespaces_train_as_one_job(
+    tmp_path: Path, namespaces: list[tuple[str, str, str]]
+) -> None:
+    head = f"{namespaces[0][2]}:29610"
+    logs = [tmp_path / "n0.log", tmp_path / "n1.log"]
+    procs = [
+        start_in(namespaces[r], r, head, [str(tmp_path / f"n{r}.pt"), "cpu:0", "3", "-"], logs[r])
+        for r in (0, 1)
+    ]
+    try:
+        codes = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert codes == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
+    assert result_of(logs[0])["steps"] == result_of(logs[1])["steps"] == 30
+    assert result_of(logs[1])["ledger_ok"]
+    assert same(weights(tmp_path / "n0.pt"), weights(tmp_path / "n1.pt"))
+    assert f"waiting for 1 node(s) at {head}" in logs[0].read_text()
+
+
+@pytest.mark.timeout(300)
+def test_a_cut_link_is_named_on_both_sides_and_nothing_hangs(
+    tmp_path: Path, namespaces: list[tuple[str, str, str]]
+) -> None:
+    """The node's interface goes down mid-run (a silent partition: no packet, no reset).
+    The node names the head lost and stops its workers within node_timeout and a few
+    seconds; the head names the node lost after node_timeout, and its run ends with a
+    report (gloo cannot abandon the collective its survivor is blocked in) rather than
+    hanging."""
+    head = f"{namespaces[0][2]}:29611"
+    logs = [tmp_path / "n0.log", tmp_path / "n1.log"]
+    args = ["cpu:0", "60", "-", "shrink"]
+    procs = [
+        start_in(namespaces[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r])
+        for r in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while "epoch 2/60 done" not in logs[0].read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        ip("-n", namespaces[1][0], "link", "set", namespaces[1][1], "down")
+        cut = time.monotonic()
+        node_code = finish(procs[1], timeout=60)
+        node_took = time.monotonic() - cut
+        head_code = finish(procs[0], timeout=120)
+        head_took = time.monotonic() - cut
+    finally:
+        for p in procs:
+            kill_group(p)
+    node_text, head_text = logs[1].read_text(), logs[0].read_text()
+    assert node_code == 1 and "the head at" in node_text and "was lost" in node_text
+    assert node_took < 10 + 8, node_took  # node_timeout, then its workers are stopped
+    assert "node 1 (" in head_text and "no word for 1" in head_text  # after node_timeout
+    assert head_code in (0, 1) and head_took < 100, head_took
