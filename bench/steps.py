@@ -23,6 +23,11 @@ round and the table gives each arm's median over rounds and its ratio to ``floor
 ``loader``. Three model sizes give about 5 ms, 15 ms and over 100 ms a step on the
 development machine (2 cores).
 
+Memory: the peak RSS (``VmHWM``) of each worker process, from the step table's own runs: a
+plain DDP rank reads its own after its last step, phalanx's are read by the bench process
+(the supervisor) from ``/proc/<pid>/status`` at the last committed step; the table gives the
+largest worker's, median over rounds (Linux only).
+
 Start-up: the time from calling ``fit`` (phalanx) or ``mp.spawn`` (plain DDP, the same model
 and data) to the first committed step on rank 0, and how often the model factory ran.
 
@@ -87,6 +92,22 @@ def dataset(samples: int) -> TensorDataset:
     return TensorDataset(x, torch.randint(0, CLASSES, (samples,), generator=g))
 
 
+# The largest worker's peak RSS (kB) of the last run of each runner (None: not readable).
+LAST_PEAK: dict[str, int | None] = {"kb": None}
+
+
+def peak_kb(pid: int | str = "self") -> int | None:
+    """A process's peak resident set (``VmHWM``), in kB; None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def mean_interval(stamps: list[float]) -> float:
     warm = stamps[WARM:]
     return (warm[-1] - warm[0]) / (len(warm) - 1)
@@ -144,8 +165,7 @@ def _plain(
             loss.backward()
             opt.step()
             stamps.append(time.time())
-    if rank == 0:
-        out.put(stamps)
+    out.put((rank, stamps, peak_kb()))
     dist.destroy_process_group()
 
 
@@ -161,20 +181,30 @@ def plain_ddp(arm: str, steps: int, world: int, size: str) -> list[float]:
     ]
     for p in procs:
         p.start()
-    stamps: list[float] = out.get(timeout=900)
+    results = [out.get(timeout=900) for _ in procs]
     for p in procs:
         p.join()
+    stamps: list[float] = next(st for rank, st, _ in results if rank == 0)
+    peaks = [kb for _, _, kb in results if kb is not None]
+    LAST_PEAK["kb"] = max(peaks) if peaks else None
     return [t0, *stamps]
 
 
 # -- phalanx ---------------------------------------------------------------------------------
 class Stamps:
+    """Each committed step's time; at the run's last step, the workers' peak RSS (read then
+    only, so the supervisor does no extra work during the steps that are timed)."""
+
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.peak: int | None = None
 
     def handle(self, event: Event) -> None:
         if isinstance(event, StepEnded):
             self.times.append(event.time)
+            if event.global_step == event.steps_in_epoch:  # (one epoch: the last step)
+                peaks = [peak_kb(c.pid) for c in mp.active_children() if c.pid]
+                self.peak = max((kb for kb in peaks if kb is not None), default=None)
 
     def close(self) -> None:
         pass
@@ -204,6 +234,7 @@ def phalanx_run(
         shuffle=True,
         **fit,
     )
+    LAST_PEAK["kb"] = sink.peak
     return [t0, *sink.times]
 
 
@@ -269,12 +300,17 @@ def step_table(args: argparse.Namespace) -> None:
     head = " | ".join(f"{a} ms/step" for a in arms)
     print(f"\n| model | params | global batch | {head} | phalanx/floor | phalanx/loader |")
     print("|---" * (5 + len(arms)) + "|")
+    memory: list[str] = []
     for size in args.sizes.split(","):
         width, layers, batch = SIZES[size]
         times: dict[str, list[float]] = {a: [] for a in arms}
+        peaks: dict[str, list[int]] = {a: [] for a in arms}
         for r in range(args.rounds):
             for arm in arms:
+                LAST_PEAK["kb"] = None
                 times[arm].append(mean_interval(runners[arm](size)[1:]))
+                if LAST_PEAK["kb"] is not None:
+                    peaks[arm].append(LAST_PEAK["kb"])
             line = ", ".join(f"{a} {times[a][-1] * 1e3:.2f}" for a in arms)
             print(f"{size}, round {r + 1}: {line} ms/step", file=sys.stderr)
         med = {a: statistics.median(v) for a, v in times.items()}
@@ -287,6 +323,17 @@ def step_table(args: argparse.Namespace) -> None:
             f"| {size} | {params:.2f} M | {batch} | {cells} | {ratio['floor']} | {ratio['loader']} |",  # noqa: E501
             flush=True,
         )
+        mem = {a: statistics.median(v) / 1024 for a, v in peaks.items() if v}
+        if mem:
+            cells = " | ".join(f"{mem[a]:.0f} MB" if a in mem else "-" for a in arms)
+            over = {b: f"{mem['phalanx'] / mem[b]:.3f}x" if b in mem and "phalanx" in mem else "-"
+                    for b in ("floor", "loader")}  # fmt: skip
+            memory.append(f"| {size} | {cells} | {over['floor']} | {over['loader']} |")
+    if memory:
+        head = " | ".join(f"{a} peak RSS / worker" for a in arms)
+        print(f"\n| model | {head} | phalanx/floor | phalanx/loader |")
+        print("|---" * (3 + len(arms)) + "|")
+        print("\n".join(memory), flush=True)
 
 
 def startup_table(args: argparse.Namespace) -> None:

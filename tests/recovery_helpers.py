@@ -43,6 +43,34 @@ def mse_step(model: nn.Module, batch: Any) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    """The identity on the loss, whose backward raises (once: ``marker`` is created then)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, marker: str) -> torch.Tensor:
+        ctx.marker = marker
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if not os.path.exists(ctx.marker):
+            open(ctx.marker, "w").close()
+            raise RuntimeError("raised in backward before any gradient")
+        return grad, None
+
+
+def raise_in_backward_once(
+    sample: torch.Tensor, marker: str, model: nn.Module, batch: Any
+) -> torch.Tensor:
+    """A step whose backward raises at its very first node (before any parameter's gradient,
+    so before DDP reduces anything) when its batch holds the input row ``sample``, once."""
+    x, _ = batch
+    loss = mse_step(model, batch)
+    if bool((x == sample).all(dim=1).any()):
+        return _RaiseInBackward.apply(loss, marker)  # type: ignore[no-any-return]
+    return loss
+
+
 def slow_step(model: nn.Module, batch: Any) -> torch.Tensor:
     """A step that takes a while, without using the CPU (two cores for three workers)."""
     time.sleep(STEP_SLEEP_S)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from recovery_helpers import (
     make_data,
     mse_step,
     nan_loss_on_rank_1_at_step_3,
+    raise_in_backward_once,
     sgd,
     slow_step,
 )
@@ -712,6 +714,25 @@ def test_failure_in_the_middle_of_backward_rebuilds_the_group(
     assert [e.action for e in rec.failed()] == [action]
     recovered = result.failures[0].recovery_seconds
     assert recovered is not None and recovered < RECOVERY_S
+    assert_same_run(result, rec, clean)
+
+
+@pytest.mark.timeout(120)
+def test_failure_in_backward_before_any_gradient_after_the_vote_left_rebuilds(
+    clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Worker 1's backward raises at its first node, before DDP reduced anything. Its vote
+    left (saying ok) before that backward, so no zero pass may mend it (its peers would then
+    commit without its share): it leaves the group, and the same members compute the step
+    again in a rebuilt one."""
+    share = split(Plan(len(DATA), FIT["batch_size"], seed=FIT["seed"]).global_batch(0, 7), 3)[1]
+    step = partial(raise_in_backward_once, DATA[share[0]][0], str(tmp_path / "raised"))
+    result, rec = fit(tmp_path, [], px.Recovery(), step=step)
+    assert summary(result) == [(1, "exception", 7, "retried")]
+    assert result.failures[0].phase == "backward"
+    assert [(g.members, g.cause) for g in rec.generations()] == [
+        ([0, 1, 2], "worker 1 exception in backward: rebuilt")
+    ]
     assert_same_run(result, rec, clean)
 
 

@@ -19,7 +19,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -136,10 +136,25 @@ class LocalResult:
     # on that group (a live peer may still wait in the broken one, and a message of another
     # size there aborts its process), so the ddp engine leaves without voting.
     broken: bool = False
+    # The failure came after this member's vote had left saying "ok" (in or after the
+    # synchronised backward): no zero pass can mend it and no vote carries it, so the ddp
+    # engine leaves the group (its peers' backward then fails: nobody commits the step).
+    after_vote: bool = False
 
     def vote_head(self) -> list[float]:
         """This member's part of the vote beside the metric sums."""
         return [float(self.failure is not None), float(self.splittable), *self.ledger]
+
+
+class VoteLaunch(Protocol):
+    """What a ddp member does right before its synchronised backward (the real one or the
+    zero pass): ``check`` (phase ``sync``: an injected fault there fails the attempt, before
+    any vote left) and ``launch`` its vote on ``result`` (the collective starts and runs
+    while the backward computes; the engine waits for it after the backward)."""
+
+    def check(self) -> None: ...
+
+    def launch(self, result: LocalResult) -> None: ...
 
 
 class Replica:
@@ -192,12 +207,18 @@ class Replica:
         step: int,
         epoch: int,
         micro_batches: int = 1,
+        vote: VoteLaunch | None = None,
     ) -> LocalResult:
-        """Forward and backward over the local ``samples`` (``batch()`` loads them, collated).
+        """Forward, metric states and backward over the local ``samples`` (``batch()``
+        loads them, collated).
 
         Every call performs exactly one synchronised backward (the last micro-batch, or a
         zero pass when the slice is empty or something raised before it), so DDP's
-        collectives match across ranks whatever happens here.
+        collectives match across ranks whatever happens here. With ``vote`` (ddp), the
+        member's vote is launched right before that backward, on what it knows then (so
+        every metric state is computed before the backward it belongs to): every member
+        launches exactly one vote per call, and always before its synchronised backward's
+        first bucket, so the collectives stay in the same order on every member.
         """
         sums = torch.zeros(self.size, dtype=torch.float64)
         self.step = step
@@ -209,7 +230,7 @@ class Replica:
                 data = to_device(batch(), self.device) if batch is not None and samples else None
             if data is not None:
                 micro = min(len(samples), micro_batches * self.split_factor)
-                self._micro_steps(data, samples, global_samples, step, sums, tracker, micro)
+                self._micro_steps(data, samples, global_samples, step, sums, tracker, micro, vote)
         except (Exception, SystemExit) as exc:  # sys.exit() in a step fails that step
             failure = from_exception(
                 exc,
@@ -227,13 +248,17 @@ class Replica:
             # A broken collective (DDP's gradient all-reduce, or the bucket rebuild in its
             # second forward) is not followed by the zero pass's collectives.
             broken = self.forward is not self.module and is_secondary(failure)
-            if not tracker.synced and not broken:
-                self.zero_pass()
             zeros = torch.zeros(self.size, dtype=torch.float64)
-            return LocalResult(zeros, failure, splittable, broken=broken)
+            result = LocalResult(zeros, failure, splittable, broken=broken)
+            if tracker.launched:  # the vote said "ok": only leaving the group can undo it
+                result.after_vote = not broken
+            elif not tracker.synced and not broken:
+                self.zero_pass(result, vote)
+            return result
+        result = LocalResult(sums, ledger=fingerprint(samples))
         if not tracker.synced:
-            self.zero_pass()
-        return LocalResult(sums, ledger=fingerprint(samples))
+            self.zero_pass(result, vote)
+        return result
 
     def _split_after(self, failure: WorkerFailure, local: int, micro_batches: int) -> bool:
         """After an out-of-memory error, double the split if micro-batches can still shrink."""
@@ -253,10 +278,13 @@ class Replica:
         sums: torch.Tensor,
         tracker: _PhaseTracker,
         micro_batches: int,
+        vote: VoteLaunch | None = None,
     ) -> None:
-        """Forward, backward and metric states of each micro-batch; all but the last under
-        ``no_sync``. ``tracker.synced`` is set as soon as the last backward has run, so a
-        failure after it (in the metrics) does not cause a second synchronised backward."""
+        """Forward, metric states and backward of each micro-batch; all but the last under
+        ``no_sync``. Before the last backward, ``vote`` (ddp) checks phase ``sync`` and
+        launches this member's vote (``tracker.launched``); ``tracker.synced`` is set as
+        soon as the last backward has run, so nothing after it causes a second synchronised
+        backward."""
         pieces = bounds(len(samples), micro_batches)
         for j, (a, b) in enumerate(pieces):
             last = j == len(pieces) - 1
@@ -273,18 +301,26 @@ class Replica:
                             f"{_short(samples[a:b])}; lower the learning rate, clip "
                             "gradients (grad_clip_norm=) or check these samples"
                         )
+                with tracker.enter("metrics"):
+                    self.faults.check(step, "metrics")
+                    sums += pack_states(
+                        self.metrics, StepOutput(loss.detach(), outputs, targets), b - a
+                    )
+                if last and vote is not None:
+                    with tracker.enter("sync"):
+                        vote.check()
+                        vote.launch(LocalResult(sums, ledger=fingerprint(samples)))
+                        tracker.launched = True
                 with tracker.enter("backward"), self.faults.inside_backward(step, self.module):
                     self.module.backward(loss * ((b - a) * self.world / global_samples))
                     tracker.synced = last
-            with tracker.enter("metrics"):
-                self.faults.check(step, "metrics")
-                sums += pack_states(
-                    self.metrics, StepOutput(loss.detach(), outputs, targets), b - a
-                )
 
-    def zero_pass(self) -> None:
-        """A backward of zero gradients through ``forward`` (keeps DDP's collectives matched)."""
+    def zero_pass(self, result: LocalResult | None = None, vote: VoteLaunch | None = None) -> None:
+        """A backward of zero gradients through ``forward`` (keeps DDP's collectives
+        matched); ``vote`` launches ``result`` as this member's vote right before it."""
         loss, _, _ = self.forward(ZERO_PASS)
+        if vote is not None and result is not None:
+            vote.launch(result)
         loss.backward()
 
     @torch.no_grad()
@@ -308,6 +344,7 @@ class _PhaseTracker:
     def __init__(self, step: int, on_phase: Callable[[int, str], None] | None) -> None:
         self.phase = ""
         self.synced = False  # the synchronised (last) backward of this attempt has run
+        self.launched = False  # this member's vote has left (ddp), saying "ok"
         self.step = step
         self.on_phase = on_phase
 

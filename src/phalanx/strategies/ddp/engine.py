@@ -1,5 +1,7 @@
-"""The engine of one ddp rank in one generation: the local step through DDP, then one
-all-reduce (the vote), every collective over the generation's own group."""
+"""The engine of one ddp rank in one generation: the local step through DDP, and one
+all-reduce (the vote) launched right before the synchronised backward, so that it runs
+while the gradients are computed and reduced; every collective over the generation's own
+group."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from phalanx import ledger
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.failures import WorkerFailure, from_exception
@@ -66,8 +67,10 @@ class DdpEngine:
     """Rank ``group.rank`` of ``group.size`` in one generation: its slice of each global
     batch, under a DDP module built over this generation's group.
 
-    The vote is one all-reduce of the packed vote (:func:`phalanx.loop.pack_vote`): a
-    failed step costs nothing extra and metrics need no collective of their own.
+    The vote is one all-reduce of the packed vote (:func:`phalanx.loop.pack_vote`), launched
+    by :meth:`launch` right before the synchronised backward and waited for after it: its
+    latency hides behind the backward; a failed step costs nothing extra and metrics need no
+    collective of their own.
     """
 
     def __init__(
@@ -98,6 +101,10 @@ class DdpEngine:
         self.batches: LocalBatches | None = None
         self.epoch = 0
         self.step = 0
+        # The attempt in progress: its stop request, and its vote once launched (the work,
+        # the packed tensor it reduces, this member's own vote), or why it could not start.
+        self._stop: Callable[[], bool] = lambda: False
+        self._pending: tuple[Any, torch.Tensor, Vote] | BaseException | None = None
 
     @property
     def trainable(self) -> Trainable:
@@ -116,41 +123,59 @@ class DdpEngine:
     def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
         assert self.batches is not None
         self.step = global_step
-        res = self.m.replica.run(
-            self.batches.loader(step),
-            self.batches.indices(step),
-            self.batches.global_size(step),
-            global_step,
-            epoch,
-            self.micro,
-        )
+        self._stop, self._pending = stop, None
+        try:
+            res = self.m.replica.run(
+                self.batches.loader(step),
+                self.batches.indices(step),
+                self.batches.global_size(step),
+                global_step,
+                epoch,
+                self.micro,
+                vote=self,
+            )
+            pending = self._pending
+        finally:
+            self._pending = None  # (a gloo work keeps its group's sockets open)
         if res.broken:  # no vote on a broken group: leave it (the failure is the peer's)
             raise GroupBroken(f"step {global_step + 1}: {res.failure and res.failure.message}")
-        self.hooks.on_phase(global_step, "sync")
-        self._sync_fault(res, step)
-        # After backward DDP has reduced the gradients: every member finds the same overflow.
-        overflow = res.failure is None and self.trainable.overflowed()
-        mine = member_vote(res, stop(), self.hooks.regroup_requested(), overflow)
-        packed = pack_vote(mine).to(self.device)
-        self.group.all_reduce(packed)
+        if res.after_vote:  # the vote said ok: leaving is what keeps the peers from committing
+            raise GroupBroken(
+                f"step {global_step + 1}: this member failed after its vote left "
+                f"({res.failure and res.failure.message})"
+            )
+        if isinstance(pending, BaseException):  # the vote could not start: the group is gone
+            raise GroupBroken(f"step {global_step + 1}: the vote: {pending}") from pending
+        assert pending is not None, "Replica.run returned without launching the vote"
+        work, packed, mine = pending
+        self.group.wait(work)
         self.m.replica.unvoted = None  # the vote carries it from here
         vote = unpack_vote(packed, mine.failures)
+        # After backward DDP has reduced the gradients: every member holds the same ones
+        # (what keeps DDP's replicas equal), so each finds the same overflow, here counted for
+        # every member (only read when nobody failed: then every member checked).
+        if res.failure is None and self.trainable.overflowed():
+            vote.overflow = self.world
         if vote.failed == 0:  # every member commits: a death from here fails no attempt
             self.hooks.on_phase(global_step, "optimizer")
         return vote
 
-    def _sync_fault(self, res: LocalResult, step: int) -> None:
-        """An injected fault in phase ``sync``, before the vote: this rank votes failed."""
-        assert self.batches is not None
+    # -- the vote (VoteLaunch: called by Replica.run right before the synchronised backward)
+    def check(self) -> None:
+        """Phase ``sync``: an injected fault here fails this attempt before the vote left."""
+        self.m.faults.check(self.step, "sync")
+
+    def launch(self, result: LocalResult) -> None:
+        """This member's vote on ``result`` into one all-reduce, started now and waited for
+        after the backward (:meth:`attempt`). The stop and regroup requests are read here.
+        Never raises: a vote that cannot start is kept, and raised by :meth:`attempt` (the
+        backward's own collectives fail on that group too)."""
         try:
-            self.m.faults.check(self.step, "sync")
+            mine = member_vote(result, self._stop(), self.hooks.regroup_requested())
+            packed = pack_vote(mine).to(self.device)
+            self._pending = (self.group.all_reduce_async(packed), packed, mine)
         except Exception as exc:
-            res.ledger = ledger.EMPTY
-            if res.failure is None:  # (else the step's own failure is already the unvoted one)
-                failure = self._failure(exc, "sync")
-                failure.sample_indices = list(self.batches.indices(step))
-                res.failure, res.splittable = failure, False
-                self.m.replica.unvoted, self.m.replica.unvoted_splittable = failure, False
+            self._pending = exc
 
     def commit(self, skip: bool = False) -> None:
         """Buffers first (a collective that can still fail with nothing changed), then the

@@ -89,6 +89,18 @@ class GenerationGroup:
         with _broken_on_error("all_reduce"):
             dist.all_reduce(tensor, group=self._group())
 
+    def all_reduce_async(self, tensor: torch.Tensor) -> dist.Work:
+        """Start summing ``tensor`` over the members, in place; :meth:`wait` for it."""
+        with _broken_on_error("all_reduce"):
+            work = dist.all_reduce(tensor, group=self._group(), async_op=True)
+        assert work is not None
+        return work
+
+    def wait(self, work: dist.Work) -> None:
+        """Until ``work`` (from :meth:`all_reduce_async`) is done."""
+        with _broken_on_error("all_reduce"):
+            work.wait()
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """``src``'s ``tensor`` into every member's, in place."""
         with _broken_on_error("broadcast"):

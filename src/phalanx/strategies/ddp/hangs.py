@@ -12,9 +12,9 @@ PHASE_ORDER = (
     "regroup",
     "data",
     "forward",
-    "backward",
     "metrics",
-    "sync",
+    "sync",  # the vote leaves before the synchronised backward
+    "backward",
     "optimizer",
     "validation",
     "checkpoint",
@@ -47,14 +47,15 @@ def tied_behind(watched: Mapping[int, Watched]) -> list[int]:
 
 def waits_in_collective(stacks: str) -> bool:
     """Whether some thread's innermost Python frame is inside torch's distributed or
-    autograd code: a rank blocked there is waiting for a peer, not hung itself."""
+    autograd code, or in a collective of the generation's group (``group.py``, the wait for
+    the vote): a rank blocked there is waiting for a peer, not hung itself."""
     lines = stacks.splitlines()
     innermost = [
         lines[i + 1]
         for i, line in enumerate(lines)
         if "most recent call first" in line and i + 1 < len(lines)
     ]
-    markers = ("torch/distributed", "torch/autograd", "torch/nn/parallel")
+    markers = ("torch/distributed", "torch/autograd", "torch/nn/parallel", "ddp/group.py")
     return any(m in frame for frame in innermost for m in markers)
 
 
