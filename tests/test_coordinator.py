@@ -24,16 +24,13 @@ from phalanx.strategies.ddp.coordinator import (
     Coordinator,
     CoordinatorEvent,
     Exited,
-    Now,
     Received,
-    Setup,
-    SlotStatus,
     Spawned,
     StacksTaken,
     Tick,
-    Timeouts,
 )
 from phalanx.strategies.ddp.protocol import Broke, Done, Failed, Joined, Progress, Ready
+from phalanx.strategies.ddp.roster import Now, Setup, SlotStatus, Timeouts
 
 HANG = 3.0
 PLAN = Plan(120, 12, seed=0)  # 10 steps an epoch

@@ -20,13 +20,10 @@ from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
 from phalanx.strategies.ddp.actions import Announce, Record, SetAbort
 from phalanx.strategies.ddp.coordinator import (
-    Coordinator,
+    NodeCoordinator,
     NodeLost,
-    Now,
     Received,
-    Setup,
     Spawned,
-    Timeouts,
 )
 from phalanx.strategies.ddp.link import HEADER, Link, LinkError, Listener
 from phalanx.strategies.ddp.nodes import disagreements, head_token, node_token
@@ -43,6 +40,7 @@ from phalanx.strategies.ddp.protocol import (
     from_wire,
     to_wire,
 )
+from phalanx.strategies.ddp.roster import Now, Setup, Timeouts
 
 TOKEN = b"the run's token"
 
@@ -165,10 +163,10 @@ def test_anything_else_is_not_a_message() -> None:
 PLAN = Plan(120, 12, seed=0)
 
 
-def coordinator(nodes: tuple[int, ...], recovery: px.Recovery | None = None) -> Coordinator:
+def coordinator(nodes: tuple[int, ...], recovery: px.Recovery | None = None) -> NodeCoordinator:
     devices = [f"cpu:{i}" for i in range(len(nodes))]
     timeouts = Timeouts(timedelta(seconds=3))
-    c = Coordinator(Setup(PLAN, devices, recovery or px.Recovery(), timeouts, False, nodes))
+    c = NodeCoordinator(Setup(PLAN, devices, recovery or px.Recovery(), timeouts, False, nodes))
     now = Now(0.0, 1000.0)
     c.start(now)
     for slot in range(len(nodes)):
@@ -176,7 +174,7 @@ def coordinator(nodes: tuple[int, ...], recovery: px.Recovery | None = None) -> 
     return c
 
 
-def training(c: Coordinator, step: int = 4) -> None:
+def training(c: NodeCoordinator, step: int = 4) -> None:
     now = Now(1.0, 1001.0)
     for slot in range(c.world):
         c.handle(Received(slot, Ready(slot)), now)

@@ -10,38 +10,25 @@ generation, spawn, kill, dump stacks, record a failure, emit an event, stop, abo
 
 The rules themselves are pure functions in :mod:`phalanx.policy`; :mod:`.hangs` finds the
 hung workers; the failure book (:class:`.book.FailureBook`) holds the run's failures and
-the reports waiting for a decision. Each slot's status moves in :meth:`Coordinator.move`
-only (the place to watch for a live view of the workers), and each worker's last progress
-is :attr:`Slot.progress_at`, set only from its own messages.
+the reports waiting for a decision; :class:`~.roster.Roster` keeps the record of slots and
+generations that the rules read and the actions they decide.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from enum import Enum
 
-from phalanx.events import Event, GenerationStarted, Notice, StepEnded
+from phalanx.events import Notice, StepEnded
 from phalanx.failures import WorkerFailure
-from phalanx.plan import Plan
-from phalanx.policy import STEP_PHASES, Recovery
-from phalanx.strategies.ddp.actions import (
-    Action,
-    Announce,
-    DumpStacks,
-    Emit,
-    Kill,
-    SetAbort,
-    SetStop,
-    Spawn,
-)
-from phalanx.strategies.ddp.book import ACTIONS, FailureBook
-from phalanx.strategies.ddp.hangs import Watched, hung_among, stalled, tied_behind
-from phalanx.strategies.ddp.panel import IDLE_PHASES, PANEL_STATES, Panel
+from phalanx.policy import Recovery
+from phalanx.strategies.ddp.actions import Action, DumpStacks, Emit, SetAbort, SetStop, Spawn
+from phalanx.strategies.ddp.book import ACTIONS
+from phalanx.strategies.ddp.hangs import hung_among, stalled, tied_behind
+from phalanx.strategies.ddp.panel import IDLE_PHASES, PANEL_STATES
 from phalanx.strategies.ddp.protocol import (
     EXIT_TOLD,
     Aborted,
-    Announcement,
     Broke,
     Done,
     Failed,
@@ -50,31 +37,7 @@ from phalanx.strategies.ddp.protocol import (
     Ready,
     Relay,
 )
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Every timeout of the control plane, on the monotonic clock."""
-
-    hang: timedelta  # a worker's silence while its peers wait (fit's hang_timeout)
-    grace: timedelta = timedelta(seconds=2)  # to exit by themselves once the run is decided
-    broke_settle: timedelta = timedelta(seconds=0.2)  # a Broke waits for a peer's death
-    startup: timedelta = timedelta(seconds=120)  # spawning and importing torch is not a hang
-    preflight: timedelta = timedelta(seconds=30)  # first calls are slow: lazy initialisation
-    # After an announcement, its members get this long to say they left their old group
-    # before a silence is called a hang (no worker's own clock is reset by it).
-    announce_grace: timedelta = timedelta(seconds=0.5)
-
-    def limit(self, state: Watched) -> float:
-        """How long a worker may make no progress: ``hang``; at least ``preflight`` there."""
-        hang = self.hang.total_seconds()
-        return max(hang, self.preflight.total_seconds()) if state.phase == "preflight" else hang
-
-
-@dataclass(frozen=True)
-class Now:
-    mono: float  # seconds on a monotonic clock: every timeout
-    wall: float  # seconds since the epoch: the time in failure records
+from phalanx.strategies.ddp.roster import Now, Roster, Setup, Slot, SlotStatus
 
 
 @dataclass(frozen=True)
@@ -150,91 +113,12 @@ CoordinatorEvent = (
 )
 
 
-class SlotStatus(Enum):
-    STARTING = "starting"  # its process was started: preflight, model not built yet
-    READY = "ready"  # waits for a generation: the first, a restart's, or to be let in
-    MEMBER = "member"  # named in a generation (it may still be forming it)
-    ENDED = "ended"  # its end is accounted for: finished, fallen, killed or dismissed
-
-
-@dataclass
-class Slot:
-    """What the coordinator knows of the process that holds one slot (device) now."""
-
-    status: SlotStatus = SlotStatus.STARTING
-    step: int = 0
-    phase: str = "start"
-    progress_at: float = 0.0  # monotonic time of its own last progress
-    generation: int = -1  # the newest generation it has joined
-    attempt: int = 0  # of its step, from its last heartbeat
-    pid: int | None = None
-    replaces: WorkerFailure | None = None  # a replacement: the fall it answers
-    joined_at: int | None = None  # a replacement: the step at which it joined
-
-    @property
-    def ended(self) -> bool:
-        return self.status is SlotStatus.ENDED
-
-    def progress(self, message: Progress | Joined, now: float) -> None:
-        """The worker's own progress: a phase entered, or a generation joined."""
-        self.progress_at = now
-        if isinstance(message, Joined):
-            self.generation = message.generation
-            if self.replaces is not None and self.joined_at is None:
-                self.joined_at = message.step
-        else:
-            self.step, self.phase, self.attempt = message.step, message.phase, message.attempt
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What the coordinator decides with: the run's plan, devices and policy."""
-
-    plan: Plan
-    devices: list[str]
-    recovery: Recovery
-    timeouts: Timeouts
-    run_dir: bool = False
-    nodes: tuple[int, ...] = ()  # the node of each slot, across machines (empty: one node)
-
-    def node_of(self, slot: int) -> int:
-        return self.nodes[slot] if self.nodes else 0
-
-
-@dataclass
-class Generations:
-    """Every generation announced: members in rank order, and which ones rebuild."""
-
-    members: dict[int, list[int]] = field(default_factory=dict)
-    rebuilds: set[int] = field(default_factory=set)
-    latest: int = -1
-    announced_at: float = float("-inf")
-
-    @property
-    def current(self) -> list[int]:
-        return self.members.get(self.latest, [])
-
-    def left(self, generation: int) -> bool:
-        """Whether a generation after ``generation`` makes its members leave its group (it
-        drops a member, or rebuilds): then that one carries the retry. Generations that only
-        add a replacement are joined at a step boundary, which a broken step never reaches."""
-        for later in range(generation + 1, self.latest + 1):
-            before, after = self.members[later - 1], self.members[later]
-            if set(before) - set(after) or later in self.rebuilds:
-                return True
-        return False
-
-
-class Coordinator:
-    """Events in, actions out (see the module's docstring)."""
+class Coordinator(Roster):
+    """Events in, actions out (see the module's docstring); the record it decides with is
+    its :class:`~.roster.Roster`."""
 
     def __init__(self, setup: Setup) -> None:
-        self.setup = setup
-        self.world = len(setup.devices)
-        self.slots: dict[int, Slot] = {}
-        self.replacements: list[Slot] = []  # every respawn, for the run's end
-        self.gens = Generations()
-        self.book = FailureBook(setup.recovery, setup.run_dir)
+        super().__init__(setup)
         self.unready: set[int] = set()  # slots whose Ready the next first generation awaits
         self.waiting: list[int] = []  # replacements ready to be let in
         self.stop_sent = False
@@ -242,10 +126,6 @@ class Coordinator:
         self.killed_all = False
         self.quiet_until = float("-inf")  # no hang check before (a stalled one regroups)
         self.pending_hang: list[int] = []  # asked for their stacks
-        self.now = Now(0.0, 0.0)
-        self.out: list[Action] = []
-        self.panel = Panel(list(setup.devices))
-        self.lost_nodes: dict[int, WorkerFailure] = {}  # node -> the failure that named it
 
     # -- the one entry point -------------------------------------------------------------
     def start(self, now: Now) -> list[Action]:
@@ -271,7 +151,7 @@ class Coordinator:
         elif isinstance(event, Exited):
             self._exited(event.slot, event.code)
         elif isinstance(event, Spawned):
-            self._spawned(event)
+            self.spawned(event.slot, event.pid)
         elif isinstance(event, StacksTaken):
             self._stacks_taken(event.stacks)
         elif isinstance(event, StopRequested):
@@ -280,88 +160,14 @@ class Coordinator:
             self.settle(everything=True)
         elif isinstance(event, Tick):
             self._tick()
-        elif isinstance(event, NodeLost):
-            self._node_lost(event)
-        elif isinstance(event, NodeJoined):
-            self._node_joined(event)
+        return self._decided()
+
+    def _decided(self) -> list[Action]:
+        """The actions so far; once the run is decided, first the abort every worker sees."""
         if self.decided and self.decided_at is None:
-            self.decided_at = now.mono
+            self.decided_at = self.now.mono
             self.out.append(SetAbort("run decided"))
         return self._flush()
-
-    def _flush(self) -> list[Action]:
-        actions, self.out = self.out, []
-        return actions
-
-    @property
-    def decided(self) -> bool:
-        return self.book.decided
-
-    # -- slots ---------------------------------------------------------------------------
-    def move(self, slot: int, status: SlotStatus) -> None:
-        """The only place a slot's status changes."""
-        self.slots[slot].status = status
-
-    def spawn(self, action: Spawn) -> None:
-        replacement = action.replaces is not None
-        state = Slot(
-            phase="joining" if replacement else "start",
-            progress_at=self.now.mono,
-            replaces=action.replaces,
-        )
-        if replacement:
-            self.replacements.append(state)
-        self.slots[action.slot] = state
-        self.out.append(action)
-
-    def _spawned(self, event: Spawned) -> None:
-        state = self.slots[event.slot]
-        state.pid = event.pid
-        if event.slot in self.panel.shown:
-            self.show(event.slot, "replaced", f"by pid {event.pid}")
-        self.show(event.slot, "joining" if state.replaces is not None else "starting")
-
-    def show(self, slot: int, panel_state: str, detail: str = "") -> None:
-        """The worker panel: ``slot`` is now in ``panel_state`` (sent once per change)."""
-        rank = self.rank(slot) if slot in self.gens.current else None
-        event = self.panel.show(slot, panel_state, self.slots[slot], rank, detail)
-        if event is not None:
-            self.emit(event)
-
-    def kill(self, slot: int) -> None:
-        """Killed on the coordinator's decision: its exit is no failure of its own."""
-        self.move(slot, SlotStatus.ENDED)
-        self.out.append(Kill(slot))
-
-    def announce(
-        self, members: list[int], cause: str, rebuild: bool = False, replacing: int | None = None
-    ) -> None:
-        """Generation n+1, with the failed attempts of unfinished steps and their failures
-        (so its members judge a repeat). No member's hang clock is reset."""
-        g = self.gens
-        g.latest += 1
-        g.members[g.latest] = list(members)
-        if rebuild:
-            g.rebuilds.add(g.latest)
-        g.announced_at = self.now.mono
-        for slot in members:
-            if not self.slots[slot].ended:
-                self.move(slot, SlotStatus.MEMBER)
-        failed, known = self.book.evidence()
-        doc = Announcement(g.latest, tuple(members), cause, rebuild, replacing, failed, known)
-        self.out.append(Announce(doc))
-        devices = [self.setup.devices[m] for m in members]
-        self.emit(GenerationStarted(g.latest, list(members), devices, cause))
-        if g.latest > 0:
-            self.emit(Notice(f"generation {g.latest}: workers {list(members)} ({cause})"))
-
-    def emit(self, event: Event) -> None:
-        """An event of the coordinator's own, stamped with the time it was decided at."""
-        self.out.append(Emit(replace(event, time=self.now.wall)))
-
-    def rank(self, slot: int) -> int:
-        members = self.gens.current
-        return members.index(slot) if slot in members else slot
 
     # -- what workers say ----------------------------------------------------------------
     def _received(self, slot: int, message: object) -> None:
@@ -434,10 +240,6 @@ class Coordinator:
         if not expected:
             self.fallen(self.book.death(self._where(slot), code, self.now.wall))
 
-    def _where(self, slot: int) -> WorkerFailure:
-        members = self.gens.members.get(self.slots[slot].generation, [])
-        return where(slot, self.slots[slot], members, self.rank(slot), self.setup, self.now)
-
     def _tick(self) -> None:
         self.settle()
         now, limit = self.now, self.setup.timeouts.limit
@@ -456,17 +258,15 @@ class Coordinator:
         self._admit()
 
     def _check_hang(self) -> None:
-        timeouts = self.setup.timeouts
-        if self.pending_hang or self.now.mono < self.quiet_until:
+        t, now = self.setup.timeouts, self.now.mono
+        # (just after an announcement, members are leaving their old group: clocks still run)
+        leaving = now - self.gens.announced_at < t.announce_grace.total_seconds()
+        if self.pending_hang or now < self.quiet_until or leaving:
             return
-        if self.now.mono - self.gens.announced_at < timeouts.announce_grace.total_seconds():
-            return  # members are leaving their old group (their clocks still run)
-        startup = timeouts.startup.total_seconds()
-        watched = watched_slots(self.slots, self.gens.current, self.unready, self.now.mono, startup)
-        if not watched or not stalled(watched, self.now.mono, timeouts.limit):
-            return
-        self.pending_hang = tied_behind(watched)
-        self.out.append(DumpStacks(list(self.pending_hang)))
+        watched = watched_slots(self.slots, self.gens.current, self.unready, now, t.startup)
+        if watched and stalled(watched, now, t.limit):
+            self.pending_hang = tied_behind(watched)
+            self.out.append(DumpStacks(list(self.pending_hang)))
 
     def _stacks_taken(self, stacks: dict[int, str]) -> None:
         """Everyone stalled: the hung ones are those behind that do not wait in a
@@ -484,79 +284,6 @@ class Coordinator:
             failure = replace(failure, last_progress=self.now.wall - stalled_for)
             self.kill(slot)
             self.fallen(failure)
-
-    def _node_lost(self, event: NodeLost) -> None:
-        """A node is gone with its workers: one failure names it (not an attempt of its
-        step: the batch is not suspect), and the survivors go on as a new generation
-        without it (shrink), while at least ``min_workers`` are left."""
-        if event.node in self.lost_nodes:
-            return
-        lost = [
-            slot
-            for slot, state in sorted(self.slots.items())
-            if self.setup.node_of(slot) == event.node and not state.ended
-        ]
-        if not lost:
-            return
-        first = self._where(lost[0])
-        step = "?" if first.step is None else first.step + 1
-        message = (
-            f"node {event.node} ({event.host}) lost with its workers {lost} at step {step}, "
-            f"phase {first.phase}: {event.cause}"
-        )
-        failure = replace(first, message=message, host=event.host, attempt=None)
-        self.lost_nodes[event.node] = failure
-        self.settle(before=max(self.slots[s].generation for s in lost))
-        for slot in lost:
-            self.move(slot, SlotStatus.ENDED)
-            self.show(slot, "fallen", f"node {event.node} lost")
-            self.unready.discard(slot)
-            if slot in self.waiting:
-                self.waiting.remove(slot)
-        survivors = [m for m in self.gens.current if not self.slots[m].ended]
-        book = self.book
-        if book.done is not None or self.decided:
-            book.record(failure, "ignored" if book.done is not None else "aborted", self.out)
-            return
-        policy = self.setup.recovery
-        few = len(survivors) < max(1, policy.min_workers)
-        if self.gens.latest < 0 or few or policy.mode == "abort":
-            book.record(failure, "aborted", self.out)
-            book.fatal = True
-            why = (
-                "before training began"
-                if self.gens.latest < 0
-                else "too few workers left"
-                if few
-                else 'the recovery policy is mode="abort"'
-            )
-            book.notes.append(f"The run stopped when node {event.node} was lost: {why}.")
-            return
-        book.record(failure, "shrunk", self.out, recovers=True)
-        self.announce(survivors, f"node {event.node} lost: shrunk")
-
-    def admits(self, node: int) -> bool:
-        """Whether a lost node that registers again is let back in: while the run goes on
-        and the recovery policy does not stop at a fall."""
-        done = self.decided or self.book.done is not None
-        return node in self.lost_nodes and not done and self.setup.recovery.mode != "abort"
-
-    def _node_joined(self, event: NodeJoined) -> None:
-        """A lost node is back: each of its slots starts a replacement, which is let in at
-        a step boundary with the agreed state from a live peer (a respawn at node level)."""
-        if not self.admits(event.node):
-            return
-        fell = self.lost_nodes.pop(event.node)
-        slots = [s for s in sorted(self.slots) if self.setup.node_of(s) == event.node]
-        after = -1 if fell.step is None else fell.step
-        for slot in slots:
-            self.spawn(Spawn(slot, replaces=replace(fell, worker=slot), faults_after=after))
-        self.emit(
-            Notice(
-                f"node {event.node} ({event.host}) registered again: workers {slots} start "
-                "and join at a step boundary"
-            )
-        )
 
     def _stop(self, reason: str) -> None:
         if not self.stop_sent and not self.decided:
@@ -605,10 +332,6 @@ class Coordinator:
         from the newest intact checkpoint in run_dir (replacements still starting are
         dropped: they would wait for state nobody holds). The faults up to the last fall
         fired already; the steps after the checkpoint are computed again."""
-        if self.lost_nodes:  # (a lost node's slots cannot be started again)
-            self.book.fatal = True
-            self.book.notes.append("Every worker fell after a node was lost: nothing to restart.")
-            return
         for slot, state in self.slots.items():
             if not state.ended:
                 self.kill(slot)
@@ -641,6 +364,90 @@ class Coordinator:
         return respawn_fates(self.replacements, self.book.failures)
 
 
+class NodeCoordinator(Coordinator):
+    """The head's coordinator across machines: every rule of :class:`Coordinator` over
+    the slots of all nodes, and a node's loss and return (:class:`NodeLost`,
+    :class:`NodeJoined`). A lost node's slots are not started again until it registers."""
+
+    def __init__(self, setup: Setup) -> None:
+        super().__init__(setup)
+        self.lost_nodes: dict[int, WorkerFailure] = {}  # node -> the failure that named it
+
+    def handle(self, event: CoordinatorEvent, now: Now) -> list[Action]:
+        if not isinstance(event, NodeLost | NodeJoined):
+            return super().handle(event, now)
+        self.now = now
+        if isinstance(event, NodeLost):
+            self._node_lost(event)
+        else:
+            self._node_joined(event)
+        return self._decided()
+
+    def _node_lost(self, event: NodeLost) -> None:
+        """A node is gone with its workers: one failure names it (not an attempt of its
+        step: the batch is not suspect), and the survivors go on as a new generation
+        without it (shrink), while at least ``min_workers`` are left."""
+        lost = [
+            slot
+            for slot, state in sorted(self.slots.items())
+            if self.setup.node_of(slot) == event.node and not state.ended
+        ]
+        if event.node in self.lost_nodes or not lost:
+            return
+        failure = node_failure(self._where(lost[0]), event, lost)
+        self.lost_nodes[event.node] = failure
+        self.settle(before=max(self.slots[s].generation for s in lost))
+        for slot in lost:
+            self.move(slot, SlotStatus.ENDED)
+            self.show(slot, "fallen", f"node {event.node} lost")
+            self.unready.discard(slot)
+            if slot in self.waiting:
+                self.waiting.remove(slot)
+        survivors = [m for m in self.gens.current if not self.slots[m].ended]
+        book = self.book
+        if book.done is not None or self.decided:
+            book.record(failure, "ignored" if book.done is not None else "aborted", self.out)
+            return
+        why = node_loss_stops(self.setup.recovery, len(survivors), self.gens.latest < 0)
+        if why is None:
+            book.record(failure, "shrunk", self.out, recovers=True)
+            self.announce(survivors, f"node {event.node} lost: shrunk")
+            return
+        book.record(failure, "aborted", self.out)
+        book.fatal = True
+        book.notes.append(f"The run stopped when node {event.node} was lost: {why}.")
+
+    def admits(self, node: int) -> bool:
+        """Whether a lost node that registers again is let back in: while the run goes on
+        and the recovery policy does not stop at a fall."""
+        done = self.decided or self.book.done is not None
+        return node in self.lost_nodes and not done and self.setup.recovery.mode != "abort"
+
+    def _node_joined(self, event: NodeJoined) -> None:
+        """A lost node is back: each of its slots starts a replacement, which is let in at
+        a step boundary with the agreed state from a live peer (a respawn at node level)."""
+        if not self.admits(event.node):
+            return
+        fell = self.lost_nodes.pop(event.node)
+        slots = [s for s in sorted(self.slots) if self.setup.node_of(s) == event.node]
+        after = -1 if fell.step is None else fell.step
+        for slot in slots:
+            self.spawn(Spawn(slot, replaces=replace(fell, worker=slot), faults_after=after))
+        self.emit(
+            Notice(
+                f"node {event.node} ({event.host}) registered again: workers {slots} start "
+                "and join at a step boundary"
+            )
+        )
+
+    def _restart(self) -> None:
+        if self.lost_nodes:  # (a lost node's slots cannot be started again)
+            self.book.fatal = True
+            self.book.notes.append("Every worker fell after a node was lost: nothing to restart.")
+            return
+        super()._restart()
+
+
 def _counts(event: Received) -> bool:
     """A replaced process's last words: its events and failure reports still count, its
     progress and its end do not (they would be read as its replacement's)."""
@@ -650,37 +457,8 @@ def _counts(event: Received) -> bool:
     return isinstance(message, Failed) and not message.fatal
 
 
-def where(
-    slot: int, state: Slot, members: list[int], rank: int, setup: Setup, now: Now
-) -> WorkerFailure:
-    """A failure record of ``slot`` where it is now (kind and message filled in later):
-    its step, phase, attempt, and the samples the plan gave it there (``members``: of the
-    generation it was in)."""
-    plan = setup.plan
-    in_step = state.phase in STEP_PHASES
-    epoch = state.step // plan.steps if plan.steps else None
-    share = None
-    if in_step and slot in members and epoch is not None:
-        step, index = state.step % plan.steps, members.index(slot)
-        share = plan.local_batch(epoch, step, index, len(members))
-    return WorkerFailure(
-        worker=slot,
-        rank=rank,
-        device=setup.devices[slot],
-        kind="crash",
-        message="",
-        phase=state.phase,
-        step=state.step,
-        epoch=epoch,
-        pid=state.pid,
-        sample_indices=share,
-        attempt=state.attempt if in_step else None,
-        time=now.wall,
-    )
-
-
 def watched_slots(
-    slots: dict[int, Slot], current: list[int], unready: set[int], now: float, startup: float
+    slots: dict[int, Slot], current: list[int], unready: set[int], now: float, startup: timedelta
 ) -> dict[int, Slot]:
     """The slots whose silence counts: members outside their bounded idle phases, slots in a
     preflight, and every slot still starting once one is past the startup timeout."""
@@ -693,7 +471,7 @@ def watched_slots(
         if slots[slot].phase == "preflight" and not slots[slot].ended:
             watched[slot] = slots[slot]
     starting = {k: s for k, s in slots.items() if s.phase == "start" and not s.ended}
-    if any(now - s.progress_at > startup for s in starting.values()):
+    if any(now - s.progress_at > startup.total_seconds() for s in starting.values()):
         watched.update(starting)
     return watched
 
@@ -714,3 +492,25 @@ def respawn_fates(replacements: list[Slot], failures: list[WorkerFailure]) -> li
         else:
             lines.append(f"{what} had not joined when the run ended (still starting)")
     return lines
+
+
+def node_failure(first: WorkerFailure, event: NodeLost, lost: list[int]) -> WorkerFailure:
+    """The one failure that names a lost node, where its first worker was (no attempt: a
+    node's loss does not count against its step)."""
+    step = "?" if first.step is None else first.step + 1
+    message = (
+        f"node {event.node} ({event.host}) lost with its workers {lost} at step {step}, "
+        f"phase {first.phase}: {event.cause}"
+    )
+    return replace(first, message=message, host=event.host, attempt=None)
+
+
+def node_loss_stops(policy: Recovery, survivors: int, before_training: bool) -> str | None:
+    """Why the run stops when a node is lost, or None when the survivors go on (shrink)."""
+    if before_training:
+        return "before training began"
+    if survivors < max(1, policy.min_workers):
+        return "too few workers left"
+    if policy.mode == "abort":
+        return 'the recovery policy is mode="abort"'
+    return None

@@ -30,6 +30,7 @@ import torch
 
 from phalanx import __version__
 from phalanx.errors import NodesDisagreeError, NoTokenError
+from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.launch import Launch
@@ -308,7 +309,6 @@ class Nodes:
 def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
     """Listen on ``PHALANX_HEAD``'s address, host the store there, and wait for every node
     to join and agree; every node is then told the slots and where the store is."""
-    from phalanx.events import Notice
 
     config = run.config
     token = head_token(config.run_dir)
@@ -346,7 +346,6 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
 
 def rejected_link(address: str, why: str) -> Any:
     """The head's one warning for a connection it refused (PX150)."""
-    from phalanx.events import Notice
 
     return Notice(
         f"PX150: refused a connection from {address} that did not prove this run's token "
@@ -383,30 +382,18 @@ def connect_to_head(
 def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter) -> RunEnd:
     """A node's agent for one run: join the head, start and watch this node's workers as it
     orders, and return the run's end as the head tells it (the model with it)."""
-    from phalanx.events import Notice
-
     started = time.time()
     config = run.config
     token = node_token(config.run_dir, JOIN_TIMEOUT.total_seconds())
-    precision = str(getattr(run.spec, "precision", "32"))
-    hello = {
-        "node": launch.node_rank,
-        "host": socket.gethostname(),
-        "devices": list(config.devices),
-        "check": agreement(config, run.plan, precision),
-    }
-    emit(Notice(f"node {launch.node_rank}: joining the head at {launch.head}"))
-    link, answer = connect_to_head(launch, token, hello, JOIN_TIMEOUT)
-    if answer.kind == "refused":
-        link.close()
-        raise NodesDisagreeError(str(answer.doc.get("message")))
+    link, answer = _join(run, launch, token, emit)
     labels = [str(d) for d in answer.doc["devices"]]
     host, port = answer.doc["store"]
     first = int(answer.doc["first"])
     agent = Agent(bind=None, store_at=(str(host), int(port)), signer=Signer(token))
-    global_config = _with_devices(config, labels)
     data = (run.train, run.valid, run.valid_size)
-    spawner = Spawner(run.spec, global_config, run.plan, data, agent, len(config.devices))
+    spawner = Spawner(
+        run.spec, _with_devices(config, labels), run.plan, data, agent, len(config.devices)
+    )
     link.start()
     last = first + len(config.devices) - 1
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
@@ -416,35 +403,60 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
         agent.close()
         link.close()
     if end is None:
-        failure = WorkerFailure(
-            worker=first,
-            rank=first,
-            device=config.devices[0],
-            kind="crash",
-            message=(
-                f"the head at {launch.head} was lost: no word for "
-                f"{NODE_TIMEOUT.total_seconds():g}s; this node's workers were stopped"
-            ),
-            phase="sync",
-        )
-        raise stopped([failure], False, _no_dir(config))
-    frame = end
+        raise stopped([_head_lost(launch, config, first)], False, _no_dir(config))
+    return _node_end(run, end, time.time() - started)
+
+
+def _join(run: RunInputs, launch: Launch, token: bytes, emit: Any) -> tuple[Link, Frame]:
+    """Register with the head (who this node is, what must agree); its answer, or raise
+    NodesDisagreeError when it refused this node."""
+    precision = str(getattr(run.spec, "precision", "32"))
+    hello = {
+        "node": launch.node_rank,
+        "host": socket.gethostname(),
+        "devices": list(run.config.devices),
+        "check": agreement(run.config, run.plan, precision),
+    }
+    emit(Notice(f"node {launch.node_rank}: joining the head at {launch.head}"))
+    link, answer = connect_to_head(launch, token, hello, JOIN_TIMEOUT)
+    if answer.kind == "refused":
+        link.close()
+        raise NodesDisagreeError(str(answer.doc.get("message")))
+    return link, answer
+
+
+def _head_lost(launch: Launch, config: FitConfig, first: int) -> WorkerFailure:
+    return WorkerFailure(
+        worker=first,
+        rank=first,
+        device=config.devices[0],
+        kind="crash",
+        message=(
+            f"the head at {launch.head} was lost: no word for "
+            f"{NODE_TIMEOUT.total_seconds():g}s; this node's workers were stopped"
+        ),
+        phase="sync",
+    )
+
+
+def _node_end(run: RunInputs, frame: Frame, seconds: float) -> RunEnd:
+    """The run's end as the head told it: the same model and record as on the head, or
+    raise the same report."""
     doc = frame.doc
     failures = [WorkerFailure(**f) for f in doc.get("failures", [])]
     fates = list(doc.get("fates", []))
     if not doc.get("ok"):
         notes = tuple(doc.get("notes", []))
-        raise stopped(failures, bool(doc.get("poison")), _no_dir(config), notes, fates)
-    model = _load_model(run, frame.payload)
+        raise stopped(failures, bool(doc.get("poison")), _no_dir(run.config), notes, fates)
     return RunEnd(
-        model=model,
+        model=_load_model(run, frame.payload),
         history=list(doc["history"]),
         steps=int(doc["steps"]),
         epochs=int(doc["epochs"]),
         interrupted=doc.get("interrupted"),
         ledger=[list(row) for row in doc["ledger"]],
         failures=failures,
-        seconds=time.time() - started,
+        seconds=seconds,
         fates=fates,
     )
 

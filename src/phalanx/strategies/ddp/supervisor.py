@@ -45,16 +45,14 @@ from phalanx.strategies.ddp.coordinator import (
     Coordinator,
     CoordinatorEvent,
     Exited,
+    NodeCoordinator,
     NodeJoined,
     NodeLost,
-    Now,
     Received,
-    Setup,
     Spawned,
     StacksTaken,
     StopRequested,
     Tick,
-    Timeouts,
 )
 from phalanx.strategies.ddp.link import Frame
 from phalanx.strategies.ddp.nodes import (
@@ -67,6 +65,7 @@ from phalanx.strategies.ddp.nodes import (
     tell_end,
 )
 from phalanx.strategies.ddp.protocol import Done, Rejected
+from phalanx.strategies.ddp.roster import Now, Setup, Timeouts
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
 
 __all__ = ["SlotState", "Supervisor", "run_ddp"]
@@ -111,9 +110,10 @@ class Supervisor:
         timeouts = Timeouts(config.hang_timeout, broke_settle=timedelta(seconds=BROKE_SETTLE))
         recovery, run_dir = config.recovery, bool(config.run_dir)
         setup = Setup(plan, shown, recovery, timeouts, run_dir, slot_nodes)
-        self.coord = Coordinator(setup)
+        self.coord = Coordinator(setup) if nodes is None else NodeCoordinator(setup)
         self.rejected: set[tuple[str, str]] = set()  # (key, digest) already warned about
         self.stacks_due: tuple[float, dict[int, str | None]] | None = None  # remote dumps
+        self.told = False  # whether the other nodes were told how the run ended
 
     @property
     def outcome(self) -> FailureBook:
@@ -165,6 +165,7 @@ class Supervisor:
                 continue  # (authenticated, but not a frame this version reads)
         for node, cause in lost:
             self._feed(NodeLost(node.rank, node.host, cause))
+        assert isinstance(self.coord, NodeCoordinator)
         for node, refused in self.hub.rejoined(self.coord.admits):
             if refused:
                 self.emit(Notice(f"refused node {node.rank} ({node.host}): {refused}", "warning"))
@@ -297,6 +298,12 @@ class Supervisor:
         found, self.hub.rejected = self.hub.rejected, []
         return [rejected_link(address, why) for address, why in found]
 
+    def tell_nodes(self, doc: dict[str, Any], weights: bytes = b"") -> None:
+        """Tell every other node how the run ended (once; nothing to tell on one node)."""
+        if self.hub is not None and not self.told:
+            self.told = True
+            tell_end(self.hub, doc, weights)
+
     def close(self) -> None:
         self.agent.close()
         if self.hub is not None:
@@ -317,64 +324,67 @@ def run_ddp(
     if launch is not None and launch.nnodes > 1 and launch.node_rank > 0:
         return run_node(run, launch, emit, interrupter)
     started = time.time()
-    config = run.config
-    data = (run.train, run.valid, run.valid_size)
     nodes = None
     if launch is not None and launch.nnodes > 1:
         nodes = start_head(run, launch, emit)
-    sup = Supervisor(run.spec, config, run.plan, data, emit, interrupter, nodes)
-    told = False
+    data = (run.train, run.valid, run.valid_size)
+    sup = Supervisor(run.spec, run.config, run.plan, data, emit, interrupter, nodes)
     try:
         sup.start()
         outcome = sup.watch()
         fates = sup.coord.respawn_fates()
-        for line in fates:  # the run's end says what became of every respawn
-            emit(Notice(line))
-        for note in sup.rejected_links():
-            emit(note)
-        if outcome.fatal or outcome.aborted or outcome.done is None:
-            failures = outcome.failures or [_lost(config)]
-            poison = outcome.poison and not outcome.fatal
-            if sup.hub is not None:
-                told = True
-                tell_end(sup.hub, _failed_doc(failures, poison, outcome.notes, fates))
-            raise stopped(failures, poison, config, tuple(outcome.notes), fates)
-        done = outcome.done
-        assert done.weights_path is not None
-        model = sup.final_model(done.weights_path)
-        interrupted = done.interrupted
-        if interrupted and interrupter.reason:  # the reason as the supervisor was told it
-            interrupted = f"Training interrupted: {interrupter.reason}"
-        if sup.hub is not None:
-            with open(done.weights_path, "rb") as fh:
-                weights = fh.read()
-            doc = {
-                "ok": True,
-                "history": done.history,
-                "steps": done.steps,
-                "epochs": done.epochs,
-                "interrupted": interrupted,
-                "ledger": done.ledger,
-                "failures": [f.to_dict() for f in outcome.failures],
-                "fates": fates,
-            }
-            told = True
-            tell_end(sup.hub, doc, weights)
+        for note in [Notice(line) for line in fates] + sup.rejected_links():
+            emit(note)  # (the run's end says what became of every respawn)
+        end = _run_end(sup, outcome, fates, interrupter.reason)
     finally:
-        if sup.hub is not None and not told:  # (a bug of ours: the nodes must not wait)
-            tell_end(sup.hub, _failed_doc([_lost(config)], False, [], []))
+        if not sup.told:  # (a bug of ours: the nodes must not wait)
+            sup.tell_nodes(_failed_doc([_lost(run.config)], False, [], []))
         sup.close()
-    return RunEnd(
-        model=model,
+    return dataclasses.replace(end, seconds=time.time() - started)
+
+
+def _run_end(sup: Supervisor, outcome: FailureBook, fates: list[str], reason: str | None) -> RunEnd:
+    """The run's end from the coordinator's book (the nodes told the same), or raise
+    TrainingFailed with its report."""
+    config = sup.config
+    if outcome.fatal or outcome.aborted or outcome.done is None:
+        failures = outcome.failures or [_lost(config)]
+        poison = outcome.poison and not outcome.fatal
+        sup.tell_nodes(_failed_doc(failures, poison, outcome.notes, fates))
+        raise stopped(failures, poison, config, tuple(outcome.notes), fates)
+    done = outcome.done
+    assert done.weights_path is not None
+    interrupted = done.interrupted
+    if interrupted and reason:  # the reason as the supervisor was told it
+        interrupted = f"Training interrupted: {reason}"
+    end = RunEnd(
+        model=sup.final_model(done.weights_path),
         history=done.history,
         steps=done.steps,
         epochs=done.epochs,
         interrupted=interrupted,
         ledger=done.ledger,
         failures=outcome.failures,
-        seconds=time.time() - started,
+        seconds=0.0,
         fates=fates,
     )
+    if sup.hub is not None:
+        with open(done.weights_path, "rb") as fh:
+            sup.tell_nodes(_ok_doc(end), fh.read())
+    return end
+
+
+def _ok_doc(end: RunEnd) -> dict[str, Any]:
+    return {
+        "ok": True,
+        "history": end.history,
+        "steps": end.steps,
+        "epochs": end.epochs,
+        "interrupted": end.interrupted,
+        "ledger": end.ledger,
+        "failures": [f.to_dict() for f in end.failures],
+        "fates": end.fates,
+    }
 
 
 def _failed_doc(

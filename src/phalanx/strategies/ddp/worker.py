@@ -455,21 +455,6 @@ class Worker:
             group.leave()
         gc.collect()  # drops the old DDP reducer and its autograd hooks
 
-    def arrive(self, store: SignedStore, gen: Generation, rank: int) -> None:
-        """Wait until every member of ``gen`` has arrived, before any of them starts the
-        group's rendezvous (which cannot be interrupted). If a newer generation is announced
-        meanwhile (a member fell before arriving), this one is dropped: Superseded."""
-        keys = [f"{ARRIVED_PREFIX}g{gen.number}/{r}" for r in range(len(gen.members))]
-        store.set(keys[rank], "1", seq=gen.number)  # (signed: a forged arrival is not one)
-        deadline = time.monotonic() + forming_timeout(self.a.config).total_seconds()
-        while not store.all_present(keys):
-            if self.watcher.latest > gen.number and not store.all_present(keys):
-                # (checked again: a peer that saw every key is already in the rendezvous)
-                raise Superseded(gen.number)
-            if time.monotonic() > deadline:
-                raise GroupBroken(f"generation {gen.number} did not form in time")
-            time.sleep(0.02)
-
     def train_in(self, store: SignedStore, member: Member, gen: Generation) -> None:
         """Form ``gen``'s group, take the agreed state, train until the run ends."""
         cfg = self.a.config
@@ -479,7 +464,7 @@ class Worker:
         announce(rank, len(gen.members), self.label, self.a.slot, gen.number, self.a.store_port)
         self.on_phase(self.step, "regroup")
         member.trainable.discard()  # gradients of a step the old group never committed
-        self.arrive(store, gen, rank)
+        arrive(store, gen, rank, self.watcher, forming_timeout(cfg))
         rendezvous = self.a.connect(forming_timeout(cfg))
         group = GenerationGroup.form(
             rendezvous,
@@ -558,6 +543,24 @@ class Worker:
             )
         self.send(done)
         return 0
+
+
+def arrive(
+    store: SignedStore, gen: Generation, rank: int, watcher: Watcher, timeout: timedelta
+) -> None:
+    """Wait until every member of ``gen`` has arrived, before any of them starts the group's
+    rendezvous (which cannot be interrupted). If a newer generation is announced meanwhile
+    (a member fell before arriving), this one is dropped: Superseded."""
+    keys = [f"{ARRIVED_PREFIX}g{gen.number}/{r}" for r in range(len(gen.members))]
+    store.set(keys[rank], "1", seq=gen.number)  # (signed: a forged arrival is not one)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.all_present(keys):
+        if watcher.latest > gen.number and not store.all_present(keys):
+            # (checked again: a peer that saw every key is already in the rendezvous)
+            raise Superseded(gen.number)
+        if time.monotonic() > deadline:
+            raise GroupBroken(f"generation {gen.number} did not form in time")
+        time.sleep(0.02)
 
 
 def listen_for_stack_dumps(path: str) -> None:

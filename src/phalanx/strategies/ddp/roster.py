@@ -1,0 +1,246 @@
+"""What the ddp coordinator knows and says: each slot's process, the generations announced,
+the failure book, the worker panel, and the actions decided so far.
+
+:class:`Roster` keeps that record and turns it into actions (spawn, kill, announce, emit);
+:class:`~.coordinator.Coordinator` holds the rules that decide when. Each slot's status
+moves in :meth:`Roster.move` only (the place to watch for a live view of the workers), and
+each worker's last progress is :attr:`Slot.progress_at`, set only from its own messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from enum import Enum
+
+from phalanx.events import Event, GenerationStarted, Notice
+from phalanx.failures import WorkerFailure
+from phalanx.plan import Plan
+from phalanx.policy import STEP_PHASES, Recovery
+from phalanx.strategies.ddp.actions import Action, Announce, Emit, Kill, Spawn
+from phalanx.strategies.ddp.book import FailureBook
+from phalanx.strategies.ddp.hangs import Watched
+from phalanx.strategies.ddp.panel import Panel
+from phalanx.strategies.ddp.protocol import Announcement, Joined, Progress
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every timeout of the control plane, on the monotonic clock."""
+
+    hang: timedelta  # a worker's silence while its peers wait (fit's hang_timeout)
+    grace: timedelta = timedelta(seconds=2)  # to exit by themselves once the run is decided
+    broke_settle: timedelta = timedelta(seconds=0.2)  # a Broke waits for a peer's death
+    startup: timedelta = timedelta(seconds=120)  # spawning and importing torch is not a hang
+    preflight: timedelta = timedelta(seconds=30)  # first calls are slow: lazy initialisation
+    # After an announcement, its members get this long to say they left their old group
+    # before a silence is called a hang (no worker's own clock is reset by it).
+    announce_grace: timedelta = timedelta(seconds=0.5)
+
+    def limit(self, state: Watched) -> float:
+        """How long a worker may make no progress: ``hang``; at least ``preflight`` there."""
+        hang = self.hang.total_seconds()
+        return max(hang, self.preflight.total_seconds()) if state.phase == "preflight" else hang
+
+
+@dataclass(frozen=True)
+class Now:
+    mono: float  # seconds on a monotonic clock: every timeout
+    wall: float  # seconds since the epoch: the time in failure records
+
+
+class SlotStatus(Enum):
+    STARTING = "starting"  # its process was started: preflight, model not built yet
+    READY = "ready"  # waits for a generation: the first, a restart's, or to be let in
+    MEMBER = "member"  # named in a generation (it may still be forming it)
+    ENDED = "ended"  # its end is accounted for: finished, fallen, killed or dismissed
+
+
+@dataclass
+class Slot:
+    """What the coordinator knows of the process that holds one slot (device) now."""
+
+    status: SlotStatus = SlotStatus.STARTING
+    step: int = 0
+    phase: str = "start"
+    progress_at: float = 0.0  # monotonic time of its own last progress
+    generation: int = -1  # the newest generation it has joined
+    attempt: int = 0  # of its step, from its last heartbeat
+    pid: int | None = None
+    replaces: WorkerFailure | None = None  # a replacement: the fall it answers
+    joined_at: int | None = None  # a replacement: the step at which it joined
+
+    @property
+    def ended(self) -> bool:
+        return self.status is SlotStatus.ENDED
+
+    def progress(self, message: Progress | Joined, now: float) -> None:
+        """The worker's own progress: a phase entered, or a generation joined."""
+        self.progress_at = now
+        if isinstance(message, Joined):
+            self.generation = message.generation
+            if self.replaces is not None and self.joined_at is None:
+                self.joined_at = message.step
+        else:
+            self.step, self.phase, self.attempt = message.step, message.phase, message.attempt
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the coordinator decides with: the run's plan, devices and policy."""
+
+    plan: Plan
+    devices: list[str]
+    recovery: Recovery
+    timeouts: Timeouts
+    run_dir: bool = False
+    nodes: tuple[int, ...] = ()  # the node of each slot, across machines (empty: one node)
+
+    def node_of(self, slot: int) -> int:
+        return self.nodes[slot] if self.nodes else 0
+
+
+@dataclass
+class Generations:
+    """Every generation announced: members in rank order, and which ones rebuild."""
+
+    members: dict[int, list[int]] = field(default_factory=dict)
+    rebuilds: set[int] = field(default_factory=set)
+    latest: int = -1
+    announced_at: float = float("-inf")
+
+    @property
+    def current(self) -> list[int]:
+        return self.members.get(self.latest, [])
+
+    def left(self, generation: int) -> bool:
+        """Whether a generation after ``generation`` makes its members leave its group (it
+        drops a member, or rebuilds): then that one carries the retry. Generations that only
+        add a replacement are joined at a step boundary, which a broken step never reaches."""
+        for later in range(generation + 1, self.latest + 1):
+            before, after = self.members[later - 1], self.members[later]
+            if set(before) - set(after) or later in self.rebuilds:
+                return True
+        return False
+
+
+class Roster:
+    """The coordinator's record of the run and the actions it has decided, not yet taken."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self.world = len(setup.devices)
+        self.slots: dict[int, Slot] = {}
+        self.replacements: list[Slot] = []  # every respawn, for the run's end
+        self.gens = Generations()
+        self.book = FailureBook(setup.recovery, setup.run_dir)
+        self.now = Now(0.0, 0.0)
+        self.out: list[Action] = []
+        self.panel = Panel(list(setup.devices))
+
+    def _flush(self) -> list[Action]:
+        actions, self.out = self.out, []
+        return actions
+
+    @property
+    def decided(self) -> bool:
+        return self.book.decided
+
+    def spawned(self, slot: int, pid: int | None) -> None:
+        """The process of ``slot`` started with ``pid`` (on the panel: replaced, then new)."""
+        state = self.slots[slot]
+        state.pid = pid
+        if slot in self.panel.shown:
+            self.show(slot, "replaced", f"by pid {pid}")
+        self.show(slot, "joining" if state.replaces is not None else "starting")
+
+    def move(self, slot: int, status: SlotStatus) -> None:
+        """The only place a slot's status changes."""
+        self.slots[slot].status = status
+
+    def spawn(self, action: Spawn) -> None:
+        replacement = action.replaces is not None
+        state = Slot(
+            phase="joining" if replacement else "start",
+            progress_at=self.now.mono,
+            replaces=action.replaces,
+        )
+        if replacement:
+            self.replacements.append(state)
+        self.slots[action.slot] = state
+        self.out.append(action)
+
+    def show(self, slot: int, panel_state: str, detail: str = "") -> None:
+        """The worker panel: ``slot`` is now in ``panel_state`` (sent once per change)."""
+        rank = self.rank(slot) if slot in self.gens.current else None
+        event = self.panel.show(slot, panel_state, self.slots[slot], rank, detail)
+        if event is not None:
+            self.emit(event)
+
+    def kill(self, slot: int) -> None:
+        """Killed on the coordinator's decision: its exit is no failure of its own."""
+        self.move(slot, SlotStatus.ENDED)
+        self.out.append(Kill(slot))
+
+    def announce(
+        self, members: list[int], cause: str, rebuild: bool = False, replacing: int | None = None
+    ) -> None:
+        """Generation n+1, with the failed attempts of unfinished steps and their failures
+        (so its members judge a repeat). No member's hang clock is reset."""
+        g = self.gens
+        g.latest += 1
+        g.members[g.latest] = list(members)
+        if rebuild:
+            g.rebuilds.add(g.latest)
+        g.announced_at = self.now.mono
+        for slot in members:
+            if not self.slots[slot].ended:
+                self.move(slot, SlotStatus.MEMBER)
+        failed, known = self.book.evidence()
+        doc = Announcement(g.latest, tuple(members), cause, rebuild, replacing, failed, known)
+        self.out.append(Announce(doc))
+        devices = [self.setup.devices[m] for m in members]
+        self.emit(GenerationStarted(g.latest, list(members), devices, cause))
+        if g.latest > 0:
+            self.emit(Notice(f"generation {g.latest}: workers {list(members)} ({cause})"))
+
+    def emit(self, event: Event) -> None:
+        """An event of the coordinator's own, stamped with the time it was decided at."""
+        self.out.append(Emit(replace(event, time=self.now.wall)))
+
+    def rank(self, slot: int) -> int:
+        members = self.gens.current
+        return members.index(slot) if slot in members else slot
+
+    def _where(self, slot: int) -> WorkerFailure:
+        members = self.gens.members.get(self.slots[slot].generation, [])
+        return where(slot, self.slots[slot], members, self.rank(slot), self.setup, self.now)
+
+
+def where(
+    slot: int, state: Slot, members: list[int], rank: int, setup: Setup, now: Now
+) -> WorkerFailure:
+    """A failure record of ``slot`` where it is now (kind and message filled in later):
+    its step, phase, attempt, and the samples the plan gave it there (``members``: of the
+    generation it was in)."""
+    plan = setup.plan
+    in_step = state.phase in STEP_PHASES
+    epoch = state.step // plan.steps if plan.steps else None
+    share = None
+    if in_step and slot in members and epoch is not None:
+        step, index = state.step % plan.steps, members.index(slot)
+        share = plan.local_batch(epoch, step, index, len(members))
+    return WorkerFailure(
+        worker=slot,
+        rank=rank,
+        device=setup.devices[slot],
+        kind="crash",
+        message="",
+        phase=state.phase,
+        step=state.step,
+        epoch=epoch,
+        pid=state.pid,
+        sample_indices=share,
+        attempt=state.attempt if in_step else None,
+        time=now.wall,
+    )
