@@ -406,7 +406,7 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     agent = Agent(bind=None, store_at=(str(host), int(port)), signer=Signer(token))
     global_config = _with_devices(config, labels)
     data = (run.train, run.valid, run.valid_size)
-    spawner = Spawner(run.spec, global_config, run.plan, data, agent, len(config.devices))
+    spawner = Spawner(run.spec, global_config, run.plan, data, agent, len(config.devices), first)
     link.start()
     last = first + len(config.devices) - 1
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
