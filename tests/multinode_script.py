@@ -8,14 +8,16 @@ Writes the final state dict to OUT and prints one JSON line: steps, ledger, fail
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
 from datetime import timedelta
 
 import torch
 
 import phalanx as px
-from recovery_helpers import linear, make_data, sgd, slow_step
+from recovery_helpers import env_recording_slow_step, linear, make_data, sgd, slow_step
 
 DATA = make_data(240)
 
@@ -28,7 +30,9 @@ def main() -> None:
         sys.argv[4],
     )
     shrink = len(sys.argv) > 5 and sys.argv[5] == "shrink"
-    learner = px.Learner(linear, sgd, slow_step)
+    record = os.environ.get("PHALANX_TEST_ENV_DIR")  # where workers write torchrun's variables
+    step = functools.partial(env_recording_slow_step, record) if record else slow_step
+    learner = px.Learner(linear, sgd, step)
     result = learner.fit(
         DATA,
         epochs=epochs,

@@ -9,6 +9,7 @@ import this file as ``recovery_helpers`` too. Subprocess scripts get it through
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -19,6 +20,18 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 STEP_SLEEP_S = 0.04  # keeps a run going long enough for a replacement to start and rejoin
+
+
+TORCHRUN_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+
+def env_recording_slow_step(folder: str, model: nn.Module, batch: Any) -> torch.Tensor:
+    """:func:`slow_step` that first writes what torchrun's variables say in this worker to
+    ``<folder>/<pid>.json`` (the latest step's)."""
+    seen = {k: os.environ.get(k) for k in TORCHRUN_KEYS}
+    with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as fh:
+        json.dump(seen, fh)
+    return slow_step(model, batch)
 
 
 def make_data(n: int, seed: int = 0) -> TensorDataset:

@@ -50,16 +50,33 @@ def test_example_survives_a_killed_worker(script: str, tmp_path: Path) -> None:
     assert m and m.groups() == ("1", "True"), done.stdout[-2000:]
     state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert state and all(torch.isfinite(v).all() for v in state.values())
+    # The newest checkpoint opens with plain torch.load too: the final model, the fp16
+    # scaler's state, and the optimizer's named weight-decay groups (decay, then none).
+    newest = sorted((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))[-1]
+    checkpoint = torch.load(newest, weights_only=True)
+    assert checkpoint["model"].keys() == state.keys()
+    assert all(torch.equal(checkpoint["model"][k], v) for k, v in state.items())
+    assert checkpoint["scaler"]["scale"] > 0  # "16-mixed": a gradient scaler was used
+    decays = [g["weight_decay"] for g in checkpoint["optimizer"]["param_groups"]]
+    assert len(decays) == 2 and decays[0] > 0 and decays[1] == 0.0
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
     assert any(e["event"] == "WorkerFailed" for e in events)
 
 
-def test_ddp_tutorial_resumes_after_ctrl_c(tmp_path: Path) -> None:
+# Long enough that Ctrl-C after the first step lands mid-run: (arguments, steps in all).
+CTRL_C = {
+    "ddp_tutorial.py": (["--samples", "4096", "--epochs", "3", "--batch-size", "32"], 384),
+    # the Zen of Python, 840 windows of 16 characters: 27 steps an epoch
+    "mingpt.py": (["--epochs", "4", "--block-size", "16", "--embd", "32"], 108),
+}
+
+
+@pytest.mark.parametrize("script", sorted(CTRL_C))
+def test_example_resumes_after_ctrl_c(script: str, tmp_path: Path) -> None:
     events = tmp_path / "run" / "events.jsonl"
-    args = ["--samples", "4096", "--epochs", "3", "--batch-size", "32"]
+    args, total = CTRL_C[script]
     proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "ddp_tutorial.py"), "--run-dir", str(tmp_path / "run"),
-         *args],
+        [sys.executable, str(EXAMPLES / script), "--run-dir", str(tmp_path / "run"), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path,
     )  # fmt: skip
     try:
@@ -75,11 +92,15 @@ def test_ddp_tutorial_resumes_after_ctrl_c(tmp_path: Path) -> None:
             proc.wait(timeout=10)
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
     stopped = int(re.search(r"interrupted after step (\d+)", out).group(1))  # type: ignore[union-attr]
-    assert 1 <= stopped < 384
+    assert 1 <= stopped < total
     assert not (tmp_path / "run" / "model.pt").exists()  # not saved as if it had finished
-    done = run(tmp_path, "ddp_tutorial.py", *args, "--resume")
+    saved = torch.load(
+        tmp_path / "run" / "checkpoints" / f"ckpt-{stopped:09d}.pt", weights_only=True
+    )
+    assert saved["loop"]["global_step"] == stopped  # the Ctrl-C checkpoint, plain torch opens it
+    done = run(tmp_path, script, *args, "--resume")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "after 384 steps" in done.stdout and "exactly-once: True" in done.stdout
+    assert f"after {total} steps" in done.stdout and "exactly-once: True" in done.stdout
     resumed = [json.loads(line) for line in events.open() if '"Resumed"' in line]
     assert resumed and resumed[-1]["global_step"] == stopped
 

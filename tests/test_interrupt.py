@@ -377,3 +377,36 @@ def test_ctrl_c_under_ddp_checkpoints_then_raises_keyboard_interrupt(tmp_path: P
     assert result.interrupted == "Training interrupted: received SIGINT"
     assert 2 <= result.steps < 16
     assert (tmp_path / "run" / "checkpoints" / f"ckpt-{result.steps:09d}.pt").is_file()
+
+
+class StopAtStep:
+    """A sink (in the calling process, the ddp supervisor) that calls ``learner.stop`` when
+    step ``step`` has ended, as user code watching the run would."""
+
+    def __init__(self, learner: Any, step: int) -> None:
+        self.learner, self.step = learner, step
+
+    def handle(self, event: Any) -> None:
+        if getattr(event, "global_step", None) == self.step and type(event).__name__ == "StepEnded":
+            self.learner.stop("enough for now")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_learner_stop_under_ddp_returns_with_interrupted_set(tmp_path: Path) -> None:
+    """learner.stop() is not a signal: fit returns (no exception) with ``interrupted`` set,
+    after a checkpoint of the step the stop was read in, and no model.pt (not finished)."""
+    import phalanx as px
+    from ddp_helpers import make_data, mlp, sgd, slow_step
+
+    learner = px.Learner(mlp, sgd, slow_step)
+    result = learner.fit(
+        make_data(64), epochs=2, batch_size=8, strategy="ddp", devices="cpu:0,cpu:1",
+        run_dir=str(tmp_path / "run"), sinks=[StopAtStep(learner, 2)],
+    )  # fmt: skip
+    assert result.interrupted == "Training interrupted: enough for now"
+    assert 2 <= result.steps < 16 and result.model_path is None
+    assert (tmp_path / "run" / "checkpoints" / f"ckpt-{result.steps:09d}.pt").is_file()
+    assert not (tmp_path / "run" / "model.pt").exists()

@@ -119,21 +119,31 @@ def one_node_run(tmp_path: Path, epochs: int) -> list[torch.Tensor]:
 
 
 def two_nodes(
-    tmp_path: Path, epochs: int, extra: tuple[str, ...] = (), tokens: tuple[Any, Any] = ("t", "t")
+    tmp_path: Path,
+    epochs: int,
+    extra: tuple[str, ...] = (),
+    tokens: tuple[Any, Any] = ("t", "t"),
+    env_dirs: tuple[Path, Path] | None = None,
 ) -> tuple[int, list[subprocess.Popen[bytes]], list[Path]]:
+    """``env_dirs``: where each node's workers write torchrun's variables at each step."""
     port = free_port()
     procs, logs = [], []
     for rank in (0, 1):
         log = tmp_path / f"node{rank}.log"
         args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", str(epochs), "-", *extra]
-        procs.append(start(args, env_for(rank, port, tokens[rank]), log))
+        env = env_for(rank, port, tokens[rank])
+        if env_dirs is not None:
+            env_dirs[rank].mkdir()
+            env["PHALANX_TEST_ENV_DIR"] = str(env_dirs[rank])
+        procs.append(start(args, env, log))
         logs.append(log)
     return port, procs, logs
 
 
 @pytest.mark.timeout(300)
 def test_two_nodes_train_as_one_job_and_every_node_returns_its_model(tmp_path: Path) -> None:
-    port, procs, logs = two_nodes(tmp_path, epochs=4)
+    env_dirs = (tmp_path / "env0", tmp_path / "env1")
+    port, procs, logs = two_nodes(tmp_path, epochs=4, env_dirs=env_dirs)
     try:
         codes = [finish(p) for p in procs]
     finally:
@@ -148,6 +158,17 @@ def test_two_nodes_train_as_one_job_and_every_node_returns_its_model(tmp_path: P
     assert same(w_head, one_node_run(tmp_path, epochs=4))  # as one node with two devices
     text = logs[0].read_text()
     assert "cpu:0@node1" in text and f"127.0.0.1:{port}" in text
+    # Each node's one worker sees torchrun's variables as torchrun gives them on two nodes of
+    # one process each: its global rank, local rank 0 of 1 on its node, the head's address.
+    for rank, folder in enumerate(env_dirs):
+        (seen,) = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+        assert seen == {
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+        }
 
 
 @pytest.mark.timeout(300)

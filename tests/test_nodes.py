@@ -10,6 +10,8 @@ import stat
 import threading
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -260,3 +262,55 @@ def test_a_lost_node_that_registers_again_starts_replacements_of_its_slots() -> 
     training(c)
     c.handle(NodeLost(1, "h1", "its link closed"), Now(2.0, 1002.0))
     assert not c.admits(1)  # the run stopped at the fall
+
+
+def test_workers_count_their_local_rank_on_their_own_node() -> None:
+    """torchrun's variables across nodes: RANK and WORLD_SIZE over every member, LOCAL_RANK
+    and LOCAL_WORLD_SIZE over this node's members (in rank order), MASTER_ADDR the head's
+    store. Node 1 runs slots 2 and 3 of four."""
+    from phalanx.strategies.ddp.identity import torchrun_env
+
+    def env(slot: int, members: list[int], here: tuple[int, ...]) -> tuple[str, ...]:
+        e = torchrun_env(slot, members, here, "10.0.0.1", 29400)
+        assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("10.0.0.1", "29400")
+        return e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]
+
+    node1, head = (2, 3), (0, 1)
+    assert env(2, [0, 1, 2, 3], node1) == ("2", "0", "4", "2")  # cuda:0 of its node
+    assert env(3, [0, 1, 2, 3], node1) == ("3", "1", "4", "2")
+    assert env(1, [0, 1, 2, 3], head) == ("1", "1", "4", "2")
+    # slot 0 lost and the run shrunk: ranks move down, the head has one member left
+    assert env(1, [1, 2, 3], head) == ("0", "0", "3", "1")
+    assert env(3, [1, 2, 3], node1) == ("2", "1", "3", "2")
+    # one host: the local rank is the rank
+    assert env(2, [0, 2, 3], (0, 1, 2, 3)) == ("1", "1", "3", "3")
+
+
+def test_a_nodes_spawner_gives_its_workers_that_nodes_slots() -> None:
+    """What a node's worker is started with: the head's store and the slots of its own node
+    (from the head's answer: ``first``), which LOCAL_RANK counts."""
+    import torch
+
+    from phalanx.spec import FitConfig
+    from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
+
+    class FakeAgent:
+        store_at = ("10.0.0.1", 29400)
+        tmp = "/tmp"
+        signer = SimpleNamespace(token=b"t")
+
+        def spawn(self, slot: int, name: str, target: object, make_args: Any) -> int:
+            self.args = make_args(None, "stacks", None)
+            return 1
+
+    learner = px.Learner(torch.nn.Linear(2, 1), torch.optim.SGD, px.mse_step)
+    config = FitConfig(epochs=1, batch_size=8, devices=["cpu"] * 4, strategy="ddp")
+    agent = FakeAgent()
+    spawner = Spawner(learner.spec, config, Plan(16, 8), (None, None, 0), agent, 2, 2)  # type: ignore[arg-type]
+    spawner.spawn(SpawnOrder(slot=3))
+    args = agent.args
+    assert (args.slot, args.local_slots, args.here) == (3, (2, 3), (2, 3))
+    assert (args.store_host, args.store_port) == ("10.0.0.1", 29400)
+    one_host = Spawner(learner.spec, config, Plan(16, 8), (None, None, 0), agent, 4)  # type: ignore[arg-type]
+    one_host.spawn(SpawnOrder(slot=1))
+    assert agent.args.here == (0, 1, 2, 3)

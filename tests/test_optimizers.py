@@ -4,6 +4,7 @@ them), optimizer objects refused before start, and the scheduler's interval."""
 from __future__ import annotations
 
 import functools
+import multiprocessing
 from typing import Any
 
 import pytest
@@ -88,13 +89,24 @@ def test_named_weight_decay_groups_train_like_plain_torch(strategy: str, devices
 
 
 @pytest.mark.parametrize("strategy", ["single", "ddp"])
-def test_an_optimizer_object_is_refused_before_anything_starts(strategy: str) -> None:
+def test_an_optimizer_object_is_refused_before_anything_starts(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[str] = []
+
+    def start(self: Any) -> None:  # ddp's spawn context: a start fails the test at once
+        started.append(self.name)
+        raise RuntimeError("a worker process was started")
+
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", start)
     model = mlp()
     learner = px.Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), mse_step)
     devices = "cpu:0,cpu:1" if strategy == "ddp" else "cpu"
     with pytest.raises(OptimizerInstanceError, match=r"functools.partial\(torch.optim.SGD") as info:
         learner.fit(DATA, strategy=strategy, devices=devices, sinks=[])
     assert info.value.code == "PX131"
+    assert "phalanx explain PX131" in str(info.value)
+    assert started == []  # refused in the caller, not as a worker's failure
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
     with pytest.raises(OptimizerInstanceError, match="StepLR object"):

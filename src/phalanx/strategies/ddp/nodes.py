@@ -391,9 +391,9 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     first = int(answer.doc["first"])
     agent = Agent(bind=None, store_at=(str(host), int(port)), signer=Signer(token))
     data = (run.train, run.valid, run.valid_size)
-    spawner = Spawner(
-        run.spec, _with_devices(config, labels), run.plan, data, agent, len(config.devices)
-    )
+    global_config = _with_devices(config, labels)
+    local = len(config.devices)
+    spawner = Spawner(run.spec, global_config, run.plan, data, agent, local, first)
     link.start()
     last = first + len(config.devices) - 1
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))

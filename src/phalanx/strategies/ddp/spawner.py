@@ -38,8 +38,10 @@ class Spawner:
         data: tuple[Dataset[Any], Dataset[Any] | None, int],
         agent: Agent,
         local_slots: int,
+        first_slot: int = 0,
     ) -> None:
         self.config, self.plan, self.data, self.agent = config, plan, data, agent
+        self.here = tuple(range(first_slot, first_slot + local_slots))  # this machine's
         self.user = worker_mod.pack_user(spec)  # unpickled by each worker (see WorkerArgs)
         cpu = sum(1 for d in config.devices if d.startswith("cpu"))
         cpu_here = min(cpu, local_slots) if cpu else 0
@@ -59,6 +61,7 @@ class Spawner:
                 slot=order.slot,
                 store_port=agent.store_at[1],
                 store_host=agent.store_at[0],
+                local_slots=self.here,
                 token=agent.signer.token,
                 user=self.user,
                 config=config,

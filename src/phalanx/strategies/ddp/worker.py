@@ -151,6 +151,8 @@ class WorkerArgs:
     heartbeat: Heartbeat | None = None
     # The host of the store: the head's address across machines
     store_host: str = "127.0.0.1"
+    # The slots this machine runs (its node's; every slot when empty): LOCAL_RANK counts them
+    local_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self._spec: TrainSpec | None = None
@@ -158,6 +160,11 @@ class WorkerArgs:
     def unpack(self) -> None:
         """Unpickle the user's parts (imports their modules): in the worker, under a try."""
         self._spec = pickle.loads(self.user)
+
+    @property
+    def here(self) -> tuple[int, ...]:
+        """The slots on this machine."""
+        return self.local_slots or tuple(range(len(self.config.devices)))
 
     @property
     def spec(self) -> TrainSpec:
@@ -309,7 +316,8 @@ class Worker:
         else:
             torch.cuda.set_device(self.device)
         # Until it joins a generation (preflight): its slot and the full world.
-        announce(a.slot, len(a.config.devices), self.label, a.slot, -1, a.store_port)
+        everyone = range(len(a.config.devices))
+        announce(everyone, a.here, self.label, a.slot, -1, (a.store_host, a.store_port))
         try:
             member = self.prepare()
             # A replacement waits until it is let in or dismissed (the supervisor decides).
@@ -461,7 +469,8 @@ class Worker:
         rank = gen.rank_of(self.a.slot)
         self.rank, self.watcher.members = rank, list(gen.members)
         self.watcher.generation = gen.number
-        announce(rank, len(gen.members), self.label, self.a.slot, gen.number, self.a.store_port)
+        store_at = (self.a.store_host, self.a.store_port)
+        announce(gen.members, self.a.here, self.label, self.a.slot, gen.number, store_at)
         self.on_phase(self.step, "regroup")
         member.trainable.discard()  # gradients of a step the old group never committed
         arrive(store, gen, rank, self.watcher, forming_timeout(cfg))
