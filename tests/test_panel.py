@@ -79,6 +79,24 @@ def test_the_waiting_line_names_the_silent_worker_long_before_the_hang_timeout()
     assert notice_after(HANG) + 0.2 < HANG / 10  # visible within a tenth of the timeout
 
 
+def test_the_waiting_line_names_the_worker_behind_not_a_peer_that_waited_first() -> None:
+    """A fast peer reaches the step's backward (and blocks in its all-reduce) before the
+    slow worker enters the forward it hangs in: the silent longest is the waiting peer, the
+    one behind (its step, then its phase) is the one the others wait on."""
+    workers = Workers()
+    for w, device in enumerate(DEVICES):
+        workers.update(WorkerState(w, device, "training", rank=w, generation=0, time=T0))
+    beats = [Beat(0, "backward", 20, T0 + 10.0, HANG), Beat(1, "forward", 20, T0 + 10.1, HANG)]
+    workers.update(WorkersTick(beats, time=T0 + 14))
+    wait = workers.waiting(T0 + 14)
+    assert wait is not None and (wait.worker, wait.phase) == (1, "forward")
+    assert wait.text().startswith("waiting on worker 1 (cpu:1): no progress for 3.9 s")
+    # a worker still in an earlier step is behind whatever its phase
+    beats = [Beat(0, "data", 21, T0 + 10.0, HANG), Beat(1, "optimizer", 20, T0 + 10.1, HANG)]
+    workers.update(WorkersTick(beats, time=T0 + 14))
+    assert workers.waiting(T0 + 14).worker == 1  # type: ignore[union-attr]
+
+
 def test_the_live_panel_shows_every_worker_and_the_wait_within_80_columns() -> None:
     clock = FakeClock()
     console = Console(file=io.StringIO(), force_terminal=True, width=80, height=40)

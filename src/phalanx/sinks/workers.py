@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from phalanx.events import Event, RunStarted, StepEnded, WorkerState, WorkersTick
+from phalanx.failures import phase_rank
 
 NOTICE_AFTER = 2.0  # seconds of silence of every watched worker before a waiting line shows
 NOTICE_FRACTION = 0.05  # ... or this share of the hang limit, when that is longer
@@ -118,8 +119,11 @@ class Workers:
 
     def waiting(self, now: float) -> Waiting | None:
         """The worker the others wait on: when every watched worker (training, with a hang
-        limit) has been silent for :func:`notice_after` its limit, the one silent longest
-        (the others are blocked in a collective waiting for it)."""
+        limit) has been silent for :func:`notice_after` its limit, the one furthest behind
+        (its step, then its phase in :data:`~phalanx.failures.PHASE_ORDER`, as the hang
+        verdict judges), silent longest among those: the others are blocked in a collective
+        waiting for it, possibly since before it went silent (a fast peer is already in the
+        step's backward when a slow one enters its forward and hangs there)."""
         watched = [
             r
             for r in self.rows.values()
@@ -129,7 +133,7 @@ class Workers:
             return None
         if any(now - (r.since or now) < notice_after(r.limit) for r in watched):
             return None
-        silent = min(watched, key=lambda r: r.since or now)
+        silent = min(watched, key=lambda r: (r.step or 0, phase_rank(r.phase), r.since or now))
         idle = now - (silent.since or now)
         return Waiting(silent.worker, silent.device, idle, silent.phase, silent.step, silent.limit)
 
