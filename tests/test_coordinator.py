@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+
 import phalanx as px
-from phalanx.events import GenerationStarted, WorkerState
+from phalanx.events import GenerationStarted, StepEnded, WorkerState
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
+from phalanx.sinks.summary import lost_seconds
 from phalanx.strategies.ddp.actions import (
     Action,
     Announce,
@@ -29,7 +32,15 @@ from phalanx.strategies.ddp.coordinator import (
     StacksTaken,
     Tick,
 )
-from phalanx.strategies.ddp.protocol import Broke, Done, Failed, Joined, Progress, Ready
+from phalanx.strategies.ddp.protocol import (
+    Broke,
+    Done,
+    Failed,
+    Joined,
+    Progress,
+    Ready,
+    Relay,
+)
 from phalanx.strategies.ddp.roster import Now, Setup, SlotStatus, Timeouts
 
 HANG = 3.0
@@ -253,6 +264,23 @@ def test_the_worker_behind_that_does_not_wait_in_a_collective_is_the_hung_one() 
     assert hang.stacks == USER_CODE and hang.sample_indices == PLAN.local_batch(0, 5, 0, 3)
     assert "no progress for 3.0s in phase forward of step 6" in hang.message  # 1-based
     assert hang.last_progress == 1_000_000.0  # the wall clock of its own last progress
+
+
+def test_the_recorded_hang_gets_its_recovery_time_when_a_later_step_commits() -> None:
+    """The failure a Record carries (the one the supervisor emits as WorkerFailed, kept by
+    the summary and run.json) gets ``recovery_seconds`` once the step it failed in is
+    committed, so the summary's lost column counts from the hung worker's last progress."""
+    run = hung_run()
+    run.tick(HANG + 0.05)
+    actions = run.feed(StacksTaken({0: USER_CODE}))
+    hang = next(a.failure for a in actions if isinstance(a, Record))
+    assert hang.recovery_seconds is None
+    run.at(3.5).say(1, Relay(StepEnded(0, 4, 5, 10, 0.5, 0.1, 12, 1.0, time=1_000_003.5)))
+    assert hang.recovery_seconds is None  # step 5 (0-based 4) is before the hung step
+    run.at(4.0).say(1, Relay(StepEnded(0, 5, 6, 10, 0.5, 0.1, 12, 1.0, time=1_000_004.0)))
+    assert hang.recovery_seconds == pytest.approx(4.0 - (HANG + 0.05))
+    assert lost_seconds(hang) == pytest.approx(4.0)  # from its last progress at 0.0
+    assert run.c.book.failures == [hang]
 
 
 def test_a_join_or_regroup_elsewhere_does_not_restart_a_workers_hang_clock() -> None:

@@ -164,3 +164,10 @@ def test_every_learner_and_fit_argument_is_in_the_readme_reference(
     documented = reference_rows(title)
     assert params - documented == set(), f"not in the README: {sorted(params - documented)}"
     assert documented - params == set(), f"no such argument: {sorted(documented - params)}"
+
+
+def test_the_readmes_pictures_of_the_panel_and_the_plot_are_in_the_repository() -> None:
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README)
+    assert {"docs/img/panel.png", "docs/img/run.png"} <= set(images)
+    for image in images:
+        assert (ROOT / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", image

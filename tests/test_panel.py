@@ -79,6 +79,24 @@ def test_the_waiting_line_names_the_silent_worker_long_before_the_hang_timeout()
     assert notice_after(HANG) + 0.2 < HANG / 10  # visible within a tenth of the timeout
 
 
+def test_the_waiting_line_names_the_worker_behind_not_a_peer_that_waited_first() -> None:
+    """A fast peer reaches the step's backward (and blocks in its all-reduce) before the
+    slow worker enters the forward it hangs in: the silent longest is the waiting peer, the
+    one behind (its step, then its phase) is the one the others wait on."""
+    workers = Workers()
+    for w, device in enumerate(DEVICES):
+        workers.update(WorkerState(w, device, "training", rank=w, generation=0, time=T0))
+    beats = [Beat(0, "backward", 20, T0 + 10.0, HANG), Beat(1, "forward", 20, T0 + 10.1, HANG)]
+    workers.update(WorkersTick(beats, time=T0 + 14))
+    wait = workers.waiting(T0 + 14)
+    assert wait is not None and (wait.worker, wait.phase) == (1, "forward")
+    assert wait.text().startswith("waiting on worker 1 (cpu:1): no progress for 3.9 s")
+    # a worker still in an earlier step is behind whatever its phase
+    beats = [Beat(0, "data", 21, T0 + 10.0, HANG), Beat(1, "optimizer", 20, T0 + 10.1, HANG)]
+    workers.update(WorkersTick(beats, time=T0 + 14))
+    assert workers.waiting(T0 + 14).worker == 1  # type: ignore[union-attr]
+
+
 def test_the_live_panel_shows_every_worker_and_the_wait_within_80_columns() -> None:
     clock = FakeClock()
     console = Console(file=io.StringIO(), force_terminal=True, width=80, height=40)
@@ -132,6 +150,37 @@ def test_plain_output_has_a_line_per_state_change_and_the_wait_with_timestamps()
     assert len(waits) == 1  # the recording ends at 10 s of silence: no repeat yet
     first_wait = text.index(waits[0])
     assert first_wait < text.index("worker 1 (cpu:1): fallen (pid 101)")
+
+
+def test_no_wait_is_told_while_the_survivors_regroup_after_the_hang() -> None:
+    """Worker 1 is found hung at T0 + 70 and generation 1 is announced: worker 0, still in
+    the broken step's sync by its last beat, is leaving it to regroup, not hung. Its
+    silence counts from the announcement; a line names it only if it stays silent."""
+    console = Console(file=io.StringIO(), force_terminal=False, width=200)
+    sink = ProgressSink(console, every=100)
+    after = [
+        WorkerState(1, "cpu:1", "fallen", rank=1, generation=0, pid=101, time=T0 + 70),
+        GenerationStarted(1, [0], DEVICES[:1], "worker 1 hang: respawned", time=T0 + 70),
+        WorkerState(1, "cpu:1", "replaced", pid=101, detail="by pid 102", time=T0 + 70),
+        WorkerState(1, "cpu:1", "joining", pid=102, time=T0 + 70),
+    ]
+    ticks = [
+        WorkersTick([Beat(0, "sync", 20, T0 + 10.2, HANG)], time=T0 + 70 + dt)
+        for dt in (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5)
+    ]
+    for e in [*recorded_hang(), *after, *ticks]:
+        sink.handle(e)
+    text = [line[9:] for line in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
+    waits = [(i, t) for i, t in enumerate(text) if t.startswith("waiting on")]
+    fallen = text.index("worker 1 (cpu:1): fallen (pid 101)")
+    assert [t for i, t in waits if i < fallen] == [
+        "waiting on worker 1 (cpu:1): no progress for 3.5 s in forward; hang at 60 s"
+    ]
+    # none in the regroup's first 3 s (notice_after(60)); then its real silence (at T0 + 73)
+    assert [t for i, t in waits if i > fallen] == [
+        "waiting on worker 0 (cpu:0): no progress for 62.8 s in sync; hang at 60 s"
+    ]
+    assert notice_after(HANG) == 3.0
 
 
 def test_a_wait_is_not_reported_while_any_watched_worker_makes_progress() -> None:

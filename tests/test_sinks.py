@@ -548,6 +548,25 @@ def test_the_end_of_a_run_says_where_its_files_are_and_how_to_resume() -> None:
     assert out.rstrip().endswith("Training interrupted: SIGINT")
 
 
+def test_the_end_of_a_run_in_a_log_file_has_a_timestamp_on_every_line() -> None:
+    """Plain output (not a terminal): the summary tables and the run's end start with the
+    time, like every progress line; on a terminal, and in ``phalanx report``, they do not."""
+    plain = Console(file=io.StringIO(), width=100)
+    terminal = Console(file=io.StringIO(), width=100, force_terminal=True)
+    replay = Console(file=io.StringIO(), width=100)
+    for console, stamps in ((plain, None), (terminal, None), (replay, False)):
+        sink = SummarySink(console, timestamps=stamps)
+        for e in full_run():
+            sink.handle(e)
+    lines = plain.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) > 10 and all(re.match(r"\d\d:\d\d:\d\d \S", line) for line in lines)
+    assert any(re.match(r"\d\d:\d\d:\d\d Learner Summary", line) for line in lines)
+    assert any(line[9:].startswith("Survived 1 failure(s)") for line in lines)
+    for console in (terminal, replay):
+        out = console.file.getvalue()  # type: ignore[attr-defined]
+        assert "Survived 1 failure(s)" in out and not re.search(r"^\d\d:\d\d:\d\d ", out, re.M)
+
+
 def test_steps_csv_writes_every_nth_step_and_each_epochs_last(tmp_path: Path) -> None:
     sink = StepsCsvSink(tmp_path / "steps.csv", every=3)
     for e in full_run():  # 2 epochs of 4 steps

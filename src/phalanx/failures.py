@@ -28,6 +28,29 @@ Phase = Literal[
     "checkpoint",
 ]
 PHASES: tuple[str, ...] = get_args(Phase)
+# The order of a worker's phases within a step (and around it): of two stalled workers, the
+# one in an earlier step, or an earlier phase of the same step, is the one the other waits
+# on (the coordinator's hang verdict and the panel's waiting line).
+PHASE_ORDER = (
+    "start",
+    "preflight",
+    "regroup",
+    "data",
+    "forward",
+    "metrics",
+    "sync",  # the vote leaves before the synchronised backward
+    "backward",
+    "optimizer",
+    "validation",
+    "checkpoint",
+)
+
+
+def phase_rank(phase: str) -> int:
+    """``phase``'s place in :data:`PHASE_ORDER` (unknown phases last)."""
+    return PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER)
+
+
 # Errors raised when the step function breaks its contract (a loss that is not one finite
 # number, a wrong return type): a retry computes the same, so the run stops at once.
 STEP_CONTRACT_ERRORS = ("LossNotScalarError", "NonFiniteLossError", "StepOutputError")

@@ -56,7 +56,7 @@ def report_run(run_dir: str | Path, console: Console) -> int:
     if run is not None:
         console.print(header(run), highlight=False)
     recovered = [f.get("recovery_seconds") for f in (run or {}).get("failures") or []]
-    sink = SummarySink(console)
+    sink = SummarySink(console, timestamps=False)  # a replay, not a log
     failures = 0
     ended = False
     for record in records:

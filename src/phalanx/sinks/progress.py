@@ -40,6 +40,7 @@ from phalanx.events import (
     EpochEnded,
     EpochStarted,
     Event,
+    GenerationStarted,
     Notice,
     Resumed,
     RunEnded,
@@ -133,12 +134,12 @@ class ProgressSink:
     # -- Sink protocol -------------------------------------------------------------------
 
     def handle(self, event: Event) -> None:
+        if isinstance(event, (RunStarted, StepEnded, GenerationStarted)):
+            self.workers.update(event)  # (in-process strategies: rows follow the steps)
         handler = self._handlers.get(type(event))
         if handler is None:
             return
         self._when = event.time
-        if isinstance(event, (RunStarted, StepEnded)):
-            self.workers.update(event)  # in-process strategies: rows follow the steps
         try:
             handler(event)
         except Exception:

@@ -7,6 +7,7 @@ when the run ends (:class:`~phalanx.events.RunEnded`) and prints nothing before 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,16 +291,32 @@ class SummarySink:
     failures and recoveries, the final world size, each respawn's fate, where checkpoints
     and logs are and how to resume; an interrupted run adds its ``interrupted`` line
     (``Training interrupted: <reason>``, as ``FitResult`` has it).
+
+    ``timestamps``: start every line with the run's end time (``HH:MM:SS``), as the progress
+    sink's plain lines do; None (the default) does so when the console is not a terminal
+    (a log file, CI). ``phalanx report`` replays a run without them.
     """
 
-    def __init__(self, console: Console | None = None) -> None:
+    def __init__(self, console: Console | None = None, timestamps: bool | None = None) -> None:
         self.console = console if console is not None else Console()
+        self.timestamps = not self.console.is_terminal if timestamps is None else timestamps
         self.story = RunStory()
 
     def handle(self, event: Event) -> None:
         if not isinstance(event, RunEnded):
             self.story.take(event)
             return
+        if not self.timestamps:
+            self._render(event)
+        else:
+            with self.console.capture() as captured:
+                self._render(event)
+            stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+            for line in captured.get().splitlines():
+                self.console.print(Text.from_ansi(f"{stamp} {line}"), soft_wrap=True)
+        self.story = RunStory()
+
+    def _render(self, event: RunEnded) -> None:
         render_summary(event.history or self.story.history, self.console)
         if self.story.failures:
             render_failures([e.failure for e in self.story.failures], self.console)
@@ -307,7 +324,6 @@ class SummarySink:
             self.console.print(line, highlight=False, soft_wrap=not self.console.is_terminal)
         if event.interrupted:
             self.console.print(Text(event.interrupted, style="yellow"))
-        self.story = RunStory()
 
     def close(self) -> None:
         """Nothing to release."""

@@ -2,13 +2,15 @@
 since its last progress), and the line that says who the others wait on.
 
 :class:`Workers` is fed by events (:class:`~phalanx.events.WorkerState`,
-:class:`~phalanx.events.WorkersTick`, and for in-process strategies ``RunStarted`` and
-``StepEnded``) and reads the time only from the ``now`` it is given, so a recorded event
-stream and a fake clock replay exactly what a user saw. Steps are shown 1-based.
+:class:`~phalanx.events.WorkersTick`, ``GenerationStarted``, and for in-process strategies
+``RunStarted`` and ``StepEnded``) and reads the time only from the ``now`` it is given, so a
+recorded event stream and a fake clock replay exactly what a user saw. Steps are shown
+1-based.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +18,15 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from phalanx.events import Event, RunStarted, StepEnded, WorkerState, WorkersTick
+from phalanx.events import (
+    Event,
+    GenerationStarted,
+    RunStarted,
+    StepEnded,
+    WorkerState,
+    WorkersTick,
+)
+from phalanx.failures import phase_rank
 
 NOTICE_AFTER = 2.0  # seconds of silence of every watched worker before a waiting line shows
 NOTICE_FRACTION = 0.05  # ... or this share of the hang limit, when that is longer
@@ -70,6 +80,7 @@ class Workers:
 
     def __init__(self) -> None:
         self.rows: dict[int, Row] = {}
+        self.regrouped: float | None = None  # when the latest generation was announced
 
     def update(self, event: Event) -> str | None:
         """Take in ``event``; return a line describing a change of a worker's state, if any."""
@@ -84,6 +95,8 @@ class Workers:
                     beat.since,
                     beat.limit,
                 )
+        elif isinstance(event, GenerationStarted):
+            self.regrouped = event.time
         elif isinstance(event, RunStarted) and event.strategy == "threads" and not self.rows:
             for i, device in enumerate(event.devices):
                 self.rows[i] = Row(i, device, "training", rank=i, generation=0, since=event.time)
@@ -118,8 +131,13 @@ class Workers:
 
     def waiting(self, now: float) -> Waiting | None:
         """The worker the others wait on: when every watched worker (training, with a hang
-        limit) has been silent for :func:`notice_after` its limit, the one silent longest
-        (the others are blocked in a collective waiting for it)."""
+        limit) has been silent for :func:`notice_after` its limit, the one furthest behind
+        (its step, then its phase in :data:`~phalanx.failures.PHASE_ORDER`, as the hang
+        verdict judges), silent longest among those: the others are blocked in a collective
+        waiting for it, possibly since before it went silent (a fast peer is already in the
+        step's backward when a slow one enters its forward and hangs there). Silence counts
+        from a new generation's announcement at the earliest: the members it names leave the
+        broken step to regroup (their next heartbeat says so), they wait on nobody."""
         watched = [
             r
             for r in self.rows.values()
@@ -127,9 +145,10 @@ class Workers:
         ]
         if not watched:
             return None
-        if any(now - (r.since or now) < notice_after(r.limit) for r in watched):
+        regrouped = self.regrouped if self.regrouped is not None else -math.inf
+        if any(now - max(r.since or now, regrouped) < notice_after(r.limit) for r in watched):
             return None
-        silent = min(watched, key=lambda r: r.since or now)
+        silent = min(watched, key=lambda r: (r.step or 0, phase_rank(r.phase), r.since or now))
         idle = now - (silent.since or now)
         return Waiting(silent.worker, silent.device, idle, silent.phase, silent.step, silent.limit)
 

@@ -3,7 +3,8 @@ taken), the reports waiting for a decision, and the outcome. Pure: the rules are
 :mod:`phalanx.policy`'s, the time comes in as arguments.
 
 A record is decided once: :meth:`FailureBook.record` makes the decided copy (a worker's
-report is never changed after it was sent) and a recovery time later replaces the entry.
+report is never changed after it was sent); the recovery time is later set on that copy,
+which the ``WorkerFailed`` event carries to the sinks.
 """
 
 from __future__ import annotations
@@ -118,12 +119,14 @@ class FailureBook:
 
     def recovered(self, when: float, committed: int) -> None:
         """Step ``committed - 1`` was committed at ``when`` (wall clock): the failures of
-        that step or an earlier one are recovered."""
+        that step or an earlier one are recovered. Set on the recorded failure itself: the
+        one the ``WorkerFailed`` event carried, so the sinks (the summary's lost column,
+        ``run.json``) have it when the run ends."""
         waiting = []
         for i in self.recovering:
             f = self.failures[i]
             if f.step is None or f.step < committed:
-                self.failures[i] = replace(f, recovery_seconds=max(0.0, when - f.time))
+                f.recovery_seconds = max(0.0, when - f.time)
             else:
                 waiting.append(i)
         self.recovering = waiting

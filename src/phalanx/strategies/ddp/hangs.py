@@ -6,29 +6,13 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
-PHASE_ORDER = (
-    "start",
-    "preflight",
-    "regroup",
-    "data",
-    "forward",
-    "metrics",
-    "sync",  # the vote leaves before the synchronised backward
-    "backward",
-    "optimizer",
-    "validation",
-    "checkpoint",
-)
+from phalanx.failures import phase_rank  # (the order of phases, shared with the panel)
 
 
 class Watched(Protocol):
     step: int
     phase: str
     progress_at: float
-
-
-def phase_rank(phase: str) -> int:
-    return PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER)
 
 
 W = TypeVar("W", bound=Watched)
