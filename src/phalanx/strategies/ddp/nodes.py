@@ -37,7 +37,7 @@ from phalanx.plan import Plan
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.agent import Agent
-from phalanx.strategies.ddp.control import TOKEN_ENV, Signer
+from phalanx.strategies.ddp.control import TOKEN_ENV, Signer, new_run_id
 from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
 from phalanx.strategies.ddp.protocol import Done, from_wire, to_wire
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
@@ -157,6 +157,7 @@ class NodeHub:
         self.plan: Plan | None = None
         self.store: tuple[str, int] | None = None
         self.labels: list[str] = []
+        self.run_id = ""  # the nodes sign with Signer.for_run(token, run_id), as the head
 
     def gather(
         self, check: dict[str, Any], plan: Plan, own: list[str], deadline: timedelta
@@ -197,14 +198,19 @@ class NodeHub:
             labels += node.devices
         return labels
 
-    def welcome(self, labels: list[str], store: tuple[str, int]) -> None:
-        self.labels, self.store = labels, store
+    def welcome(self, labels: list[str], store: tuple[str, int], run_id: str) -> None:
+        self.labels, self.store, self.run_id = labels, store, run_id
         for node in self.nodes.values():
             self._welcome(node)
 
     def _welcome(self, node: RemoteNode) -> None:
         assert self.store is not None
-        doc = {"devices": self.labels, "first": node.first, "store": list(self.store)}
+        doc = {
+            "devices": self.labels,
+            "first": node.first,
+            "store": list(self.store),
+            "run": self.run_id,
+        }
         node.link.send("welcome", doc)
         node.link.start()
 
@@ -312,11 +318,12 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
 
     config = run.config
     token = head_token(config.run_dir)
+    run_id = new_run_id()  # this run's signing key is made from the token and it
     host, port = link_address(launch)
     listener = Listener.open(host, port, token)
     try:
         store_port = int(os.environ.get("PHALANX_STORE_PORT", "0"))
-        agent = Agent(bind=(host, store_port), signer=Signer(token))
+        agent = Agent(bind=(host, store_port), signer=Signer.for_run(token, run_id))
         hub = NodeHub(listener, launch.nnodes, NODE_TIMEOUT)
         emit(
             Notice(
@@ -331,7 +338,7 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
         listener.close()
         raise
     assert agent.store_at is not None
-    hub.welcome(labels, agent.store_at)
+    hub.welcome(labels, agent.store_at, run_id)
     slot_nodes = [0] * len(config.devices)
     shown = list(config.devices)
     for rank in sorted(hub.nodes):
@@ -403,7 +410,8 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     labels = [str(d) for d in answer.doc["devices"]]
     host, port = answer.doc["store"]
     first = int(answer.doc["first"])
-    agent = Agent(bind=None, store_at=(str(host), int(port)), signer=Signer(token))
+    signer = Signer.for_run(token, str(answer.doc["run"]))
+    agent = Agent(bind=None, store_at=(str(host), int(port)), signer=signer)
     global_config = _with_devices(config, labels)
     data = (run.train, run.valid, run.valid_size)
     spawner = Spawner(run.spec, global_config, run.plan, data, agent, len(config.devices))
