@@ -233,6 +233,25 @@ def test_the_head_writes_the_token_owner_only_and_a_node_reads_it(
     assert head_token(None) == node_token(None, wait=0) == b"shared"
 
 
+def test_a_leftover_token_file_does_not_widen_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crashed head's token.tmp (mode 0644), or a link planted in its place: the new token
+    is still a new file, owner-only, and nothing is written through the link."""
+    monkeypatch.delenv("PHALANX_TOKEN", raising=False)
+    (tmp_path / "token.tmp").write_text("old")
+    os.chmod(tmp_path / "token.tmp", 0o644)
+    token = head_token(str(tmp_path))
+    assert stat.S_IMODE(os.stat(tmp_path / "token").st_mode) == 0o600
+    assert node_token(str(tmp_path), wait=0) == token
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("")
+    (tmp_path / "token.tmp").symlink_to(elsewhere)
+    head_token(str(tmp_path))
+    assert elsewhere.read_text() == "" and not (tmp_path / "token").is_symlink()
+    assert stat.S_IMODE(os.stat(tmp_path / "token").st_mode) == 0o600
+
+
 def test_nodes_that_differ_are_named_setting_by_setting() -> None:
     plan = Plan(120, 12, seed=0)
     head = {"torch": "2.13.0", "epochs": 4, "plan": plan.record()}

@@ -72,7 +72,11 @@ def head_token(run_dir: str | None) -> bytes:
         )
     token = secrets.token_hex(32)
     path = os.path.join(run_dir, TOKEN_FILE)
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # A new file, made 0600 (O_EXCL: an old token.tmp, say a crashed head's with a wider
+    # mode, or a link planted there, is never written through and never keeps its mode).
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path + ".tmp")
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(token)
     os.replace(path + ".tmp", path)
