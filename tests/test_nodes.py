@@ -92,6 +92,23 @@ def test_a_connection_without_the_token_is_refused_and_named() -> None:
         lis.close()
 
 
+def test_a_peer_without_the_token_cannot_make_the_head_read_a_huge_frame() -> None:
+    """The MAC comes after the frame: before the token is proved, a hello's header that
+    announces gigabytes is refused at once, not read into memory."""
+    lis = listener()
+    try:
+        raw = socket.create_connection(("127.0.0.1", lis.port))
+        raw.sendall(b"px-link/1" + b"n" * 16)
+        assert len(raw.recv(16)) == 16  # the head's nonce
+        raw.sendall(HEADER.pack(1, 100, 1 << 31))  # 2 GiB
+        address, why = lis.rejected.get(timeout=5)
+        assert address.startswith("127.0.0.1:") and "larger than" in why
+        assert lis.joined.empty()
+        raw.close()
+    finally:
+        lis.close()
+
+
 def pair() -> tuple[Link, Link, socket.socket]:
     a, b = socket.socketpair()
     return Link(a, b"k" * 32, "a"), Link(b, b"k" * 32, "b"), b
