@@ -244,6 +244,7 @@ def extras_in_pyproject() -> list[str]:
         ("PX142", ["one node only", "strategy='ddp'", "docs/multinode.md"]),
         ("PX144", ["fingerprint", "PHALANX_HEAD"]),
         ("PX151", ["PHALANX_TOKEN", "0600"]),
+        ("PX150", ["ignored", "the run went on", "private network", "address"]),
         ("PX143", ["phalanx.lock", "another run_dir"]),
     ],
 )

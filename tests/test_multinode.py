@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.strategies.ddp.control import ENVELOPE, digest
+from phalanx.strategies.ddp.control import ENVELOPE, Signer, digest, new_run_id
 from phalanx.strategies.ddp.link import Link, LinkError
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
@@ -226,7 +226,8 @@ class Planted:
 @pytest.mark.timeout(300)
 def test_a_rogue_client_changes_nothing_in_a_two_node_run(tmp_path: Path) -> None:
     """It connects to the head's node port without the token, and to the head's store: a
-    forged announcement, stop and abort, a replayed signed message, a planted pickle."""
+    forged announcement, stop and abort, a replayed signed message (of this run, under another
+    key; of an earlier run with the same PHALANX_TOKEN), a planted pickle."""
     planted = tmp_path / "planted"
     port, procs, logs = two_nodes(tmp_path, epochs=8)
     refused = 0
@@ -247,11 +248,13 @@ def test_a_rogue_client_changes_nothing_in_a_two_node_run(tmp_path: Path) -> Non
         genuine = bytes(rogue.get(f"{GEN_PREFIX}0"))  # the run's own first announcement
         fake = Announcement(1, (0,), cause="rogue").to_json()
         forged = json.dumps({"format": ENVELOPE, "seq": 99, "payload": fake, "mac": "ab" * 32})
+        earlier = Signer.for_run(b"t", new_run_id())  # what a run before, same token, wrote
         written += [
             (f"{GEN_PREFIX}1", forged.encode(), True),  # a fake generation
             (STOP_KEY, b"rogue says stop", False),  # unsigned
             (ABORT_KEY, b'{"format": "px-signed/1", "seq": 5, "payload": "x", "mac": ""}', False),
             (ABORT_KEY, genuine, False),  # a genuine signed message under another key
+            (ABORT_KEY, earlier.seal(ABORT_KEY, "an earlier run's abort", 1).encode(), False),
             (f"{GEN_PREFIX}1", pickle.dumps(Planted(str(planted))), False),
         ]
         for key, raw, bump in written:
@@ -278,6 +281,7 @@ def test_a_rogue_client_changes_nothing_in_a_two_node_run(tmp_path: Path) -> Non
     for key, raw, _ in written:  # each rejected value once, however many workers read it
         assert sum(digest(raw) in line and repr(key) in line for line in warnings) == 1, key
     assert sum("refused a connection" in line for line in warnings) == 1, warnings
+    assert len(warnings) == len(written) + 1, warnings  # and nothing else
 
 
 def _td(seconds: float) -> Any:

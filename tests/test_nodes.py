@@ -92,6 +92,23 @@ def test_a_connection_without_the_token_is_refused_and_named() -> None:
         lis.close()
 
 
+def test_a_peer_without_the_token_cannot_make_the_head_read_a_huge_frame() -> None:
+    """The MAC comes after the frame: before the token is proved, a hello's header that
+    announces gigabytes is refused at once, not read into memory."""
+    lis = listener()
+    try:
+        raw = socket.create_connection(("127.0.0.1", lis.port))
+        raw.sendall(b"px-link/1" + b"n" * 16)
+        assert len(raw.recv(16)) == 16  # the head's nonce
+        raw.sendall(HEADER.pack(1, 100, 1 << 31))  # 2 GiB
+        address, why = lis.rejected.get(timeout=5)
+        assert address.startswith("127.0.0.1:") and "larger than" in why
+        assert lis.joined.empty()
+        raw.close()
+    finally:
+        lis.close()
+
+
 def pair() -> tuple[Link, Link, socket.socket]:
     a, b = socket.socketpair()
     return Link(a, b"k" * 32, "a"), Link(b, b"k" * 32, "b"), b
@@ -231,6 +248,25 @@ def test_the_head_writes_the_token_owner_only_and_a_node_reads_it(
         node_token(str(tmp_path / "elsewhere"), wait=0)
     monkeypatch.setenv("PHALANX_TOKEN", "shared")
     assert head_token(None) == node_token(None, wait=0) == b"shared"
+
+
+def test_a_leftover_token_file_does_not_widen_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crashed head's token.tmp (mode 0644), or a link planted in its place: the new token
+    is still a new file, owner-only, and nothing is written through the link."""
+    monkeypatch.delenv("PHALANX_TOKEN", raising=False)
+    (tmp_path / "token.tmp").write_text("old")
+    os.chmod(tmp_path / "token.tmp", 0o644)
+    token = head_token(str(tmp_path))
+    assert stat.S_IMODE(os.stat(tmp_path / "token").st_mode) == 0o600
+    assert node_token(str(tmp_path), wait=0) == token
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("")
+    (tmp_path / "token.tmp").symlink_to(elsewhere)
+    head_token(str(tmp_path))
+    assert elsewhere.read_text() == "" and not (tmp_path / "token").is_symlink()
+    assert stat.S_IMODE(os.stat(tmp_path / "token").st_mode) == 0o600
 
 
 def test_nodes_that_differ_are_named_setting_by_setting() -> None:

@@ -33,6 +33,7 @@ from phalanx.strategies.ddp.control import (
     Signer,
     digest,
     latest_generation,
+    new_run_id,
     run_token,
 )
 from phalanx.strategies.ddp.protocol import (
@@ -149,6 +150,22 @@ def test_the_token_comes_from_the_environment_or_is_random(
     assert len(first) == 32 and first != second
     with pytest.raises(Rejection):
         Signer(first).open("k", Signer(second).seal("k", "x", 1).encode())
+
+
+def test_a_message_of_an_earlier_run_with_the_same_token_is_refused() -> None:
+    """A fixed PHALANX_TOKEN signs every run: each run's key is made from it and a fresh run
+    id, so a value recorded in one run is a bad MAC in the next, even at a new key."""
+    token = b"the same PHALANX_TOKEN"
+    earlier, now = Signer.for_run(token, new_run_id()), Signer.for_run(token, new_run_id())
+    assert earlier.token != now.token and token not in (earlier.token, now.token)
+    reports: list[tuple[str, str, str]] = []
+    store = SignedStore(DictStore(), now, lambda *r: reports.append(r))
+    store.store.set(ABORT_KEY, earlier.seal(ABORT_KEY, "the earlier run's abort", 1))
+    assert store.get(ABORT_KEY) is None
+    assert len(reports) == 1 and "bad MAC" in reports[0][1]
+    store.set(ABORT_KEY, "this run's abort", seq=1)
+    assert store.get(ABORT_KEY) == "this run's abort"
+    assert Signer.for_run(token, "r").token == Signer.for_run(token, "r").token  # every node
 
 
 # -- a rogue client during a real run -----------------------------------------------------

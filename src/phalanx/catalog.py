@@ -940,7 +940,8 @@ _ENTRIES = [
         title="a control message that is not this run's was ignored",
         meaning="A ddp worker read a value from the run's store (a generation announcement, "
         "the stop or abort key, a member's arrival) that was not signed with this run's "
-        "token: a bad MAC, not a signed message at all (a pickle, say), or a genuine "
+        "token: a bad MAC, not a signed message at all (a pickle, say), a message of an "
+        "earlier run (each run signs with its own key, made from the token), or a genuine "
         "message replayed under another key or older than one already read. The worker "
         "ignored it and the run went on; this warning is given once per such value. "
         "torch's store does not record who writes a key, so the address is not known.",

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from phalanx.strategies.ddp.control import Signer, run_token
+from phalanx.strategies.ddp.control import Signer, new_run_id, run_token
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
@@ -66,9 +66,10 @@ class Agent:
     slots: dict[int, SlotState] = field(default_factory=dict)
     retired: list[Any] = field(default_factory=list)  # replaced processes, joined at close
     queue: list[Seen] = field(default_factory=list)  # seen, not handed out yet
-    # The run's token (PHALANX_TOKEN, or random): signs every control value it writes; the
-    # workers get it in their spawn arguments, never through the store.
-    signer: Signer = field(default_factory=lambda: Signer(run_token()))
+    # This run's key (from PHALANX_TOKEN, or a random token, and a fresh run id): signs every
+    # control value it writes; the workers get it in their spawn arguments, never through
+    # the store.
+    signer: Signer = field(default_factory=lambda: Signer.for_run(run_token(), new_run_id()))
     seq: int = 0  # of the last control value written (a reader refuses an older one)
     # Where the store listens: 127.0.0.1 on one machine; the head's address across machines.
     # None: a node's agent, whose workers use the head's store (``store_at``).

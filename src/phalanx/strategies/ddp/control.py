@@ -11,8 +11,12 @@ message). Anything else (a bad MAC, not an envelope at all, a pickle) is ignored
 goes on, and the reader reports it once (:class:`~.protocol.Rejected`), which the supervisor
 turns into one warning per rejected value (PX150).
 
-The token (32 random bytes per run, or ``PHALANX_TOKEN``) goes to the workers in their spawn
-arguments, never through the store. The counters ``gen/latest`` and ``control/version`` are
+The token (32 random bytes per run, or ``PHALANX_TOKEN``) is never used as it is: each run
+signs with its own key, ``HMAC(token, "px-run/1" | run id)``, the run id fresh for every run
+(:meth:`Signer.for_run`), so a value recorded from an earlier run with the same
+``PHALANX_TOKEN`` does not check out in this one. That key goes to the workers in their spawn
+arguments, and the run id to the nodes in the head's authenticated ``welcome``; neither goes
+through the store. The counters ``gen/latest`` and ``control/version`` are
 hints only (when to look again): a worker learns of generation n only from a verified
 ``gen/<n>``, walking up from the last one it verified.
 """
@@ -33,6 +37,7 @@ from phalanx.strategies.ddp.protocol import GEN_LATEST, GEN_PREFIX, Rejected
 
 TOKEN_ENV = "PHALANX_TOKEN"
 ENVELOPE = "px-signed/1"
+RUN_KEY = "px-run/1"
 
 
 def run_token() -> bytes:
@@ -41,15 +46,29 @@ def run_token() -> bytes:
     return given.encode() if given else secrets.token_bytes(32)
 
 
+def new_run_id() -> str:
+    """A fresh id for one run (16 random bytes, hex): what tells its messages from another
+    run's made with the same token."""
+    return secrets.token_hex(16)
+
+
 class Rejection(Exception):
     """A store value that is not a genuine control message of this run; says why."""
 
 
 @dataclass(frozen=True)
 class Signer:
-    """Seals and opens control values with the run's ``token``."""
+    """Seals and opens control values with ``token``: one run's key (:meth:`for_run`)."""
 
     token: bytes = field(repr=False)
+
+    @classmethod
+    def for_run(cls, token: bytes, run_id: str) -> Signer:
+        """The signer of run ``run_id``: its key is ``HMAC(token, "px-run/1" | run_id)``, so a
+        value signed in another run with the same token (a fixed ``PHALANX_TOKEN``) is
+        rejected, as a replay from that run would be."""
+        key = hmac.new(token, f"{RUN_KEY}|{run_id}".encode(), hashlib.sha256).digest()
+        return cls(key)
 
     def _mac(self, key: str, seq: int, payload: str) -> str:
         message = json.dumps([key, seq, payload]).encode()

@@ -35,6 +35,9 @@ HEADER = struct.Struct("!QII")  # sequence number, document length, payload leng
 MAC_SIZE = 32
 MAX_DOC = 64 << 20  # a document bigger than this is not one of ours
 MAX_PAYLOAD = 1 << 34
+# A node's hello is a small document with no payload: a peer that has not proved the token
+# yet cannot make the head read more than this.
+MAX_HELLO = 1 << 20
 HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection has to prove itself
 
 
@@ -127,7 +130,7 @@ class Link:
             nonce = secrets.token_bytes(16)
             sock.sendall(nonce)
             link = cls(sock, session_key(token, opening[len(PROTOCOL) :], nonce), f"{host}:{port}")
-            hello = link.recv()
+            hello = link.recv(MAX_HELLO, 0)  # (not proved yet: no room for a huge frame)
         except (OSError, LinkError) as exc:
             sock.close()
             if isinstance(exc, LinkError) and not exc.rejected:
@@ -151,11 +154,13 @@ class Link:
             except OSError as exc:
                 raise LinkError(f"sending to {self.peer}: {exc}") from None
 
-    def recv(self) -> Frame:
-        """The next frame (blocks up to the socket's timeout: then LinkError)."""
+    def recv(self, max_doc: int = MAX_DOC, max_payload: int = MAX_PAYLOAD) -> Frame:
+        """The next frame (blocks up to the socket's timeout: then LinkError). A frame
+        whose header announces more than ``max_doc``/``max_payload`` bytes is refused before
+        any of it is read (its MAC comes last)."""
         try:
             seq, size, psize = HEADER.unpack(_recv_exact(self.sock, HEADER.size))
-            if size > MAX_DOC or psize > MAX_PAYLOAD:
+            if size > max_doc or psize > max_payload:
                 raise LinkError("a frame larger than any phalanx sends", rejected=True)
             body = _recv_exact(self.sock, size)
             payload = _recv_exact(self.sock, psize)

@@ -38,7 +38,7 @@ from phalanx.plan import Plan
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.agent import Agent
-from phalanx.strategies.ddp.control import TOKEN_ENV, Signer
+from phalanx.strategies.ddp.control import TOKEN_ENV, Signer, new_run_id
 from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
 from phalanx.strategies.ddp.protocol import Done, from_wire, to_wire
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
@@ -73,7 +73,11 @@ def head_token(run_dir: str | None) -> bytes:
         )
     token = secrets.token_hex(32)
     path = os.path.join(run_dir, TOKEN_FILE)
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # A new file, made 0600 (O_EXCL: an old token.tmp, say a crashed head's with a wider
+    # mode, or a link planted there, is never written through and never keeps its mode).
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path + ".tmp")
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(token)
     os.replace(path + ".tmp", path)
@@ -158,6 +162,7 @@ class NodeHub:
         self.plan: Plan | None = None
         self.store: tuple[str, int] | None = None
         self.labels: list[str] = []
+        self.run_id = ""  # the nodes sign with Signer.for_run(token, run_id), as the head
 
     def gather(
         self, check: dict[str, Any], plan: Plan, own: list[str], deadline: timedelta
@@ -198,14 +203,19 @@ class NodeHub:
             labels += node.devices
         return labels
 
-    def welcome(self, labels: list[str], store: tuple[str, int]) -> None:
-        self.labels, self.store = labels, store
+    def welcome(self, labels: list[str], store: tuple[str, int], run_id: str) -> None:
+        self.labels, self.store, self.run_id = labels, store, run_id
         for node in self.nodes.values():
             self._welcome(node)
 
     def _welcome(self, node: RemoteNode) -> None:
         assert self.store is not None
-        doc = {"devices": self.labels, "first": node.first, "store": list(self.store)}
+        doc = {
+            "devices": self.labels,
+            "first": node.first,
+            "store": list(self.store),
+            "run": self.run_id,
+        }
         node.link.send("welcome", doc)
         node.link.start()
 
@@ -312,11 +322,12 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
 
     config = run.config
     token = head_token(config.run_dir)
+    run_id = new_run_id()  # this run's signing key is made from the token and it
     host, port = link_address(launch)
     listener = Listener.open(host, port, token)
     try:
         store_port = int(os.environ.get("PHALANX_STORE_PORT", "0"))
-        agent = Agent(bind=(host, store_port), signer=Signer(token))
+        agent = Agent(bind=(host, store_port), signer=Signer.for_run(token, run_id))
         hub = NodeHub(listener, launch.nnodes, NODE_TIMEOUT)
         emit(
             Notice(
@@ -331,7 +342,7 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
         listener.close()
         raise
     assert agent.store_at is not None
-    hub.welcome(labels, agent.store_at)
+    hub.welcome(labels, agent.store_at, run_id)
     slot_nodes = [0] * len(config.devices)
     shown = list(config.devices)
     for rank in sorted(hub.nodes):
@@ -389,7 +400,8 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     labels = [str(d) for d in answer.doc["devices"]]
     host, port = answer.doc["store"]
     first = int(answer.doc["first"])
-    agent = Agent(bind=None, store_at=(str(host), int(port)), signer=Signer(token))
+    signer = Signer.for_run(token, str(answer.doc["run"]))
+    agent = Agent(bind=None, store_at=(str(host), int(port)), signer=signer)
     data = (run.train, run.valid, run.valid_size)
     global_config = _with_devices(config, labels)
     local = len(config.devices)
