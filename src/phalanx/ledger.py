@@ -62,7 +62,9 @@ def check(plan: Plan, entries: list[list[float]], epochs_done: int) -> list[str]
                 f"{seen[(epoch, step)]} and {global_step})"
             )
         seen[(epoch, step)] = global_step
-        order = orders.setdefault(epoch, plan.order(epoch))
+        if epoch not in orders:  # (once per epoch: an order is as long as the dataset)
+            orders[epoch] = plan.order(epoch)
+        order = orders[epoch]
         batch = plan.global_batch(epoch, step, order)
         expected = tuple(int(x) for x in fingerprint(batch))[: len(computed)]
         if computed != expected:

@@ -19,7 +19,8 @@ def permutation(seed: int, epoch: int, n: int, shuffle: bool = True) -> list[int
     if not shuffle:
         return list(range(n))
     rng = np.random.default_rng([seed, epoch])
-    return [int(i) for i in rng.permutation(n)]
+    order: list[int] = rng.permutation(n).tolist()
+    return order
 
 
 def steps_per_epoch(n: int, batch_size: int, drop_last: bool) -> int:
