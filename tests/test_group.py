@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
+from phalanx.failures import WorkerFailure
+from phalanx.report import is_secondary
+from phalanx.strategies.ddp.group import ABANDONED, GenerationGroup, GroupBroken
 
 CPU = torch.device("cpu")
 TIMEOUT = timedelta(seconds=20)
@@ -145,3 +147,50 @@ def test_the_hand_over_moves_state_to_the_members_behind_only() -> None:
     assert sources == [0, 0, 0]
     assert loops[2].state.global_step == 7 and torch.equal(loops[2].weights, torch.ones(3))
     assert loops[0].restored is None and loops[1].restored is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["all_reduce", "ddp backward", "barrier"])
+def test_a_frozen_peer_is_abandoned_at_once_not_after_the_groups_timeout(where: str) -> None:
+    """A peer that is frozen or cut off keeps its sockets open: gloo would wait for it until
+    the group's timeout (20 s here). abandon(), called from another thread as the watch
+    thread does when a newer generation leaves the peer out, ends the wait at once; the
+    torch work stays in flight (busy) until the peer wakes, so the group is not destroyed
+    under it."""
+    wake = threading.Event()
+
+    def body(group: GenerationGroup) -> Any:
+        model = group.wrap(nn.Linear(4, 1), init_sync=False)
+        if group.rank == 0:  # frozen: holds its group, joins nothing until woken
+            wake.wait(30)
+            if where == "ddp backward":  # (the same collective its peer started)
+                model(torch.ones(2, 4)).sum().backward()
+            elif where == "barrier":
+                group.barrier()
+            else:
+                group.all_reduce(torch.ones(1))
+            return None
+        threading.Timer(0.5, group.abandon).start()
+        started = time.monotonic()
+        try:
+            if where == "all_reduce":
+                group.all_reduce(torch.ones(1))
+            elif where == "barrier":
+                group.barrier()
+            else:
+                model(torch.ones(2, 4)).sum().backward()
+        except (GroupBroken, RuntimeError) as exc:
+            waited, message, busy = time.monotonic() - started, str(exc), group.busy
+        else:
+            raise AssertionError("the collective returned without its frozen peer")
+        with pytest.raises(GroupBroken):  # nothing new starts on an abandoned group
+            group.all_reduce(torch.ones(1))
+        wake.set()
+        return waited, message, busy
+
+    _, (waited, message, busy) = in_two_ranks(body)
+    assert 0.4 < waited < 3.0, f"{waited:.1f}s"
+    assert ABANDONED in message
+    assert busy  # the abandoned work was still running inside torch
+    failure = WorkerFailure(1, 1, "cpu:1", "exception", message, "backward")
+    assert is_secondary(failure)  # a survivor's error, never a cause of its own

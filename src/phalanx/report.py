@@ -33,6 +33,7 @@ SECONDARY_MARKERS = (
     "remote process exited",
     "socket timeout",
     "has been shut down",
+    "collective abandoned",  # (group.ABANDONED: a newer generation left a peer out)
 )
 SECONDARY_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 

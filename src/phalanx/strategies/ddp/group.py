@@ -10,12 +10,22 @@ dead peer never returns.
 
 A collective that fails raises :class:`GroupBroken` (the torch error is its cause): the
 worker reads that as "this generation is over", never as a bug of its own.
+
+gloo has no abort, and a peer that is frozen or cut off (not dead: its sockets stay open)
+would keep a collective blocked until the group's timeout. So every wait of this group,
+DDP's gradient all-reduce included (a comm hook), is on a future of the group's own that
+:meth:`GenerationGroup.abandon` fails at once when a newer generation leaves a member out;
+the abandoned work itself is left to finish or time out inside torch, and a group with work
+still in flight is kept (:attr:`GenerationGroup.busy`), never destroyed (torch's destructor
+would wait for that work).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +35,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 BackendType = dist.ProcessGroup.BackendType
+# What a collective this member stopped waiting for says (report.SECONDARY_MARKERS knows it).
+ABANDONED = "collective abandoned: a newer generation left this group"
 
 
 class GroupBroken(Exception):
@@ -45,12 +57,66 @@ def _backend(
     return gloo, BackendType.GLOO
 
 
+class Waits:
+    """The futures a member waits on for its group's collectives, and the torch work still in
+    flight. Holds no reference to the group: a callback that runs on a torch thread must
+    never drop the group's last reference (its destructor would join that very thread)."""
+
+    def __init__(self) -> None:
+        self.abandoned = False
+        self._lock = threading.RLock()  # (a future's callbacks may run inline under it)
+        self._waiting: dict[int, torch.futures.Future[Any]] = {}
+        self._in_flight = 0  # torch works not finished yet (abandoned ones included)
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return self._in_flight > 0
+
+    def watch(self, inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+        """A future that completes as ``inner`` does, or fails at once with
+        :data:`ABANDONED` when :meth:`abandon` comes first."""
+        outer: torch.futures.Future[Any] = torch.futures.Future()
+        key = id(outer)
+        with self._lock:
+            self._in_flight += 1
+            if self.abandoned:
+                outer.set_exception(GroupBroken(ABANDONED))
+            else:
+                self._waiting[key] = outer
+        inner.add_done_callback(functools.partial(self._finished, key, outer))
+        return outer
+
+    def _finished(
+        self, key: int, outer: torch.futures.Future[Any], done: torch.futures.Future[Any]
+    ) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._waiting.pop(key, None) is None:
+                return  # (abandoned: its waiter has moved on)
+            try:
+                value = done.value()
+            except Exception as exc:  # the torch error, for the waiter to raise
+                outer.set_exception(exc)
+            else:
+                outer.set_result(value)
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            waiting, self._waiting = list(self._waiting.values()), {}
+            for future in waiting:
+                future.set_exception(GroupBroken(ABANDONED))
+
+
 class GenerationGroup:
     """``size`` members, this one at ``rank``, on ``device``; built by :meth:`form`."""
 
     def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, device: torch.device):
-        self.pg: dist.ProcessGroup | None = pg  # None once left
+        self.pg: dist.ProcessGroup | None = pg  # None once left (and no work in flight)
         self.rank, self.size, self.device = rank, size, device
+        self.left = False
+        self.waits = Waits()
 
     @classmethod
     def form(
@@ -76,39 +142,52 @@ class GenerationGroup:
         return cls(pg, rank, size, device)
 
     def _group(self) -> dist.ProcessGroup:
-        if self.pg is None:
+        if self.pg is None or self.left:
             raise GroupBroken("the group was left")
         return self.pg
+
+    @property
+    def busy(self) -> bool:
+        """Whether torch still runs work of this group (an abandoned collective)."""
+        return self.waits.busy
+
+    def _run(self, what: str, start: Callable[[dist.ProcessGroup], dist.Work | None]) -> None:
+        """Start a collective on the group and wait for it (or for the group's abandon)."""
+        with _broken_on_error(what):
+            work = start(self._group())
+            assert work is not None
+            self.waits.watch(work.get_future()).wait()
 
     # -- collectives ----------------------------------------------------------------------
     # Through torch's functions (not the group's methods): a worker blocked in one then has
     # its innermost Python frame in torch.distributed, which tells the supervisor's hang
     # finder that it waits for a peer rather than hangs itself.
+    # The waits are on the group's own futures (torch/futures frames, also a wait).
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the members, in place."""
-        with _broken_on_error("all_reduce"):
-            dist.all_reduce(tensor, group=self._group())
+        self._run("all_reduce", lambda pg: dist.all_reduce(tensor, group=pg, async_op=True))
 
-    def all_reduce_async(self, tensor: torch.Tensor) -> dist.Work:
+    def all_reduce_async(self, tensor: torch.Tensor) -> torch.futures.Future[Any]:
         """Start summing ``tensor`` over the members, in place; :meth:`wait` for it."""
         with _broken_on_error("all_reduce"):
             work = dist.all_reduce(tensor, group=self._group(), async_op=True)
-        assert work is not None
-        return work
+            assert work is not None
+            return self.waits.watch(work.get_future())
 
-    def wait(self, work: dist.Work) -> None:
-        """Until ``work`` (from :meth:`all_reduce_async`) is done."""
+    def wait(self, pending: torch.futures.Future[Any]) -> None:
+        """Until ``pending`` (from :meth:`all_reduce_async`) is done, or abandoned."""
         with _broken_on_error("all_reduce"):
-            work.wait()
+            pending.wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """``src``'s ``tensor`` into every member's, in place."""
-        with _broken_on_error("broadcast"):
-            dist.broadcast(tensor, group=self._group(), group_src=src)
+        self._run(
+            "broadcast",
+            lambda pg: dist.broadcast(tensor, group=pg, group_src=src, async_op=True),
+        )
 
     def barrier(self) -> None:
-        with _broken_on_error("barrier"):
-            dist.barrier(group=self._group())
+        self._run("barrier", lambda pg: dist.barrier(group=pg, async_op=True))
 
     def broadcast_bytes(self, data: bytes, src: int) -> bytes:
         """``src``'s ``data``, on every member (its length first, then the bytes). Bytes
@@ -132,28 +211,53 @@ class GenerationGroup:
         (the first generation only: later, rank 0 may be the member behind)."""
         ids = [self.device.index] if self.device.type == "cuda" else None
         with _broken_on_error("building DDP"):
-            return DistributedDataParallel(
+            ddp = DistributedDataParallel(
                 module,
                 device_ids=ids,
                 process_group=self._group(),
                 forward_sync_buffers=False,
                 init_sync=init_sync,
             )
+        # (a lambda: DDP checks a hook's annotations, which this module keeps as strings)
+        ddp.register_comm_hook(None, lambda _state, bucket: self._gradient_hook(bucket))
+        return ddp
+
+    def _gradient_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's gradient all-reduce as its default does it (divide, then sum: the same
+        numbers), waited for on a future :meth:`abandon` can fail."""
+        buffer = bucket.buffer()
+        buffer.div_(self.size)
+        work = dist.all_reduce(buffer, group=self._group(), async_op=True)
+        assert work is not None
+        return self.waits.watch(work.get_future().then(lambda done: done.value()[0]))
 
     # -- the end --------------------------------------------------------------------------
+    def abandon(self) -> None:
+        """Stop waiting: every collective this member waits for, and any it starts later,
+        fails at once with :data:`ABANDONED` (the torch work goes on until it finishes or
+        times out). Safe from another thread."""
+        self.waits.abandon()
+
     def abort(self) -> None:
-        """NCCL: make a collective blocked on a dead peer return with an error. Safe from
-        another thread; a no-op for gloo (its collectives fail when a peer's socket closes)."""
+        """Make a collective blocked on a peer that fell, froze or was cut off return with
+        an error: :meth:`abandon`, and for NCCL the communicator's abort. Safe from another
+        thread."""
+        self.abandon()
         pg = self.pg
         if pg is not None and self.device.type == "cuda":
             with contextlib.suppress(Exception):  # the main thread may be leaving already
                 pg.abort()
 
     def leave(self) -> None:
-        """Drop this member's reference (the caller drops the DDP module that holds another):
-        the group's sockets close once the last one goes. Never waits for pending work."""
+        """Abort, and drop this member's reference to the group (the caller drops the DDP
+        module that holds another) unless torch still runs its work (:attr:`busy`: then the
+        caller keeps this object, since destroying the group would wait for that work). A
+        group whose last reference goes closes its sockets: peers blocked on them error out.
+        Never waits for pending work."""
         self.abort()
-        self.pg = None
+        self.left = True
+        if not self.busy:
+            self.pg = None
 
 
 def subgroup_ranks(ranks: Sequence[int], rank: int) -> int | None:

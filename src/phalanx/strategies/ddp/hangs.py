@@ -31,15 +31,21 @@ def tied_behind(watched: Mapping[int, Watched]) -> list[int]:
 
 def waits_in_collective(stacks: str) -> bool:
     """Whether some thread's innermost Python frame is inside torch's distributed or
-    autograd code, or in a collective of the generation's group (``group.py``, the wait for
-    the vote): a rank blocked there is waiting for a peer, not hung itself."""
+    autograd code, or in a collective of the generation's group (``group.py``, and the wait
+    on its futures): a rank blocked there is waiting for a peer, not hung itself."""
     lines = stacks.splitlines()
     innermost = [
         lines[i + 1]
         for i, line in enumerate(lines)
         if "most recent call first" in line and i + 1 < len(lines)
     ]
-    markers = ("torch/distributed", "torch/autograd", "torch/nn/parallel", "ddp/group.py")
+    markers = (
+        "torch/distributed",
+        "torch/autograd",
+        "torch/nn/parallel",
+        "torch/futures",
+        "ddp/group.py",
+    )
     return any(m in frame for frame in innermost for m in markers)
 
 

@@ -188,8 +188,8 @@ class WorkerArgs:
 
 class Watcher:
     """The watch thread: exits the process when the parent is gone, the store unreachable
-    or the run aborted; keeps the stop reason and the newest generation announced; for NCCL,
-    aborts the group of a generation that a newer one leaves a member out of."""
+    or the run aborted; keeps the stop reason and the newest generation announced; aborts the
+    group of a generation that a newer one leaves a member out of."""
 
     def __init__(
         self, args: WorkerArgs, device: torch.device, send: Callable[[object], None]
@@ -217,8 +217,8 @@ class Watcher:
                 os._exit(1)  # the supervisor died: no orphans
             try:
                 version = int(store.store.add(CONTROL_KEY, 0))
-                pending = self.device.type == "cuda" and self.latest > self.generation
-                if version == seen and not pending:  # (NCCL: try the abort again each tick)
+                pending = self.latest > self.generation
+                if version == seen and not pending:  # (try the abort again each tick)
                     continue
                 seen = version
                 abort = self._read(store)
@@ -234,16 +234,17 @@ class Watcher:
         self.latest = latest_generation(store, self.latest)
         if stop is not None and self.stop_reason is None:
             self.stop_reason = stop
-        if self.device.type == "cuda" and self.latest > self.generation:
+        if self.latest > self.generation:
             self._abort_if_peer_fell(store)
         return aborted
 
     def _abort_if_peer_fell(self, store: SignedStore) -> None:
-        """NCCL: a collective with a dead peer never returns (gloo errors at once, when the
-        peer's socket closes). When the newest generation leaves out a member of this one,
-        abort this group so the main thread gets an error and moves on; likewise when it
-        rebuilds the group with the same members (a member broke it). A generation that only
-        adds members is joined at a step boundary: no abort."""
+        """A collective with a peer that is gone but whose sockets stay open (a frozen or
+        cut-off node; any dead peer under NCCL) does not return before the group's timeout.
+        When the newest generation leaves out a member of this one, abort this group so the
+        main thread gets an error and moves on; likewise when it rebuilds the group with the
+        same members (a member broke it). A generation that only adds members is joined at a
+        step boundary: no abort."""
         group = self.group
         if self.aborted_for >= self.latest or group is None:
             return
@@ -274,6 +275,7 @@ class Worker:
         # This worker's failures that no vote carried (sent as Broke): evidence for the
         # loop's repeat rule in the next generation, whenever the supervisor reads them.
         self.unvoted: list[WorkerFailure] = []
+        self.abandoned: list[GenerationGroup] = []  # groups left with work still in flight
 
     # -- messages ----------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -461,6 +463,8 @@ class Worker:
         group, self.watcher.group = self.watcher.group, None
         if group is not None:
             group.leave()
+            if group.busy:  # (kept: destroying it would wait for its abandoned work)
+                self.abandoned.append(group)
         gc.collect()  # drops the old DDP reducer and its autograd hooks
 
     def train_in(self, store: SignedStore, member: Member, gen: Generation) -> None:
