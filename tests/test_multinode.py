@@ -197,6 +197,70 @@ def test_a_killed_node_is_named_and_the_survivors_finish_without_it(tmp_path: Pa
     assert "Final world size: 1 of 2" in logs[0].read_text()
 
 
+def alive_in_group(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_node_is_given_up_the_others_go_on_and_it_stops_when_it_wakes(
+    tmp_path: Path,
+) -> None:
+    """A node whose processes are all stopped (SIGSTOP: a silent partition, sockets open):
+    the head names it after node_timeout (3 s here) and the survivors abandon the
+    collectives they share with it at once (gloo would wait for the group's timeout), go on
+    without it and end with a clean run's model and an exact ledger. Woken up, the node
+    reads that it was given up, stops its workers and exits with PX145, committing
+    nothing."""
+    clean = one_node_run(tmp_path, epochs=12)
+    port = free_port()
+    procs, logs = [], []
+    for rank in (0, 1):
+        env = dict(env_for(rank, port, "t"), PHALANX_TEST_NODE_TIMEOUT="3")
+        logs.append(tmp_path / f"node{rank}.log")
+        args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", "12", "-", "shrink"]
+        procs.append(start(args, env, logs[-1]))
+    try:
+        deadline = time.monotonic() + 120
+        while "epoch 2/12 done" not in logs[0].read_text():  # training, both nodes in
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.1)
+        frozen_at = time.time()
+        os.killpg(procs[1].pid, signal.SIGSTOP)  # the node and its worker, all silent
+        assert finish(procs[0]) == 0, logs[0].read_text()[-3000:]
+        os.killpg(procs[1].pid, signal.SIGCONT)
+        node_code = finish(procs[1], timeout=60)
+        deadline = time.monotonic() + 10
+        while alive_in_group(procs[1].pid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # (its workers, stopped by the node on its way out)
+        left_behind = alive_in_group(procs[1].pid)
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGCONT)
+            kill_group(p)
+    head = result_of(logs[0])
+    assert head["steps"] == 120 and head["ledger_ok"]
+    [failure] = head["failures"]
+    assert failure["worker"] == 1 and failure["action"] == "shrunk"
+    assert failure["message"].startswith(f"node 1 ({socket.gethostname()}) lost with")
+    assert "no word for" in failure["message"] and "node_timeout 3s" in failure["message"]
+    assert failure["attempt"] is None
+    named_after = failure["time"] - frozen_at
+    assert 3.0 <= named_after < 3.0 + 2.0, named_after  # node_timeout, then at once
+    # The survivors' next committed step: their wait on the frozen peer was abandoned, not
+    # left to the group's timeout (2 x hang_timeout + 30 s = 50 s here).
+    assert failure["recovery_seconds"] is not None and failure["recovery_seconds"] < 5.0
+    assert same(weights(tmp_path / "node0.pt"), clean)  # the model of a run that lost nothing
+    node_text = logs[1].read_text()
+    assert node_code != 0 and "PX145" in node_text and "cut off from the run" in node_text
+    assert "RESULT" not in node_text and not (tmp_path / "node1.pt").exists()
+    assert not left_behind, "the woken node left processes behind"
+
+
 @pytest.mark.timeout(200)
 def test_nodes_that_disagree_are_refused_before_anything_trains(tmp_path: Path) -> None:
     port = free_port()

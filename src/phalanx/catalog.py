@@ -913,6 +913,34 @@ _ENTRIES = [
         "# run the same command on every node",
     ),
     Explanation(
+        code="PX145",
+        title="this node was cut off, and the run went on without it",
+        meaning="Across machines the head hears from every node at least once a second. A "
+        "node it heard nothing from for node_timeout (frozen, partitioned, its host "
+        "suspended) is lost: the head tells it so and the other nodes go on without its "
+        "workers (their collectives with it are abandoned at once). When such a node wakes "
+        "up it reads that word, stops its workers and ends fit() with this error: nothing "
+        "its workers computed after the cut was committed, and the run's model is the "
+        "head's.",
+        when="In fit() on a node other than the head, when it wakes up or its link heals "
+        "after the head gave it up.",
+        causes=[
+            "The node's processes were stopped (SIGSTOP, a debugger, a suspended VM or "
+            "container) for longer than node_timeout.",
+            "A network partition between this node and the head.",
+            "node_timeout shorter than a pause the node can legitimately have (a long "
+            "garbage collection, swapping).",
+        ],
+        fixes=[
+            "Start the same command on this node again: while the run goes on, the head "
+            "takes the node back at a step boundary with the state of a live peer.",
+            "Raise fit(node_timeout=...) if pauses this long are expected.",
+        ],
+        example="# [PX145] node 1 was cut off from the run: the head heard nothing from it "
+        "for 10.4s (node_timeout 10s) and went on without it ...\n"
+        "# start it again to rejoin: phalanx run --nnodes 2 --node-rank 1 --head ...",
+    ),
+    Explanation(
         code="PX151",
         title="a run over several nodes has no token",
         meaning="Across machines, only processes that hold the run's token are heard: each "

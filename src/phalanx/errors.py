@@ -259,6 +259,13 @@ class NodesDisagreeError(ConfigError):
     code = "PX144"
 
 
+class NodeFencedError(PhalanxError):
+    """This node was cut off (frozen, partitioned) long enough for the head to go on
+    without it; on waking it stopped its workers, which committed nothing."""
+
+    code = "PX145"
+
+
 class NoTokenError(ConfigError):
     """A run over several nodes has no token every node holds (PHALANX_TOKEN, or the
     head's ``run_dir/token``), or the token file can be read by others."""

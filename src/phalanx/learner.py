@@ -102,6 +102,7 @@ class Learner:
         faults: Sequence[Fault] = (),
         preflight: bool = True,
         hang_timeout: timedelta | float = timedelta(seconds=60),
+        node_timeout: timedelta | float = timedelta(seconds=10),
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
@@ -124,6 +125,8 @@ class Learner:
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
         if not isinstance(hang_timeout, timedelta):  # seconds (validated below)
             hang_timeout = timedelta(seconds=hang_timeout)
+        if not isinstance(node_timeout, timedelta):
+            node_timeout = timedelta(seconds=node_timeout)
         # One process per node; several nodes with ddp only (PX140-PX142), before all else.
         launch = check_launch(os.environ, strategy)
         labels = parse_devices(devices)
@@ -143,6 +146,7 @@ class Learner:
             faults=list(faults),
             preflight=preflight,
             hang_timeout=recovery.hang_timeout or hang_timeout,
+            node_timeout=node_timeout,
             num_workers=num_workers,
             min_free_memory=min_free_memory,
             recovery=recovery,

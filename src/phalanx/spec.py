@@ -92,6 +92,7 @@ class FitConfig:
     faults: list[Fault] = field(default_factory=list)
     preflight: bool = True
     hang_timeout: timedelta = timedelta(seconds=60)
+    node_timeout: timedelta = timedelta(seconds=10)  # several nodes: a silent node is lost
     num_workers: int = 0
     min_free_memory: int | None = None
     recovery: Recovery = field(default_factory=Recovery)  # ddp: what to do when a worker falls

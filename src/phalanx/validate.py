@@ -158,6 +158,8 @@ def _validate_numbers(spec: TrainSpec, config: FitConfig) -> None:
         raise InvalidSettingError("grad_clip_norm must be > 0, or None to disable clipping")
     if config.hang_timeout.total_seconds() <= 0:
         raise InvalidSettingError("hang_timeout must be a positive timedelta")
+    if config.node_timeout.total_seconds() <= 0:
+        raise InvalidSettingError("node_timeout must be a positive timedelta")
     if config.resume and not config.run_dir:
         raise CheckpointError("resume=True needs run_dir= (where the checkpoints are)")
     _validate_loading(config)

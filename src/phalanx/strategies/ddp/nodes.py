@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from phalanx import __version__
-from phalanx.errors import NodesDisagreeError, NoTokenError
+from phalanx.errors import NodeFencedError, NodesDisagreeError, NoTokenError
 from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
@@ -43,7 +43,6 @@ from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
 from phalanx.strategies.ddp.protocol import Done, from_wire, to_wire
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
 
-NODE_TIMEOUT = timedelta(seconds=10)  # silence after which a node (or the head) is lost
 BEAT_EVERY = 1.0  # seconds between a link's keep-alive frames
 JOIN_TIMEOUT = timedelta(seconds=300)  # for every node to register (the head waits)
 TOKEN_FILE = "token"  # in run_dir, owner-only: the run's token for every node
@@ -119,6 +118,7 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
         "precision": precision,
         "recovery": repr(config.recovery),
         "hang_timeout": config.hang_timeout.total_seconds(),
+        "node_timeout": config.node_timeout.total_seconds(),
         "checkpoint": repr(config.checkpoint),
         "resume": config.resume,
     }
@@ -284,6 +284,9 @@ class NodeHub:
                 node.lost = True
                 limit = self.timeout.total_seconds()
                 lost.append((node, f"no word for {silent:.1f}s (node_timeout {limit:g}s)"))
+                # (a frozen node reads this when it wakes: it is out, and stops)
+                with contextlib.suppress(LinkError, OSError):
+                    node.link.send("fenced", {"silent": silent, "limit": limit})
             if node.lost:
                 node.link.close()
                 node.alive.clear()
@@ -328,7 +331,7 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
     try:
         store_port = int(os.environ.get("PHALANX_STORE_PORT", "0"))
         agent = Agent(bind=(host, store_port), signer=Signer.for_run(token, run_id))
-        hub = NodeHub(listener, launch.nnodes, NODE_TIMEOUT)
+        hub = NodeHub(listener, launch.nnodes, config.node_timeout)
         emit(
             Notice(
                 f"head: waiting for {launch.nnodes - 1} node(s) at {host}:{listener.port} "
@@ -410,12 +413,14 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     last = first + len(config.devices) - 1
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
     try:
-        end = _serve(link, agent, spawner, interrupter)
+        end = _serve(link, agent, spawner, interrupter, config.node_timeout.total_seconds())
     finally:
         agent.close()
         link.close()
     if end is None:
         raise stopped([_head_lost(launch, config, first)], False, _no_dir(config))
+    if end.kind == "fenced":
+        raise NodeFencedError(fenced_message(launch.node_rank, end.doc))
     return _node_end(run, end, time.time() - started)
 
 
@@ -437,6 +442,16 @@ def _join(run: RunInputs, launch: Launch, token: bytes, emit: Any) -> tuple[Link
     return link, answer
 
 
+def fenced_message(node: int, doc: dict[str, Any]) -> str:
+    silent, limit = float(doc.get("silent", 0.0)), float(doc.get("limit", 0.0))
+    return (
+        f"node {node} was cut off from the run: the head heard nothing from it for "
+        f"{silent:.1f}s (node_timeout {limit:g}s) and went on without it, so its workers "
+        "were stopped and nothing they computed since was committed. Start this node again "
+        "to rejoin the run (the head takes it back at a step boundary), or leave it out."
+    )
+
+
 def _head_lost(launch: Launch, config: FitConfig, first: int) -> WorkerFailure:
     return WorkerFailure(
         worker=first,
@@ -445,7 +460,7 @@ def _head_lost(launch: Launch, config: FitConfig, first: int) -> WorkerFailure:
         kind="crash",
         message=(
             f"the head at {launch.head} was lost: no word for "
-            f"{NODE_TIMEOUT.total_seconds():g}s; this node's workers were stopped"
+            f"{config.node_timeout.total_seconds():g}s; this node's workers were stopped"
         ),
         phase="sync",
     )
@@ -473,41 +488,65 @@ def _node_end(run: RunInputs, frame: Frame, seconds: float) -> RunEnd:
     )
 
 
-def _serve(link: Link, agent: Agent, spawner: Spawner, interrupter: Interrupter) -> Frame | None:
-    """Until the head says the run ended (its ``end`` frame) or is lost (None)."""
+def _serve(
+    link: Link, agent: Agent, spawner: Spawner, interrupter: Interrupter, limit: float
+) -> Frame | None:
+    """Until the head says the run ended (its ``end`` frame) or went on without this node
+    (``fenced``), or is lost: no word for ``limit`` seconds, or the link closed (None)."""
     stop_sent = False
     last_sent = time.monotonic()
-    while True:
-        for seen in agent.poll(timedelta(seconds=0.1)):
-            message = None if seen.exited else to_wire(seen.message)
-            if isinstance(seen.message, Done) and seen.message.weights_path:
-                with open(seen.message.weights_path, "rb") as fh:
-                    link.send("weights", {"slot": seen.slot}, fh.read())
-            link.send(
-                "seen",
-                {
-                    "slot": seen.slot,
-                    "exited": seen.exited,
-                    "code": seen.code,
-                    "stale": seen.stale,
-                    "message": message,
-                },
-            )
-            last_sent = time.monotonic()
+    try:
+        while True:
+            if _forward(agent, link):
+                last_sent = time.monotonic()
+            for item in link.drain():
+                if isinstance(item, LinkError):
+                    return _last_word(link)
+                if item.kind in ("end", "fenced"):
+                    return item
+                _order(item, link, agent, spawner)
+            if time.monotonic() - link.last_heard > limit:
+                return _last_word(link)
+            if not stop_sent and interrupter.should_stop():
+                stop_sent = True
+                link.send("stop", {"reason": interrupter.reason or "stop requested"})
+            if time.monotonic() - last_sent > BEAT_EVERY:
+                link.send("beat", {})
+                last_sent = time.monotonic()
+    except LinkError:
+        return _last_word(link)
+
+
+def _forward(agent: Agent, link: Link) -> bool:
+    """What this node's workers said (and their exits) to the head; whether anything went."""
+    sent = False
+    for seen in agent.poll(timedelta(seconds=0.1)):
+        message = None if seen.exited else to_wire(seen.message)
+        if isinstance(seen.message, Done) and seen.message.weights_path:
+            with open(seen.message.weights_path, "rb") as fh:
+                link.send("weights", {"slot": seen.slot}, fh.read())
+        doc = {
+            "slot": seen.slot,
+            "exited": seen.exited,
+            "code": seen.code,
+            "stale": seen.stale,
+            "message": message,
+        }
+        link.send("seen", doc)
+        sent = True
+    return sent
+
+
+def _last_word(link: Link) -> Frame | None:
+    """The head's ``fenced`` frame if it sent one before this node lost it (a node that was
+    frozen reads it on waking: its reader may need a moment), else None."""
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
         for item in link.drain():
-            if isinstance(item, LinkError):
-                return None
-            if item.kind == "end":
+            if isinstance(item, Frame) and item.kind == "fenced":
                 return item
-            _order(item, link, agent, spawner)
-        if time.monotonic() - link.last_heard > NODE_TIMEOUT.total_seconds():
-            return None
-        if not stop_sent and interrupter.should_stop():
-            stop_sent = True
-            link.send("stop", {"reason": interrupter.reason or "stop requested"})
-        if time.monotonic() - last_sent > BEAT_EVERY:
-            link.send("beat", {})
-            last_sent = time.monotonic()
+        time.sleep(0.05)
+    return None
 
 
 def _order(frame: Frame, link: Link, agent: Agent, spawner: Spawner) -> None:
