@@ -22,6 +22,7 @@ from phalanx.launch import (
     detect,
     expand_nodelist,
     expand_tasks_per_node,
+    interface_problem,
 )
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -335,3 +336,24 @@ def test_a_real_torchrun_environment(tmp_path: Path, nproc: int) -> None:
         assert launch.head is not None and launch.head.port == int(envs[rank]["MASTER_PORT"])
         assert launch.job_id == envs[rank]["TORCHELASTIC_RUN_ID"] != ""
     assert len({launch.head for launch in launches}) == 1
+
+
+@pytest.mark.parametrize(
+    ("head", "own", "env", "gloo", "refused"),
+    [
+        ("10.0.0.1", "127.0.1.1", {}, True, True),  # /etc/hosts maps the name to loopback
+        ("10.0.0.1", None, {}, True, True),  # the name does not resolve
+        ("10.0.0.1", "127.0.1.1", {"GLOO_SOCKET_IFNAME": "eth0"}, True, False),
+        ("10.0.0.1", "10.0.0.2", {}, True, False),  # the name reaches the network
+        ("10.0.0.1", "127.0.1.1", {}, False, False),  # CUDA devices: NCCL picks its own
+        ("127.0.0.1", "127.0.0.1", {}, True, False),  # every node on this machine
+        ("::1", None, {}, True, False),
+    ],
+)
+def test_an_interface_that_the_other_nodes_cannot_reach_is_named(
+    head: str, own: str | None, env: dict[str, str], gloo: bool, refused: bool
+) -> None:
+    problem = interface_problem(head, "node7", own, env, gloo)
+    assert (problem is not None) == refused
+    if problem is not None:
+        assert "node7" in problem and "GLOO_SOCKET_IFNAME" in problem and head in problem

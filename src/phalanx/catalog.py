@@ -913,6 +913,31 @@ _ENTRIES = [
         "# run the same command on every node",
     ),
     Explanation(
+        code="PX146",
+        title="this node's collectives would bind to loopback",
+        meaning="Across machines, gloo binds each worker's collectives to the address its "
+        "host's name resolves to, unless GLOO_SOCKET_IFNAME names a network interface; "
+        "where the name resolves to a loopback address (an /etc/hosts line such as "
+        "'127.0.1.1 myhost' is common) or not at all, gloo falls back to loopback and "
+        "gives the other nodes 127.0.0.1 for this node: their collectives with it never "
+        "connect and wait until their timeout. phalanx refuses to start instead. A head on "
+        "a loopback address means every node is on this one machine: then nothing is "
+        "checked.",
+        when="In fit() on every node of a multi-node run with CPU devices, before the head "
+        "listens or the node joins: before anything trains.",
+        causes=[
+            "The host's name maps to 127.0.0.1 or 127.0.1.1 in /etc/hosts (many images do).",
+            "The host's name does not resolve at all (no DNS entry).",
+        ],
+        fixes=[
+            "export GLOO_SOCKET_IFNAME=<interface> on every node: the interface that "
+            "reaches the head (`ip route get <head address>` names it, e.g. eth0, ib0).",
+            "Or map the host's name to its cluster address in /etc/hosts or DNS.",
+        ],
+        example="# before\nPHALANX_HEAD=10.0.0.1:29410 python train.py     # PX146 on this node\n"
+        "# after\nGLOO_SOCKET_IFNAME=eth0 PHALANX_HEAD=10.0.0.1:29410 python train.py",
+    ),
+    Explanation(
         code="PX145",
         title="this node was cut off, and the run went on without it",
         meaning="Across machines the head hears from every node at least once a second. A "

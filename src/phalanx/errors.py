@@ -259,6 +259,13 @@ class NodesDisagreeError(ConfigError):
     code = "PX144"
 
 
+class InterfaceError(ConfigError):
+    """Across machines, this node's collectives would bind to loopback (its host name
+    resolves to 127.x or not at all, and no ``GLOO_SOCKET_IFNAME`` names an interface)."""
+
+    code = "PX146"
+
+
 class NodeFencedError(PhalanxError):
     """This node was cut off (frozen, partitioned) long enough for the head to go on
     without it; on waking it stopped its workers, which committed nothing."""

@@ -33,6 +33,7 @@ variable and the fix. What ``fit`` accepts is decided in :mod:`phalanx.validate`
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -324,3 +325,36 @@ def expand_tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> list
             )
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
+
+
+# -- the address the other nodes will see ------------------------------------------------------
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or ``localhost``) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def interface_problem(
+    head: str, hostname: str, own: str | None, env: Mapping[str, str], gloo: bool
+) -> str | None:
+    """Why the other nodes could not reach this one's collectives, or None. ``head``: the
+    head's address as resolved here; ``own``: what this host's name (``hostname``)
+    resolves to (None: it does not). gloo, without ``GLOO_SOCKET_IFNAME``, binds to the
+    address of the host's name and falls back to loopback where that is loopback or
+    unresolvable: the other nodes would be given 127.0.0.1 for this node and never connect.
+    A head on loopback means every node is on this machine: nothing to check."""
+    if not gloo or is_loopback(head) or env.get("GLOO_SOCKET_IFNAME"):
+        return None
+    if own is not None and not is_loopback(own):
+        return None
+    what = f"resolves to {own}, a loopback address" if own else "does not resolve"
+    return (
+        f"this host's name ({hostname}) {what}: gloo would bind this node's collectives to "
+        "loopback, which the other nodes cannot reach, and they would wait until their "
+        f"timeout. Set GLOO_SOCKET_IFNAME to the network interface the nodes share (the one "
+        f"that reaches the head at {head}; `ip route get {head}` names it), on every node"
+    )

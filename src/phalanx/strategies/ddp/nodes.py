@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from phalanx import __version__
-from phalanx.errors import NodeFencedError, NodesDisagreeError, NoTokenError
+from phalanx.errors import InterfaceError, NodeFencedError, NodesDisagreeError, NoTokenError
 from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
-from phalanx.launch import Launch
+from phalanx.launch import Launch, interface_problem, is_loopback
 from phalanx.plan import Plan
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.spec import FitConfig
@@ -55,6 +55,25 @@ def link_address(launch: Launch) -> tuple[str, int]:
     assert launch.head is not None
     extra = 1 if launch.source == "torchrun" else 0
     return launch.head.host, launch.head.port + extra
+
+
+def check_interface(launch: Launch, config: FitConfig) -> None:
+    """PX146 before anything starts, where this node's gloo collectives would bind to
+    loopback while the head is on another machine (:func:`phalanx.launch.interface_problem`)."""
+    host, _ = link_address(launch)
+    try:
+        head = socket.gethostbyname(host)
+    except OSError:
+        head = host  # (joining names an unreachable head)
+    name = socket.gethostname()
+    try:
+        own: str | None = socket.gethostbyname(name)
+    except OSError:
+        own = None
+    gloo = any(label.startswith("cpu") for label in config.devices)
+    problem = interface_problem(head, name, own, os.environ, gloo)
+    if problem is not None:
+        raise InterfaceError(problem)
 
 
 # -- the run's token across machines ------------------------------------------------------
@@ -324,6 +343,7 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
     to join and agree; every node is then told the slots and where the store is."""
 
     config = run.config
+    check_interface(launch, config)
     token = head_token(config.run_dir)
     run_id = new_run_id()  # this run's signing key is made from the token and it
     host, port = link_address(launch)
@@ -338,6 +358,8 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
                 f"(store at {host}:{agent.store_at[1] if agent.store_at else '?'})"
             )
         )
+        if is_loopback(host):
+            emit(Notice(f"head: {host} is loopback: only nodes on this machine reach it"))
         precision = str(getattr(run.spec, "precision", "32"))
         check = agreement(config, run.plan, precision)
         labels = hub.gather(check, run.plan, list(config.devices), JOIN_TIMEOUT)
@@ -398,6 +420,7 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     orders, and return the run's end as the head tells it (the model with it)."""
     started = time.time()
     config = run.config
+    check_interface(launch, config)
     token = node_token(config.run_dir, JOIN_TIMEOUT.total_seconds())
     link, answer = _join(run, launch, token, emit)
     labels = [str(d) for d in answer.doc["devices"]]
