@@ -197,6 +197,49 @@ def test_a_killed_node_is_named_and_the_survivors_finish_without_it(tmp_path: Pa
     assert "Final world size: 1 of 2" in logs[0].read_text()
 
 
+@pytest.mark.timeout(300)
+def test_torchrun_with_two_nodes_of_one_process_trains_one_job(tmp_path: Path) -> None:
+    """``torchrun --nnodes 2 --nproc-per-node 1`` with c10d rendezvous, as on a cluster (two
+    agents, here on loopback): phalanx reads torchrun's environment (the node's rank from
+    GROUP_RANK, the head from MASTER_ADDR) and the two nodes train one job, each returning
+    the model of the same job on one node with two devices."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]))
+    for name in ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD"):
+        env.pop(name, None)
+    env["PHALANX_TOKEN"] = "torchrun token"
+    procs, logs = [], []
+    for rank in (0, 1):
+        logs.append(tmp_path / f"torchrun{rank}.log")
+        cmd = [
+            str(torchrun),
+            "--nnodes", "2", "--nproc-per-node", "1", "--monitor-interval", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "px-two-nodes",
+            str(SCRIPT), str(tmp_path / f"node{rank}.pt"), "cpu:0", "4", "-",
+        ]  # fmt: skip
+        out = open(logs[-1], "wb")  # noqa: SIM115 - closed with the process
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    try:
+        codes = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert codes == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
+    results = [result_of(log) for log in logs]
+    assert [r["steps"] for r in results] == [40, 40] and all(r["ledger_ok"] for r in results)
+    text = "".join(log.read_text() for log in logs)
+    assert "joined; workers 1..1" in text and "Final world size: 2 of 2" in text
+    models = [weights(tmp_path / f"node{rank}.pt") for rank in (0, 1)]
+    assert same(models[0], models[1])
+    assert same(models[0], one_node_run(tmp_path, epochs=4))
+
+
 def alive_in_group(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
