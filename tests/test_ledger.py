@@ -4,6 +4,7 @@ with the same count, sum and sum of squares are each named."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from phalanx import ledger
@@ -119,3 +120,16 @@ def test_the_check_computes_each_epochs_order_once(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(Plan, "order", counted)
     assert ledger.check(PLAN, entries, epochs_done=3) == []
     assert sorted(calls) == [0, 1, 2]
+
+
+def test_the_hash_of_many_indices_at_once_is_mix_of_each() -> None:
+    rng = np.random.default_rng(0)
+    indices = [0, 1, 2**26 - 1, 2**40 + 7, *rng.integers(0, 2**31, size=500).tolist()]
+    assert ledger.mix_all(np.asarray(indices, dtype=np.uint64)).tolist() == [
+        ledger.mix(i) for i in indices
+    ]
+    count, total, squares, hashed = ledger.fingerprint(indices)
+    exact = (len(indices), sum(indices), sum(i * i for i in indices))
+    assert (count, total, squares) == tuple(float(x) for x in exact)
+    assert hashed == float(sum(ledger.mix(i) for i in indices))
+    assert ledger.fingerprint([]) == ledger.EMPTY

@@ -17,6 +17,8 @@ import json
 import os
 from collections.abc import Iterable
 
+import numpy as np
+
 from phalanx.plan import Plan
 
 WIDTH = 4  # count, sum, sum of squares, hash sum
@@ -37,13 +39,25 @@ def mix(index: int) -> int:
     return (z ^ (z >> 31)) >> 44
 
 
+def mix_all(indices: np.ndarray) -> np.ndarray:
+    """:func:`mix` of every index at once (uint64 arithmetic wraps as ``& _MASK`` does)."""
+    z = indices.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))) >> np.uint64(44)
+
+
 def fingerprint(samples: Iterable[int]) -> Fingerprint:
     """The fingerprint of the samples one member computed in a step; members' fingerprints
-    add up (the vote's all-reduce sums them) to that of the union."""
-    count = total = squares = hashed = 0
-    for i in samples:
-        count, total, squares, hashed = count + 1, total + i, squares + i * i, hashed + mix(i)
-    return (float(count), float(total), float(squares), float(hashed))
+    add up (the vote's all-reduce sums them) to that of the union. (The hash term is
+    computed for all samples at once: a step's worth of :func:`mix` one by one cost
+    ~0.2 ms.)"""
+    values = list(samples)
+    if not values:
+        return EMPTY
+    hashed = int(mix_all(np.asarray(values, dtype=np.uint64)).sum(dtype=np.uint64))
+    squares = sum(i * i for i in values)  # (exact Python ints, then float as before)
+    return (float(len(values)), float(sum(values)), float(squares), float(hashed))
 
 
 def check(plan: Plan, entries: list[list[float]], epochs_done: int) -> list[str]:
