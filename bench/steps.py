@@ -3,6 +3,8 @@
     .venv/bin/python bench/steps.py [--rounds 3] [--steps 200] [--workers 2]
                                     [--sizes small,medium,large] [--skip-startup]
                                     [--skip-threads] [--arms floor,loader,phalanx,fabric]
+                                    [--marginal 100,400 [--marginal-sizes medium]]
+                                    [--skip-steps]
 
 Every arm trains the same MLP on the same data (a ``TensorDataset`` of 256 features, 10
 classes) with the same global batch, world size and torch threads per worker (cores /
@@ -336,6 +338,44 @@ def step_table(args: argparse.Namespace) -> None:
         print("\n".join(memory), flush=True)
 
 
+def run_arm(arm: str, steps: int, workers: int, size: str) -> list[float]:
+    if arm == "phalanx":
+        return phalanx_run(steps, workers, size, preflight=False)
+    if arm == "fabric":
+        return fabric_ddp(steps, workers, size)
+    return plain_ddp(arm, steps, workers, size)
+
+
+def marginal_table(args: argparse.Namespace) -> None:
+    """The whole run's wall time (spawn or fit, to its return) at two lengths, all steps one
+    epoch: the difference per step is what a step costs with start-up and shutdown
+    cancelled, including whatever a run does per step outside the steps (the ledger check
+    after the last one, the supervisor's work)."""
+    lo, hi = (int(n) for n in args.marginal.split(","))
+    arms = [a for a in args.arms.split(",") if a != "fabric" or fabric_available()]
+    head = " | ".join(f"{a} ms/step" for a in arms)
+    print(f"\n| model | marginal steps | {head} | phalanx - floor | phalanx/floor |")
+    print("|---" * (5 + len(arms)) + "|")
+    for size in args.marginal_sizes.split(","):
+        per: dict[str, list[float]] = {a: [] for a in arms}
+        for r in range(args.rounds):
+            for arm in arms:
+                walls = []
+                for steps in (lo, hi):
+                    started = time.time()
+                    run_arm(arm, steps, args.workers, size)
+                    walls.append(time.time() - started)
+                per[arm].append((walls[1] - walls[0]) / (hi - lo))
+            line = ", ".join(f"{a} {per[a][-1] * 1e3:.2f}" for a in arms)
+            print(f"marginal {size}, round {r + 1}: {line} ms/step", file=sys.stderr)
+        med = {a: statistics.median(v) * 1e3 for a, v in per.items()}
+        cells = " | ".join(f"{med[a]:.2f}" for a in arms)
+        both = {"phalanx", "floor"} <= set(med)
+        gap = f"{med['phalanx'] - med['floor']:+.2f} ms" if both else "-"
+        ratio = f"{med['phalanx'] / med['floor']:.3f}x" if both else "-"
+        print(f"| {size} | {lo} -> {hi} | {cells} | {gap} | {ratio} |", flush=True)
+
+
 def startup_table(args: argparse.Namespace) -> None:
     """fit -> first committed step, against mp.spawn + DDP; model factory calls."""
     plain, ours, calls = [], [], []
@@ -405,11 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-startup", action="store_true")
     parser.add_argument("--skip-threads", action="store_true")
+    parser.add_argument(
+        "--marginal", default="", help="LO,HI: the whole run's wall time at LO and HI steps"
+    )
+    parser.add_argument("--marginal-sizes", default="medium")
     args = parser.parse_args(argv)
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
         f"{os.cpu_count()} cores, {args.workers} workers, {args.steps} steps, {args.rounds} rounds"
     )
+    if args.marginal:
+        marginal_table(args)
     if not args.skip_steps:
         step_table(args)
     if not args.skip_startup:

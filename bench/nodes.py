@@ -1,0 +1,161 @@
+"""A node lost mid-run: killed (SIGKILL of its processes) or frozen (SIGSTOP: sockets stay
+open, as a partition or a suspended host), two nodes of one CPU worker each on loopback.
+
+    .venv/bin/python bench/nodes.py [--trials 3] [--node-timeout 3] [--epochs 12]
+
+Each node is ``tests/multinode_script.py`` (the same script the multi-node tests run: a
+linear model, 10 steps an epoch, a 40 ms step), ``Recovery(mode="shrink")``; node 1 is hit
+once the head has finished epoch 2. From the head's record of the failure:
+
+- fault -> named: the failure's time (the head's decision) minus the fault's;
+- fault -> next committed step: the failure's time plus its ``recovery_seconds`` (to the
+  first step committed after it) minus the fault's;
+- steps lost: committed steps computed again (0 when the ledger is exact and the run has
+  its full step count: phalanx goes on from the last step every member agreed on);
+- the run ends with the model of a run that lost nothing (checked against one clean run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "multinode_script.py"
+PATHS = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])
+
+
+def _env(rank: int | None, port: int, node_timeout: float) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=PATHS, PHALANX_TEST_NODE_TIMEOUT=str(node_timeout))
+    for name in ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD"):
+        env.pop(name, None)
+    if rank is not None:
+        env.update(
+            PHALANX_NNODES="2",
+            PHALANX_NODE_RANK=str(rank),
+            PHALANX_HEAD=f"127.0.0.1:{port}",
+            PHALANX_TOKEN="bench token",
+        )
+    return env
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "wb")  # noqa: SIM115 - closed with the process
+    cmd = [sys.executable, str(SCRIPT), *args]
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _result(log: Path) -> dict[str, Any]:
+    for line in log.read_text().splitlines():
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[len("RESULT ") :]))
+    raise RuntimeError(f"no result in {log}:\n{log.read_text()[-3000:]}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def clean_run(folder: Path, epochs: int) -> list[torch.Tensor]:
+    out, log = folder / "clean.pt", folder / "clean.log"
+    proc = _start([str(out), "cpu:0,cpu:1", str(epochs), "-"], _env(None, 0, 10), log)
+    if proc.wait(timeout=600) != 0:
+        raise RuntimeError(log.read_text()[-3000:])
+    return list(torch.load(out, weights_only=True).values())
+
+
+def trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict[str, float]:
+    port = _free_port()
+    logs = [folder / f"{how}-node{r}.log" for r in (0, 1)]
+    args = ["cpu:0", str(epochs), "-", "shrink"]
+    procs = [
+        _start([str(folder / f"{how}-node{r}.pt"), *args], _env(r, port, node_timeout), logs[r])
+        for r in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 300
+        while f"epoch 2/{epochs} done" not in logs[0].read_text():
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise RuntimeError(logs[0].read_text()[-3000:])
+            time.sleep(0.05)
+        hit = time.time()
+        os.killpg(procs[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        if procs[0].wait(timeout=600) != 0:
+            raise RuntimeError(logs[0].read_text()[-3000:])
+    finally:
+        for p in procs:
+            _end(p)
+    head = _result(logs[0])
+    [failure] = head["failures"]
+    full = head["steps"] == epochs * 10 and head["ledger_ok"]
+    return {
+        "named": failure["time"] - hit,
+        "next_step": failure["time"] + (failure["recovery_seconds"] or float("nan")) - hit,
+        "lost": 0.0 if full else float("nan"),
+        "same": float(_same(folder / f"{how}-node0.pt")),
+    }
+
+
+CLEAN: list[torch.Tensor] = []
+
+
+def _same(path: Path) -> bool:
+    got = list(torch.load(path, weights_only=True).values())
+    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(got, CLEAN, strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--node-timeout", type=float, default=3.0)
+    parser.add_argument("--epochs", type=int, default=12)
+    args = parser.parse_args(argv)
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores, node_timeout {args.node_timeout:g} s, {args.trials} trials"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        CLEAN[:] = clean_run(folder, args.epochs)
+        rows: dict[str, list[dict[str, float]]] = {"killed": [], "frozen": []}
+        for t in range(args.trials):
+            for how in rows:
+                rows[how].append(trial(folder, how, args.epochs, args.node_timeout))
+                print(f"trial {t + 1} {how}: {rows[how][-1]}", file=sys.stderr, flush=True)
+    print("\n| node 1 | fault -> named | fault -> next committed step | steps lost | "
+          "clean model |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for how, got in rows.items():
+        named = statistics.median(r["named"] for r in got)
+        nxt = statistics.median(r["next_step"] for r in got)
+        lost = "0" if all(r["lost"] == 0 for r in got) else "?"
+        same = sum(int(r["same"]) for r in got)
+        print(f"| {how} | {named:.2f} s | {nxt:.2f} s | {lost} | {same}/{len(got)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
