@@ -266,6 +266,13 @@ DDP_CASES = [
         r'preflight fault needs strategy="ddp" and preflight=True',
     ),
     (
+        "ddp-node-timeout-within-a-keep-alive",
+        InvalidSettingError,
+        "PX108",
+        {**DDP, "devices": "cpu:0,cpu:1", "node_timeout": 1.5},
+        r"node_timeout must be more than 2 seconds \(each node says something every second",
+    ),
+    (
         "ddp-train-not-picklable",
         DatasetNotPicklableError,
         "PX119",

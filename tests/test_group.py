@@ -150,14 +150,16 @@ def test_the_hand_over_moves_state_to_the_members_behind_only() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("where", ["all_reduce", "ddp backward", "barrier"])
+@pytest.mark.parametrize("where", ["all_reduce", "ddp backward", "barrier", "broadcast"])
 def test_a_frozen_peer_is_abandoned_at_once_not_after_the_groups_timeout(where: str) -> None:
     """A peer that is frozen or cut off keeps its sockets open: gloo would wait for it until
     the group's timeout (20 s here). abandon(), called from another thread as the watch
     thread does when a newer generation leaves the peer out, ends the wait at once; the
     torch work stays in flight (busy) until the peer wakes, so the group is not destroyed
-    under it."""
+    under it; a broadcast the woken peer completes later lands in a staging copy, never in
+    the tensor the survivor goes on with."""
     wake = threading.Event()
+    live = torch.zeros(3)
 
     def body(group: GenerationGroup) -> Any:
         model = group.wrap(nn.Linear(4, 1), init_sync=False)
@@ -167,6 +169,8 @@ def test_a_frozen_peer_is_abandoned_at_once_not_after_the_groups_timeout(where: 
                 model(torch.ones(2, 4)).sum().backward()
             elif where == "barrier":
                 group.barrier()
+            elif where == "broadcast":
+                group.broadcast(torch.ones(3), src=0)
             else:
                 group.all_reduce(torch.ones(1))
             return None
@@ -177,6 +181,8 @@ def test_a_frozen_peer_is_abandoned_at_once_not_after_the_groups_timeout(where: 
                 group.all_reduce(torch.ones(1))
             elif where == "barrier":
                 group.barrier()
+            elif where == "broadcast":
+                group.broadcast(live, src=0)
             else:
                 model(torch.ones(2, 4)).sum().backward()
         except (GroupBroken, RuntimeError) as exc:
@@ -186,6 +192,10 @@ def test_a_frozen_peer_is_abandoned_at_once_not_after_the_groups_timeout(where: 
         with pytest.raises(GroupBroken):  # nothing new starts on an abandoned group
             group.all_reduce(torch.ones(1))
         wake.set()
+        deadline = time.monotonic() + 10
+        while group.busy and time.monotonic() < deadline:  # the peer serves the old work
+            time.sleep(0.05)
+        assert not group.busy and group.release()  # then it can be dropped
         return waited, message, busy
 
     _, (waited, message, busy) = in_two_ranks(body)
@@ -194,3 +204,4 @@ def test_a_frozen_peer_is_abandoned_at_once_not_after_the_groups_timeout(where: 
     assert busy  # the abandoned work was still running inside torch
     failure = WorkerFailure(1, 1, "cpu:1", "exception", message, "backward")
     assert is_secondary(failure)  # a survivor's error, never a cause of its own
+    assert live.tolist() == [0.0, 0.0, 0.0]  # (the late broadcast went to a staging copy)

@@ -947,8 +947,9 @@ _ENTRIES = [
         "up it reads that word, stops its workers and ends fit() with this error: nothing "
         "its workers computed after the cut was committed, and the run's model is the "
         "head's.",
-        when="In fit() on a node other than the head, when it wakes up or its link heals "
-        "after the head gave it up.",
+        when="In fit() on a node other than the head, when it wakes up after the head gave "
+        "it up. (A node whose link was cut for longer than node_timeout names the head lost "
+        "instead: the word cannot reach it.)",
         causes=[
             "The node's processes were stopped (SIGSTOP, a debugger, a suspended VM or "
             "container) for longer than node_timeout.",

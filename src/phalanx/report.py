@@ -34,6 +34,9 @@ SECONDARY_MARKERS = (
     "socket timeout",
     "has been shut down",
     "collective abandoned",  # (group.ABANDONED: a newer generation left a peer out)
+    # torch's distributed errors by name, where only their text came through (group.Failure)
+    "distbackenderror:",
+    "distnetworkerror:",
 )
 SECONDARY_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 

@@ -158,8 +158,11 @@ def _validate_numbers(spec: TrainSpec, config: FitConfig) -> None:
         raise InvalidSettingError("grad_clip_norm must be > 0, or None to disable clipping")
     if config.hang_timeout.total_seconds() <= 0:
         raise InvalidSettingError("hang_timeout must be a positive timedelta")
-    if config.node_timeout.total_seconds() <= 0:
-        raise InvalidSettingError("node_timeout must be a positive timedelta")
+    if config.node_timeout.total_seconds() <= 2:
+        raise InvalidSettingError(
+            "node_timeout must be more than 2 seconds (each node says something every "
+            "second; a shorter silence is no loss)"
+        )
     if config.resume and not config.run_dir:
         raise CheckpointError("resume=True needs run_dir= (where the checkpoints are)")
     _validate_loading(config)

@@ -12,12 +12,15 @@ A collective that fails raises :class:`GroupBroken` (the torch error is its caus
 worker reads that as "this generation is over", never as a bug of its own.
 
 gloo has no abort, and a peer that is frozen or cut off (not dead: its sockets stay open)
-would keep a collective blocked until the group's timeout. So every wait of this group,
-DDP's gradient all-reduce included (a comm hook), is on a future of the group's own that
-:meth:`GenerationGroup.abandon` fails at once when a newer generation leaves a member out;
-the abandoned work itself is left to finish or time out inside torch, and a group with work
-still in flight is kept (:attr:`GenerationGroup.busy`), never destroyed (torch's destructor
-would wait for that work).
+would keep a collective blocked until the group's timeout. So on CPU every wait of this
+group, DDP's gradient all-reduce included (a comm hook), is on a future of the group's own
+(:class:`Waits`) that :meth:`GenerationGroup.abandon` completes at once when a newer
+generation leaves a member out; the abandoned work itself is left to finish or time out
+inside torch, and a group with work still in flight is kept by its worker, never destroyed
+under it (torch's destructor would wait for that work). Not abandonable: the collectives of
+DDP's construction and of its bucket rebuild (second forward), and forming a group: those
+stay bounded by the group's timeouts. NCCL (CUDA) keeps torch's own waits, which also order
+the streams, and its communicator's abort.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +39,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 BackendType = dist.ProcessGroup.BackendType
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a watched future holds when its collective failed or was abandoned: the error's
+    type name and message, never the exception (an exception stored in a torch future is a
+    reference cycle the garbage collector cannot see: its traceback would keep the group's
+    frames, and with them its sockets, alive)."""
+
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
 # What a collective this member stopped waiting for says (report.SECONDARY_MARKERS knows it).
 ABANDONED = "collective abandoned: a newer generation left this group"
 
@@ -74,14 +94,15 @@ class Waits:
             return self._in_flight > 0
 
     def watch(self, inner: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
-        """A future that completes as ``inner`` does, or fails at once with
-        :data:`ABANDONED` when :meth:`abandon` comes first."""
+        """A future that completes with ``inner``'s value, with a :class:`Failure` when
+        ``inner`` fails, or with ``Failure(ABANDONED)`` at once when :meth:`abandon` comes
+        first."""
         outer: torch.futures.Future[Any] = torch.futures.Future()
         key = id(outer)
         with self._lock:
             self._in_flight += 1
             if self.abandoned:
-                outer.set_exception(GroupBroken(ABANDONED))
+                outer.set_result(Failure("GroupBroken", ABANDONED))
             else:
                 self._waiting[key] = outer
         inner.add_done_callback(functools.partial(self._finished, key, outer))
@@ -90,15 +111,13 @@ class Waits:
     def _finished(
         self, key: int, outer: torch.futures.Future[Any], done: torch.futures.Future[Any]
     ) -> None:
+        try:
+            value = done.value()
+        except Exception as exc:  # (only its text is kept: see Failure)
+            value = Failure(type(exc).__name__, str(exc))
         with self._lock:
             self._in_flight -= 1
-            if self._waiting.pop(key, None) is None:
-                return  # (abandoned: its waiter has moved on)
-            try:
-                value = done.value()
-            except Exception as exc:  # the torch error, for the waiter to raise
-                outer.set_exception(exc)
-            else:
+            if self._waiting.pop(key, None) is not None:  # (else abandoned: its waiter left)
                 outer.set_result(value)
 
     def abandon(self) -> None:
@@ -106,7 +125,7 @@ class Waits:
             self.abandoned = True
             waiting, self._waiting = list(self._waiting.values()), {}
             for future in waiting:
-                future.set_exception(GroupBroken(ABANDONED))
+                future.set_result(Failure("GroupBroken", ABANDONED))
 
 
 class GenerationGroup:
@@ -117,6 +136,8 @@ class GenerationGroup:
         self.rank, self.size, self.device = rank, size, device
         self.left = False
         self.waits = Waits()
+        # CPU (gloo): waits that abandon() can end; CUDA: torch's own (they order streams).
+        self.watched = device.type != "cuda"
 
     @classmethod
     def form(
@@ -142,6 +163,8 @@ class GenerationGroup:
         return cls(pg, rank, size, device)
 
     def _group(self) -> dist.ProcessGroup:
+        if self.waits.abandoned:  # (no new work on a group a peer may never serve again)
+            raise GroupBroken(ABANDONED)
         if self.pg is None or self.left:
             raise GroupBroken("the group was left")
         return self.pg
@@ -153,10 +176,15 @@ class GenerationGroup:
 
     def _run(self, what: str, start: Callable[[dist.ProcessGroup], dist.Work | None]) -> None:
         """Start a collective on the group and wait for it (or for the group's abandon)."""
+        self.wait(self._start(what, start), what)
+
+    def _start(self, what: str, start: Callable[[dist.ProcessGroup], dist.Work | None]) -> Any:
+        """The collective started: something to :meth:`wait` for (a watched future on CPU,
+        torch's work on CUDA)."""
         with _broken_on_error(what):
             work = start(self._group())
             assert work is not None
-            self.waits.watch(work.get_future()).wait()
+            return self.waits.watch(work.get_future()) if self.watched else work
 
     # -- collectives ----------------------------------------------------------------------
     # Through torch's functions (not the group's methods): a worker blocked in one then has
@@ -167,24 +195,31 @@ class GenerationGroup:
         """Sum ``tensor`` over the members, in place."""
         self._run("all_reduce", lambda pg: dist.all_reduce(tensor, group=pg, async_op=True))
 
-    def all_reduce_async(self, tensor: torch.Tensor) -> torch.futures.Future[Any]:
+    def all_reduce_async(self, tensor: torch.Tensor) -> Any:
         """Start summing ``tensor`` over the members, in place; :meth:`wait` for it."""
-        with _broken_on_error("all_reduce"):
-            work = dist.all_reduce(tensor, group=self._group(), async_op=True)
-            assert work is not None
-            return self.waits.watch(work.get_future())
+        return self._start(
+            "all_reduce", lambda pg: dist.all_reduce(tensor, group=pg, async_op=True)
+        )
 
-    def wait(self, pending: torch.futures.Future[Any]) -> None:
+    def wait(self, pending: Any, what: str = "all_reduce") -> None:
         """Until ``pending`` (from :meth:`all_reduce_async`) is done, or abandoned."""
-        with _broken_on_error("all_reduce"):
-            pending.wait()
+        with _broken_on_error(what):
+            value = pending.wait()
+        if isinstance(value, Failure):
+            raise GroupBroken(f"{what}: {value}")
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """``src``'s ``tensor`` into every member's, in place."""
+        """``src``'s ``tensor`` into every member's, in place. On CPU a receiver's copy
+        lands in a staging tensor first, copied in only once the broadcast succeeded: an
+        abandoned one may still complete later (a peer that wakes up) and must not write
+        into a tensor that lives on."""
+        staged = tensor.clone() if self.watched and self.rank != src else tensor
         self._run(
             "broadcast",
-            lambda pg: dist.broadcast(tensor, group=pg, group_src=src, async_op=True),
+            lambda pg: dist.broadcast(staged, group=pg, group_src=src, async_op=True),
         )
+        if staged is not tensor:
+            tensor.copy_(staged)
 
     def barrier(self) -> None:
         self._run("barrier", lambda pg: dist.barrier(group=pg, async_op=True))
@@ -218,18 +253,19 @@ class GenerationGroup:
                 forward_sync_buffers=False,
                 init_sync=init_sync,
             )
-        # (a lambda: DDP checks a hook's annotations, which this module keeps as strings)
-        ddp.register_comm_hook(None, lambda _state, bucket: self._gradient_hook(bucket))
+        if self.watched:
+            # (a lambda: DDP checks a hook's annotations, which this module keeps as strings)
+            ddp.register_comm_hook(None, lambda _state, bucket: self._gradient_hook(bucket))
         return ddp
 
     def _gradient_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP's gradient all-reduce as its default does it (divide, then sum: the same
-        numbers), waited for on a future :meth:`abandon` can fail."""
+        """DDP's gradient all-reduce as its own reduction does it (scale by 1/world, then
+        sum: the same numbers), waited for on a future :meth:`abandon` can end."""
         buffer = bucket.buffer()
-        buffer.div_(self.size)
+        buffer.mul_(1.0 / self.size)
         work = dist.all_reduce(buffer, group=self._group(), async_op=True)
         assert work is not None
-        return self.waits.watch(work.get_future().then(lambda done: done.value()[0]))
+        return self.waits.watch(work.get_future()).then(_bucket_or_raise)
 
     # -- the end --------------------------------------------------------------------------
     def abandon(self) -> None:
@@ -248,16 +284,32 @@ class GenerationGroup:
             with contextlib.suppress(Exception):  # the main thread may be leaving already
                 pg.abort()
 
-    def leave(self) -> None:
+    def leave(self) -> bool:
         """Abort, and drop this member's reference to the group (the caller drops the DDP
-        module that holds another) unless torch still runs its work (:attr:`busy`: then the
-        caller keeps this object, since destroying the group would wait for that work). A
-        group whose last reference goes closes its sockets: peers blocked on them error out.
-        Never waits for pending work."""
+        module that holds another), unless torch still runs its work: then it returns True,
+        and the caller keeps this object until :meth:`release` finds it idle (destroying a
+        group waits for its work). A group whose last reference goes closes its sockets:
+        peers blocked on them error out. Never waits for pending work."""
         self.abort()
         self.left = True
-        if not self.busy:
-            self.pg = None
+        return not self.release()
+
+    def release(self) -> bool:
+        """Drop the group once no work of it is in flight; whether it was dropped."""
+        if self.busy:
+            return False
+        self.pg = None
+        return True
+
+
+def _bucket_or_raise(done: torch.futures.Future[Any]) -> torch.Tensor:
+    """The gradient hook's result: the reduced bucket, or an error DDP's backward raises
+    (a fresh one, with the failure's type and text: see :class:`Failure`)."""
+    value = done.value()
+    if isinstance(value, Failure):
+        raise RuntimeError(str(value))
+    bucket: torch.Tensor = value[0]
+    return bucket
 
 
 def subgroup_ranks(ranks: Sequence[int], rank: int) -> int | None:

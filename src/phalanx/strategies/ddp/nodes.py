@@ -57,19 +57,22 @@ def link_address(launch: Launch) -> tuple[str, int]:
     return launch.head.host, launch.head.port + extra
 
 
+def _resolve(host: str) -> str | None:
+    """The first address ``host`` resolves to (IPv4 or IPv6), or None."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    return str(found[0][4][0]) if found else None
+
+
 def check_interface(launch: Launch, config: FitConfig) -> None:
     """PX146 before anything starts, where this node's gloo collectives would bind to
     loopback while the head is on another machine (:func:`phalanx.launch.interface_problem`)."""
     host, _ = link_address(launch)
-    try:
-        head = socket.gethostbyname(host)
-    except OSError:
-        head = host  # (joining names an unreachable head)
+    head = _resolve(host) or host  # (unresolvable: joining names an unreachable head)
     name = socket.gethostname()
-    try:
-        own: str | None = socket.gethostbyname(name)
-    except OSError:
-        own = None
+    own = _resolve(name)
     gloo = any(label.startswith("cpu") for label in config.devices)
     problem = interface_problem(head, name, own, os.environ, gloo)
     if problem is not None:
@@ -561,12 +564,13 @@ def _forward(agent: Agent, link: Link) -> bool:
 
 
 def _last_word(link: Link) -> Frame | None:
-    """The head's ``fenced`` frame if it sent one before this node lost it (a node that was
-    frozen reads it on waking: its reader may need a moment), else None."""
+    """The head's last frame that says how this node's part ended, if it came before the
+    link was lost: ``end`` (the run ended: a send raced the head's close) or ``fenced`` (a
+    node that was frozen reads it on waking; its reader may need a moment), else None."""
     deadline = time.monotonic() + 0.5
     while time.monotonic() < deadline:
         for item in link.drain():
-            if isinstance(item, Frame) and item.kind == "fenced":
+            if isinstance(item, Frame) and item.kind in ("end", "fenced"):
                 return item
         time.sleep(0.05)
     return None

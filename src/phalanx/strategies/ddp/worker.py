@@ -200,7 +200,7 @@ class Watcher:
         self.generation = -1  # the one this worker is in
         self.members: list[int] = []  # of that generation
         self.group: GenerationGroup | None = None  # its group, while this worker is in it
-        self.aborted_for = -1  # the generation for which this group was aborted (NCCL)
+        self.aborted_for = -1  # the generation for which this group was aborted
 
     def start(self) -> None:
         store = self.a.signed(self.a.connect(), self.send)
@@ -245,14 +245,17 @@ class Watcher:
         main thread gets an error and moves on; likewise when it rebuilds the group with the
         same members (a member broke it). A generation that only adds members is joined at a
         step boundary: no abort."""
-        group = self.group
-        if self.aborted_for >= self.latest or group is None:
+        # The group first, then the generation it is of: the main thread sets the generation
+        # (and members) before it forms that generation's group, so a group read here that
+        # is already the newest generation's is never aborted for that generation's rebuild.
+        group, members = self.group, list(self.members)
+        if self.aborted_for >= self.latest or group is None or self.generation >= self.latest:
             return
         text = store.get(f"{GEN_PREFIX}{self.latest}")
         if text is None:
             return
         doc = Announcement.from_json(self.latest, text)
-        if doc.rebuild or set(self.members) - set(doc.members):
+        if doc.rebuild or set(members) - set(doc.members):
             self.aborted_for = self.latest
             group.abort()
 
@@ -461,11 +464,11 @@ class Worker:
             self.loop.engine.ddp = None
         member.replica.forward = member.trainable.module
         group, self.watcher.group = self.watcher.group, None
-        if group is not None:
-            group.leave()
-            if group.busy:  # (kept: destroying it would wait for its abandoned work)
-                self.abandoned.append(group)
+        if group is not None and group.leave():  # (kept: its abandoned work still runs)
+            self.abandoned.append(group)
         gc.collect()  # drops the old DDP reducer and its autograd hooks
+        # Groups kept earlier whose work has ended since: dropped here, on the main thread.
+        self.abandoned = [kept for kept in self.abandoned if not kept.release()]
 
     def train_in(self, store: SignedStore, member: Member, gen: Generation) -> None:
         """Form ``gen``'s group, take the agreed state, train until the run ends."""
