@@ -24,7 +24,9 @@ CPU = torch.device("cpu")
 TIMEOUT = timedelta(seconds=20)
 
 
-def in_two_ranks(body: Callable[[GenerationGroup], Any], prefix: str = "g0/") -> list[Any]:
+def in_two_ranks(
+    body: Callable[[GenerationGroup], Any], prefix: str = "g0/", abandonable: bool = False
+) -> list[Any]:
     """``body(group)`` on ranks 0 and 1 at once; each one's result or exception."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out: list[Any] = [None, None]
@@ -32,7 +34,7 @@ def in_two_ranks(body: Callable[[GenerationGroup], Any], prefix: str = "g0/") ->
     def rank(r: int) -> None:
         store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=TIMEOUT)
         try:
-            out[r] = body(GenerationGroup.form(store, prefix, r, 2, CPU, TIMEOUT))
+            out[r] = body(GenerationGroup.form(store, prefix, r, 2, CPU, TIMEOUT, abandonable))
         except Exception as exc:
             out[r] = exc
 
@@ -198,7 +200,7 @@ def test_a_frozen_peer_is_abandoned_at_once_not_after_the_groups_timeout(where: 
         assert not group.busy and group.release()  # then it can be dropped
         return waited, message, busy
 
-    _, (waited, message, busy) = in_two_ranks(body)
+    _, (waited, message, busy) = in_two_ranks(body, abandonable=True)  # (across nodes)
     assert 0.4 < waited < 3.0, f"{waited:.1f}s"
     assert ABANDONED in message
     assert busy  # the abandoned work was still running inside torch

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,14 @@ def env_for(rank: int, port: int, token: str | None = "test token") -> dict[str,
     return env
 
 
-def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """A node: its own process group (so a test can kill it with its workers)."""
+def start(
+    args: list[str], env: dict[str, str], log: Path, launcher: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
+    """A node running SCRIPT (under ``launcher``, e.g. torchrun and its flags, else this
+    Python): its own process group (so a test can kill it with its workers)."""
     out = open(log, "wb")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *args],
+        [*(launcher or [sys.executable]), str(SCRIPT), *args],
         env=env,
         stdout=out,
         stderr=subprocess.STDOUT,
@@ -84,6 +88,27 @@ def finish(proc: subprocess.Popen[bytes], timeout: float = 150) -> int:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
+
+
+def finish_all(
+    procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout: float = 150
+) -> None:
+    """Every node ends with status 0 (else their logs' tails say why); none leaves a
+    process behind."""
+    try:
+        codes = [finish(p, timeout) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    assert codes == [0] * len(procs), "\n".join(log.read_text()[-2000:] for log in logs)
+
+
+def wait_for(text: str, log: Path, proc: subprocess.Popen[bytes], seconds: float = 120) -> None:
+    """Until ``text`` is in the node's log (it is training), while the node runs."""
+    deadline = time.monotonic() + seconds
+    while text not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.05)
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -124,6 +149,7 @@ def two_nodes(
     extra: tuple[str, ...] = (),
     tokens: tuple[Any, Any] = ("t", "t"),
     env_dirs: tuple[Path, Path] | None = None,
+    node_timeout: float | None = None,
 ) -> tuple[int, list[subprocess.Popen[bytes]], list[Path]]:
     """``env_dirs``: where each node's workers write torchrun's variables at each step."""
     port = free_port()
@@ -132,6 +158,8 @@ def two_nodes(
         log = tmp_path / f"node{rank}.log"
         args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", str(epochs), "-", *extra]
         env = env_for(rank, port, tokens[rank])
+        if node_timeout is not None:
+            env["PHALANX_TEST_NODE_TIMEOUT"] = str(node_timeout)
         if env_dirs is not None:
             env_dirs[rank].mkdir()
             env["PHALANX_TEST_ENV_DIR"] = str(env_dirs[rank])
@@ -144,12 +172,7 @@ def two_nodes(
 def test_two_nodes_train_as_one_job_and_every_node_returns_its_model(tmp_path: Path) -> None:
     env_dirs = (tmp_path / "env0", tmp_path / "env1")
     port, procs, logs = two_nodes(tmp_path, epochs=4, env_dirs=env_dirs)
-    try:
-        codes = [finish(p) for p in procs]
-    finally:
-        for p in procs:
-            kill_group(p)
-    assert codes == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
+    finish_all(procs, logs)
     head, node = result_of(logs[0]), result_of(logs[1])
     assert head["steps"] == node["steps"] == 40
     assert head["ledger_ok"] and node["ledger_ok"] and not head["failures"]
@@ -175,10 +198,7 @@ def test_two_nodes_train_as_one_job_and_every_node_returns_its_model(tmp_path: P
 def test_a_killed_node_is_named_and_the_survivors_finish_without_it(tmp_path: Path) -> None:
     _, procs, logs = two_nodes(tmp_path, epochs=12, extra=("shrink",))
     try:
-        deadline = time.monotonic() + 120
-        while "epoch 2/12 done" not in logs[0].read_text():  # training, both nodes in
-            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
-            time.sleep(0.1)
+        wait_for("epoch 2/12 done", logs[0], procs[0])  # training, both nodes in
         killed_at = time.time()
         kill_group(procs[1])  # the node's process and its worker, as a lost machine
         assert finish(procs[0]) == 0, logs[0].read_text()[-3000:]
@@ -212,25 +232,15 @@ def test_torchrun_with_two_nodes_of_one_process_trains_one_job(tmp_path: Path) -
     procs, logs = [], []
     for rank in (0, 1):
         logs.append(tmp_path / f"torchrun{rank}.log")
-        cmd = [
+        launcher = [
             str(torchrun),
             "--nnodes", "2", "--nproc-per-node", "1", "--monitor-interval", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--rdzv-id", "px-two-nodes",
-            str(SCRIPT), str(tmp_path / f"node{rank}.pt"), "cpu:0", "4", "-",
         ]  # fmt: skip
-        out = open(logs[-1], "wb")  # noqa: SIM115 - closed with the process
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        )
-    try:
-        codes = [finish(p) for p in procs]
-    finally:
-        for p in procs:
-            kill_group(p)
-    assert codes == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
+        args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", "4", "-"]
+        procs.append(start(args, env, logs[-1], launcher))
+    finish_all(procs, logs)
     results = [result_of(log) for log in logs]
     assert [r["steps"] for r in results] == [40, 40] and all(r["ledger_ok"] for r in results)
     text = "".join(log.read_text() for log in logs)
@@ -259,18 +269,9 @@ def test_a_frozen_node_is_given_up_the_others_go_on_and_it_stops_when_it_wakes(
     reads that it was given up, stops its workers and exits with PX145, committing
     nothing."""
     clean = one_node_run(tmp_path, epochs=12)
-    port = free_port()
-    procs, logs = [], []
-    for rank in (0, 1):
-        env = dict(env_for(rank, port, "t"), PHALANX_TEST_NODE_TIMEOUT="3")
-        logs.append(tmp_path / f"node{rank}.log")
-        args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", "12", "-", "shrink"]
-        procs.append(start(args, env, logs[-1]))
+    _, procs, logs = two_nodes(tmp_path, epochs=12, extra=("shrink",), node_timeout=3)
     try:
-        deadline = time.monotonic() + 120
-        while "epoch 2/12 done" not in logs[0].read_text():  # training, both nodes in
-            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
-            time.sleep(0.1)
+        wait_for("epoch 2/12 done", logs[0], procs[0])  # training, both nodes in
         frozen_at = time.time()
         os.killpg(procs[1].pid, signal.SIGSTOP)  # the node and its worker, all silent
         assert finish(procs[0]) == 0, logs[0].read_text()[-3000:]

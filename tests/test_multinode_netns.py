@@ -18,7 +18,17 @@ import pytest
 
 from phalanx.launch import is_loopback
 from procs import TESTS_DIR
-from test_multinode import SCRIPT, SRC, finish, kill_group, result_of, same, weights
+from test_multinode import (
+    SCRIPT,
+    SRC,
+    finish,
+    finish_all,
+    kill_group,
+    result_of,
+    same,
+    wait_for,
+    weights,
+)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -90,12 +100,7 @@ def test_two_nodes_in_two_namespaces_train_as_one_job(
         start_in(namespaces[r], r, head, [str(tmp_path / f"n{r}.pt"), "cpu:0", "3", "-"], logs[r])
         for r in (0, 1)
     ]
-    try:
-        codes = [finish(p) for p in procs]
-    finally:
-        for p in procs:
-            kill_group(p)
-    assert codes == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
+    finish_all(procs, logs)
     assert result_of(logs[0])["steps"] == result_of(logs[1])["steps"] == 30
     assert result_of(logs[1])["ledger_ok"]
     assert same(weights(tmp_path / "n0.pt"), weights(tmp_path / "n1.pt"))
@@ -119,10 +124,7 @@ def test_a_cut_link_is_named_on_both_sides_and_the_head_goes_on(
         for r in (0, 1)
     ]
     try:
-        deadline = time.monotonic() + 120
-        while "epoch 2/60 done" not in logs[0].read_text():
-            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
-            time.sleep(0.1)
+        wait_for("epoch 2/60 done", logs[0], procs[0])
         ip("-n", namespaces[1][0], "link", "set", namespaces[1][1], "down")
         cut = time.monotonic()
         node_code = finish(procs[1], timeout=60)

@@ -12,7 +12,9 @@ A collective that fails raises :class:`GroupBroken` (the torch error is its caus
 worker reads that as "this generation is over", never as a bug of its own.
 
 gloo has no abort, and a peer that is frozen or cut off (not dead: its sockets stay open)
-would keep a collective blocked until the group's timeout. So on CPU every wait of this
+would keep a collective blocked until the group's timeout. So on CPU, in a run across
+nodes (``abandonable``: on one host the supervisor kills a silent worker, whose closed
+sockets end its peers' waits at once, and DDP's own reduction costs less), every wait of this
 group, DDP's gradient all-reduce included (a comm hook), is on a future of the group's own
 (:class:`Waits`) that :meth:`GenerationGroup.abandon` completes at once when a newer
 generation leaves a member out; the abandoned work itself is left to finish or time out
@@ -131,13 +133,21 @@ class Waits:
 class GenerationGroup:
     """``size`` members, this one at ``rank``, on ``device``; built by :meth:`form`."""
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, device: torch.device):
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        rank: int,
+        size: int,
+        device: torch.device,
+        abandonable: bool = False,
+    ):
         self.pg: dist.ProcessGroup | None = pg  # None once left (and no work in flight)
         self.rank, self.size, self.device = rank, size, device
         self.left = False
         self.waits = Waits()
-        # CPU (gloo): waits that abandon() can end; CUDA: torch's own (they order streams).
-        self.watched = device.type != "cuda"
+        # CPU (gloo) across nodes: waits that abandon() can end; CUDA: torch's own (they
+        # order the streams); one host: torch's own too (a silent peer is killed there).
+        self.watched = abandonable and device.type != "cuda"
 
     @classmethod
     def form(
@@ -148,10 +158,12 @@ class GenerationGroup:
         size: int,
         device: torch.device,
         timeout: timedelta,
+        abandonable: bool = False,
     ) -> GenerationGroup:
         """Build the group under ``prefix`` of ``store`` (every member calls this with the
         same prefix: the backend's rendezvous waits for all of them, bounded by the store
-        client's timeout). ``timeout`` bounds each collective."""
+        client's timeout). ``timeout`` bounds each collective; ``abandonable``: see the
+        module's docstring."""
         scoped = dist.PrefixStore(prefix, store)
         with _broken_on_error(f"forming the group {prefix}"):
             backend, kind = _backend(scoped, rank, size, device, timeout)
@@ -160,10 +172,10 @@ class GenerationGroup:
         pg._register_backend(torch.device(device.type), kind, backend)
         if device.type == "cuda":
             pg.bound_device_id = device  # (the device barrier() and DDP use, never guessed)
-        return cls(pg, rank, size, device)
+        return cls(pg, rank, size, device, abandonable)
 
     def _group(self) -> dist.ProcessGroup:
-        if self.waits.abandoned:  # (no new work on a group a peer may never serve again)
+        if self.watched and self.waits.abandoned:  # (no new work a peer may never serve)
             raise GroupBroken(ABANDONED)
         if self.pg is None or self.left:
             raise GroupBroken("the group was left")

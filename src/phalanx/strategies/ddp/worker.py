@@ -162,6 +162,11 @@ class WorkerArgs:
         self._spec = pickle.loads(self.user)
 
     @property
+    def spans_nodes(self) -> bool:
+        """Whether the run has slots on other machines than this one."""
+        return len(self.here) < len(self.config.devices)
+
+    @property
     def here(self) -> tuple[int, ...]:
         """The slots on this machine."""
         return self.local_slots or tuple(range(len(self.config.devices)))
@@ -489,6 +494,7 @@ class Worker:
             len(gen.members),
             self.device,
             collective_timeout(cfg),
+            abandonable=self.a.spans_nodes,
         )
         self.watcher.group = group
         loop = self.loop_in(member, group, gen)
@@ -503,8 +509,9 @@ class Worker:
         """The hand-over's group of the source and the members behind it."""
         rank = ranks.index(gen.rank_of(self.a.slot))
         timeout = forming_timeout(self.a.config)
+        prefix = f"g{gen.number}/handover/"
         return GenerationGroup.form(
-            store, f"g{gen.number}/handover/", rank, len(ranks), self.device, timeout
+            store, prefix, rank, len(ranks), self.device, timeout, self.a.spans_nodes
         )
 
     def loop_in(self, member: Member, group: GenerationGroup, gen: Generation) -> TrainLoop:
