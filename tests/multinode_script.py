@@ -4,7 +4,8 @@ it (``PHALANX_NNODES``, ``PHALANX_NODE_RANK``, ``PHALANX_HEAD`` set by the test)
     python multinode_script.py OUT DEVICES EPOCHS RUN_DIR|- [shrink]
 
 Writes the final state dict to OUT and prints one JSON line: steps, ledger, failures.
-``PHALANX_TEST_NODE_TIMEOUT`` (seconds) sets ``fit(node_timeout=)``.
+``PHALANX_TEST_NODE_TIMEOUT`` (seconds) sets ``fit(node_timeout=)``; ``PHALANX_TEST_RESUME=1``
+passes ``resume=True``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
         hang_timeout=timedelta(seconds=10),
         node_timeout=float(os.environ.get("PHALANX_TEST_NODE_TIMEOUT", "10")),
         on_failure=px.Recovery(mode="shrink") if shrink else None,
+        resume=os.environ.get("PHALANX_TEST_RESUME") == "1",
     )
     torch.save(result.model.state_dict(), out)
     doc = {

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -150,14 +151,21 @@ def two_nodes(
     tokens: tuple[Any, Any] = ("t", "t"),
     env_dirs: tuple[Path, Path] | None = None,
     node_timeout: float | None = None,
+    run_dir: Path | None = None,
+    resume: bool = False,
+    name: str = "node",
 ) -> tuple[int, list[subprocess.Popen[bytes]], list[Path]]:
-    """``env_dirs``: where each node's workers write torchrun's variables at each step."""
+    """``env_dirs``: where each node's workers write torchrun's variables at each step;
+    ``run_dir``: shared by both nodes; each node's log and model are ``{name}{rank}``."""
     port = free_port()
     procs, logs = [], []
     for rank in (0, 1):
-        log = tmp_path / f"node{rank}.log"
-        args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", str(epochs), "-", *extra]
+        log = tmp_path / f"{name}{rank}.log"
+        folder = "-" if run_dir is None else str(run_dir)
+        args = [str(tmp_path / f"{name}{rank}.pt"), "cpu:0", str(epochs), folder, *extra]
         env = env_for(rank, port, tokens[rank])
+        if resume:
+            env["PHALANX_TEST_RESUME"] = "1"
         if node_timeout is not None:
             env["PHALANX_TEST_NODE_TIMEOUT"] = str(node_timeout)
         if env_dirs is not None:
@@ -304,6 +312,73 @@ def test_a_frozen_node_is_given_up_the_others_go_on_and_it_stops_when_it_wakes(
     assert node_code != 0 and "PX145" in node_text and "cut off from the run" in node_text
     assert "RESULT" not in node_text and not (tmp_path / "node1.pt").exists()
     assert not left_behind, "the woken node left processes behind"
+
+
+@pytest.mark.timeout(400)
+def test_the_head_lost_a_node_saves_what_was_committed_and_a_resume_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    _, procs, logs = two_nodes(tmp_path, epochs=6, run_dir=run_dir)
+    try:
+        wait_for("epoch 2/6 done", logs[0], procs[0])  # checkpoints at steps 10 and 20
+        time.sleep(0.5)  # into epoch 3: steps committed after the newest checkpoint
+        killed_at = time.time()
+        kill_group(procs[0])  # the head: its process, the store, its worker
+        code = finish(procs[1], 90)
+        decided = time.time() - killed_at
+    finally:
+        for p in procs:
+            kill_group(p)
+    text = logs[1].read_text()
+    assert code == 75, text[-3000:]  # EX_TEMPFAIL: run the same command again
+    assert "[PX147]" in text and "the head at 127.0.0.1:" in text and "resume=True" in text
+    found = re.search(r"step (\d+) is in (\S+) \(this node wrote it\)", text)
+    assert found is not None, text[-3000:]
+    step, path = int(found.group(1)), found.group(2)
+    assert 20 < step < 60  # newer than the newest regular checkpoint: nothing lost
+    assert decided < 15.0  # at once (the link closed), not after a store or group timeout
+    saved = torch.load(path, weights_only=True)  # a file plain torch opens
+    assert saved["phalanx"]["step"] == step and saved["loop"]["global_step"] == step
+    assert "RESULT" not in text
+    # The same command on both nodes with resume=True goes on from the saved step.
+    _, procs, logs = two_nodes(tmp_path, epochs=6, run_dir=run_dir, resume=True, name="again")
+    finish_all(procs, logs)
+    head, node = result_of(logs[0]), result_of(logs[1])
+    assert head["steps"] == node["steps"] == 60 and head["ledger_ok"] and node["ledger_ok"]
+    assert not head["failures"]
+    assert f"resumed from {path} after {step} committed step(s)" in logs[0].read_text()
+    clean = one_node_run(tmp_path, epochs=6)
+    assert same(weights(tmp_path / "again0.pt"), clean)
+    assert same(weights(tmp_path / "again1.pt"), clean)
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_head_is_lost_after_node_timeout_and_the_node_saves_its_step(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    _, procs, logs = two_nodes(tmp_path, epochs=12, run_dir=run_dir, node_timeout=3)
+    try:
+        wait_for("epoch 2/12 done", logs[0], procs[0])
+        time.sleep(0.5)
+        frozen_at = time.time()
+        os.killpg(procs[0].pid, signal.SIGSTOP)  # the head's sockets stay open
+        code = finish(procs[1], 90)
+        decided = time.time() - frozen_at
+    finally:
+        for p in procs:
+            kill_group(p)
+    text = logs[1].read_text()
+    assert code == 75, text[-3000:]
+    found = re.search(r"step (\d+) is in (\S+) \(this node wrote it\)", text)
+    assert found is not None and "[PX147]" in text, text[-3000:]
+    step = int(found.group(1))
+    assert 20 < step < 120
+    # node_timeout (3 s) after the head's last word; the worker's wait on the frozen head's
+    # worker was abandoned, not left to the group's timeout (50 s here)
+    assert 2.0 <= decided < 15.0, decided
+    assert torch.load(found.group(2), weights_only=True)["phalanx"]["step"] == step
 
 
 @pytest.mark.timeout(200)

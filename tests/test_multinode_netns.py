@@ -112,10 +112,10 @@ def test_a_cut_link_is_named_on_both_sides_and_the_head_goes_on(
     tmp_path: Path, namespaces: list[tuple[str, str, str]]
 ) -> None:
     """The node's interface goes down mid-run (a silent partition: no packet, no reset).
-    The node names the head lost and stops its workers within node_timeout and a few
-    seconds; the head names the node lost after node_timeout, its worker abandons the
-    collective it was blocked in with the cut-off peer, and the run goes on without the
-    node to its end with an exact ledger."""
+    The node names the head lost (PX147, exit status 75) and stops its workers within
+    node_timeout and a few seconds; the head names the node lost after node_timeout, its
+    worker abandons the collective it was blocked in with the cut-off peer, and the run
+    goes on without the node to its end with an exact ledger."""
     head = f"{namespaces[0][2]}:29611"
     logs = [tmp_path / "n0.log", tmp_path / "n1.log"]
     args = ["cpu:0", "60", "-", "shrink"]
@@ -135,7 +135,8 @@ def test_a_cut_link_is_named_on_both_sides_and_the_head_goes_on(
         for p in procs:
             kill_group(p)
     node_text, head_text = logs[1].read_text(), logs[0].read_text()
-    assert node_code == 1 and "the head at" in node_text and "was lost" in node_text
+    assert node_code == 75 and "[PX147]" in node_text and "the head at" in node_text
+    assert "nothing was saved (no run_dir" in node_text  # (this run has none)
     assert node_took < 10 + 8, node_took  # node_timeout, then its workers are stopped
     assert "node 1 (" in head_text and "no word for 1" in head_text  # after node_timeout
     assert head_code == 0 and head_took < 100, head_text[-3000:]

@@ -3,7 +3,13 @@
 from phalanx import faults, metrics
 from phalanx.checkpoint import Checkpoints, load_checkpoint
 from phalanx.early_stopping import EarlyStopping
-from phalanx.errors import ConfigError, InvalidStepError, PhalanxError, TrainingFailed
+from phalanx.errors import (
+    ConfigError,
+    HeadLost,
+    InvalidStepError,
+    PhalanxError,
+    TrainingFailed,
+)
 from phalanx.failures import WorkerFailure
 from phalanx.faults import Fault
 from phalanx.interrupt import FitTerminated
@@ -19,6 +25,7 @@ __all__ = [
     "Fault",
     "FitResult",
     "FitTerminated",
+    "HeadLost",
     "InvalidStepError",
     "Learner",
     "PhalanxError",

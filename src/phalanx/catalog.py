@@ -967,6 +967,38 @@ _ENTRIES = [
         "# start it again to rejoin: phalanx run --nnodes 2 --node-rank 1 --head ...",
     ),
     Explanation(
+        code="PX147",
+        title="the head was lost: this node saved the run's last committed step",
+        meaning="Across machines node 0's process is the head: it hosts the store and "
+        "decides. A node whose link to the head closed, or that heard nothing from it for "
+        "node_timeout, cannot go on: no generation can form without the head. Its agent "
+        "tells its workers so (through memory they share, not the network); each leaves "
+        "its collective and writes an emergency checkpoint of the state it holds, which is "
+        "the last step every member agreed on, into the shared run_dir (one node at a time, "
+        "under a lock file; a step already saved, or an older one, is skipped). fit() then "
+        "ends with HeadLost, a SystemExit with status 75 (EX_TEMPFAIL): the message says "
+        "which step was kept and in which file.",
+        when="In fit() on a node other than the head, when the head's process, host or "
+        "network is gone.",
+        causes=[
+            "The head's process was killed (out of memory, a crash, a scheduler's kill), or "
+            "its host went down.",
+            "The head was frozen or partitioned from this node for longer than node_timeout.",
+        ],
+        fixes=[
+            "Start the same command on every node with fit(..., resume=True): the run goes "
+            "on from the newest checkpoint in run_dir and loses no committed step, when "
+            "run_dir is a folder every node shares (NFS, a parallel file system).",
+            "Let the launcher do it: torchrun --max-restarts N, or Slurm's --requeue with "
+            "the batch script passing resume=True; exit status 75 means 'run me again'.",
+            "Without a shared run_dir nothing is saved (the message says so): give fit() one.",
+        ],
+        example="# [PX147] node 1: the head at 10.0.0.1:29410 was lost (its link closed, or "
+        "no word for 10s); ... kept what the run had committed: step 1234 is in "
+        "/shared/run/checkpoints/ckpt-000001234.pt (this node wrote it). Start the same "
+        "command on every node with resume=True to go on from there.",
+    ),
+    Explanation(
         code="PX151",
         title="a run over several nodes has no token",
         meaning="Across machines, only processes that hold the run's token are heard: each "

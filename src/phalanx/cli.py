@@ -10,6 +10,8 @@ Exit statuses (also in ``phalanx --help``):
 - 2: a usage error (bad arguments; ``--help`` returns 0, no command prints the help and
   returns 2), or an optional dependency is missing (scikit-learn for ``demo``, matplotlib
   for ``plot``);
+- 75: across machines, on a node other than the head: the head was lost and the node saved
+  the run's last committed step (:class:`~phalanx.errors.HeadLost`, PX147);
 - 130: interrupted by Ctrl-C (the run stopped after a step and saved a checkpoint);
 - 143: ended by SIGTERM (likewise; the exit status of a process ended by SIGTERM, so a batch
   system can requeue the job);
@@ -35,6 +37,8 @@ EXIT_CODES = """exit status:
   1    training failed or a configuration error (the report on stderr); explain: unknown
        code; report, plot: no run in that folder
   2    usage error, or a missing optional dependency (scikit-learn, matplotlib)
+  75   (a node other than the head, in a run over several nodes) the head was lost: the
+       node saved the run's last committed step; run the same command with resume=True
   130  interrupted by Ctrl-C (the run saved a checkpoint: demo --resume goes on)
   143  ended by SIGTERM (likewise; a batch system can requeue the job)
   141  stdout closed early (e.g. piped into head): the rest of the output is dropped

@@ -273,6 +273,32 @@ class NodeFencedError(PhalanxError):
     code = "PX145"
 
 
+class HeadLostError(PhalanxError):
+    """Across machines, the head (node 0) was lost: this node's workers kept what the run
+    had committed in an emergency checkpoint (see :class:`HeadLost`)."""
+
+    code = "PX147"
+
+
+EXIT_HEAD_LOST = 75  # EX_TEMPFAIL: the job may be run again (resume=True) and go on
+
+
+class HeadLost(SystemExit):
+    """How ``fit`` ends on a node whose head was lost: a ``SystemExit`` with status 75
+    (``EX_TEMPFAIL``) unless caught, so ``torchrun --max-restarts`` or a Slurm requeue runs
+    the same command again, which goes on from the newest checkpoint with ``resume=True``.
+    ``error`` is the :class:`HeadLostError` (its message says what was saved and where; the
+    node's sinks printed it), ``step`` and ``checkpoint`` the newest step kept and its file
+    (None when nothing could be saved)."""
+
+    def __init__(self, error: HeadLostError, step: int | None, checkpoint: str | None) -> None:
+        super().__init__(EXIT_HEAD_LOST)
+        self.error, self.step, self.checkpoint = error, step, checkpoint
+
+    def __str__(self) -> str:
+        return str(self.error)
+
+
 class NoTokenError(ConfigError):
     """A run over several nodes has no token every node holds (PHALANX_TOKEN, or the
     head's ``run_dir/token``), or the token file can be read by others."""

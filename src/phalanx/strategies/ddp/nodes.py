@@ -9,8 +9,9 @@ and from then on is an agent: it starts, watches, kills and dumps the stacks of 
 workers as the head orders, and sends everything its agent sees back as data. The slots
 are numbered in node order (node 0's devices first), so a coordinator decides as on one
 machine; a node that stops talking for ``node_timeout`` is lost with all its workers
-(:class:`~.coordinator.NodeLost`). A node that loses the head for as long stops its
-workers and fails with a report that names the head.
+(:class:`~.coordinator.NodeLost`). A node that loses the head (its link closed, or silent
+for as long) has its workers save what the run committed and ends with
+:class:`~phalanx.errors.HeadLost` (see :mod:`.emergency`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from typing import Any
 import torch
 
 from phalanx import __version__
-from phalanx.errors import InterfaceError, NodeFencedError, NodesDisagreeError, NoTokenError
+from phalanx.errors import (
+    HeadLost,
+    HeadLostError,
+    InterfaceError,
+    NodeFencedError,
+    NodesDisagreeError,
+    NoTokenError,
+)
 from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
@@ -39,8 +47,9 @@ from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.agent import Agent
 from phalanx.strategies.ddp.control import TOKEN_ENV, Signer, new_run_id
+from phalanx.strategies.ddp.emergency import head_lost_message, save_on_head_loss
 from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
-from phalanx.strategies.ddp.protocol import Done, from_wire, to_wire
+from phalanx.strategies.ddp.protocol import Done, Saved, from_wire, to_wire
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
 
 BEAT_EVERY = 1.0  # seconds between a link's keep-alive frames
@@ -438,13 +447,16 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     link.start()
     last = first + len(config.devices) - 1
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
+    saved: list[Saved] = []
     try:
         end = _serve(link, agent, spawner, interrupter, config.node_timeout.total_seconds())
+        if end is None:  # the head is lost: keep what was committed
+            saved = save_on_head_loss(agent)
     finally:
         agent.close()
         link.close()
     if end is None:
-        raise stopped([_head_lost(launch, config, first)], False, _no_dir(config))
+        raise _head_lost(launch, config, first, saved, emit)
     if end.kind == "fenced":
         raise NodeFencedError(fenced_message(launch.node_rank, end.doc))
     return _node_end(run, end, time.time() - started)
@@ -478,18 +490,17 @@ def fenced_message(node: int, doc: dict[str, Any]) -> str:
     )
 
 
-def _head_lost(launch: Launch, config: FitConfig, first: int) -> WorkerFailure:
-    return WorkerFailure(
-        worker=first,
-        rank=first,
-        device=config.devices[0],
-        kind="crash",
-        message=(
-            f"the head at {launch.head} was lost: no word for "
-            f"{config.node_timeout.total_seconds():g}s; this node's workers were stopped"
-        ),
-        phase="sync",
-    )
+def _head_lost(
+    launch: Launch, config: FitConfig, first: int, saved: list[Saved], emit: Any
+) -> HeadLost:
+    """The node's end when the head was lost: told to its sinks, raised as HeadLost."""
+    error = HeadLostError(head_lost_message(launch, config, first, saved))
+    emit(Notice(str(error), level="error"))
+    kept = [s for s in saved if s.path]
+    if not kept:
+        return HeadLost(error, None, None)
+    best = max(kept, key=lambda s: s.step)
+    return HeadLost(error, best.step, best.path)
 
 
 def _node_end(run: RunInputs, frame: Frame, seconds: float) -> RunEnd:

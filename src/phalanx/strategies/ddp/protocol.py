@@ -12,6 +12,8 @@ from phalanx.events import Event
 from phalanx.failures import PHASES, WorkerFailure
 
 EXIT_TOLD = 3  # a worker's exit code when it exited because the supervisor said so
+EXIT_HEAD_LOST = 4  # a node's worker, after the head was lost: it saved what it committed
+ORDER_SAVE = 1  # a node agent's order in a worker's heartbeat: the head is lost, save and exit
 STOP_KEY = "control/stop"  # value: the reason; workers stop after the current step
 ABORT_KEY = "control/abort"  # value: why; workers exit at once
 GEN_LATEST = "gen/latest"  # counter: the newest generation announced
@@ -127,8 +129,10 @@ _PHASE_CODE = {name: code for code, name in enumerate(HEARTBEAT_PHASES)}
 
 
 class Heartbeat:
-    """A worker's heartbeat as two 64-bit integers in memory it shares with the supervisor:
-    a counter, and (step, attempt, phase) packed into one integer. The worker writes the
+    """A worker's heartbeat as 64-bit integers in memory it shares with the supervisor:
+    a counter, and (step, attempt, phase) packed into one integer; a third the other way, an
+    order from its node's agent (:data:`ORDER_SAVE`, read by the worker's watch thread: it
+    needs neither the store nor the head). The worker writes the
     packed value, then bumps the counter (each is one aligned 8-byte store: never torn); the
     supervisor reads the counter, then the value, and sees a :class:`Progress` whenever the
     counter moved (the value it reads is the latest, at least as new as that count). Like
@@ -137,12 +141,12 @@ class Heartbeat:
     pipe's messages and before handling them, and after a process's exit."""
 
     def __init__(self, shared: Any) -> None:
-        self.shared = shared  # a RawArray("q", 2) of a multiprocessing context
+        self.shared = shared  # a RawArray("q", 3) of a multiprocessing context
         self.count = 0
 
     @classmethod
     def create(cls, ctx: Any) -> Heartbeat:
-        return cls(ctx.RawArray("q", 2))
+        return cls(ctx.RawArray("q", 3))
 
     def __getstate__(self) -> dict[str, Any]:
         return {"shared": self.shared}
@@ -155,6 +159,14 @@ class Heartbeat:
         self.shared[1] = (step << 16) | (min(attempt, 255) << 8) | _PHASE_CODE[phase]
         self.count += 1
         self.shared[0] = self.count
+
+    def tell(self, order: int) -> None:
+        """The agent: an order for the worker (see :meth:`told`)."""
+        self.shared[2] = order
+
+    def told(self) -> int:
+        """The worker: the agent's order (0: none)."""
+        return int(self.shared[2])
 
     def read(self, slot: int, now: float) -> Progress | None:
         """The supervisor: the latest beat, when there was one since the last read."""
@@ -209,6 +221,19 @@ class Done:
     epochs: int = 0
     interrupted: str | None = None
     ledger: list[list[float]] = field(default_factory=list)
+
+
+@dataclass
+class Saved:
+    """The head was lost: what this worker kept of the run. ``path`` is the checkpoint that
+    holds ``step`` (``wrote``: this worker wrote it; else a peer's on the shared run_dir
+    already held that step or a newer one); None with ``note`` saying why there is none."""
+
+    slot: int
+    step: int
+    path: str | None = None
+    wrote: bool = False
+    note: str = ""
 
 
 @dataclass

@@ -42,6 +42,7 @@ from phalanx.report import is_secondary
 from phalanx.runner import build_loop, make_checkpointer, start_run
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.control import SignedStore, Signer, latest_generation
+from phalanx.strategies.ddp.emergency import await_verdict, keep_committed
 from phalanx.strategies.ddp.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
 from phalanx.strategies.ddp.handover import hand_over
@@ -51,8 +52,10 @@ from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     ARRIVED_PREFIX,
     CONTROL_KEY,
+    EXIT_HEAD_LOST,
     EXIT_TOLD,
     GEN_PREFIX,
+    ORDER_SAVE,
     STOP_KEY,
     Aborted,
     Announcement,
@@ -74,6 +77,8 @@ ANNOUNCE_WAIT = timedelta(seconds=10)  # after a broken collective: for the next
 STARTUP_WAIT = timedelta(seconds=120)  # for the first generation to be announced
 REPLACEMENT_WAIT = timedelta(hours=1)  # a replacement waits to be let in (or dismissed)
 STORE_TIMEOUT = timedelta(seconds=30)  # of a store client's requests
+PROBE_TIMEOUT = timedelta(seconds=1)  # of the probe that asks whether the head's store answers
+RECONNECT_EVERY = timedelta(seconds=1)  # across machines: a new client after a failed one
 
 
 def forming_timeout(config: FitConfig) -> timedelta:
@@ -109,6 +114,10 @@ class Left:
 
 class Superseded(Exception):
     """A newer generation was announced while this one was forming."""
+
+
+class HeadGone(Exception):
+    """Across machines: this node's agent said the head is lost (no generation can come)."""
 
 
 def pack_user(spec: TrainSpec) -> bytes:
@@ -206,10 +215,26 @@ class Watcher:
         self.members: list[int] = []  # of that generation
         self.group: GenerationGroup | None = None  # its group, while this worker is in it
         self.aborted_for = -1  # the generation for which this group was aborted
+        self.head_lost = False  # across machines: this node's agent said the head is lost
 
     def start(self) -> None:
         store = self.a.signed(self.a.connect(), self.send)
         threading.Thread(target=self._run, args=(store,), daemon=True).start()
+        if self.a.spans_nodes and self.a.heartbeat is not None:
+            threading.Thread(target=self._wait_for_order, daemon=True).start()
+
+    def _wait_for_order(self) -> None:
+        """Across machines: until the node's agent orders a save (the head is lost, see
+        :mod:`.emergency`); then abort the group, so a collective blocked on the head's
+        workers ends now, and the main thread saves."""
+        beat = self.a.heartbeat
+        assert beat is not None
+        while beat.told() != ORDER_SAVE:
+            time.sleep(WATCH_INTERVAL.total_seconds())
+        self.head_lost = True
+        group = self.group
+        if group is not None:
+            group.abort()
 
     def _run(self, store: SignedStore) -> None:
         """One store read a tick (the control counter); the keys only when it moved, or while
@@ -228,9 +253,21 @@ class Watcher:
                 seen = version
                 abort = self._read(store)
             except Exception:
-                os._exit(1)  # the store (the supervisor) is unreachable
+                if not self.a.spans_nodes:
+                    os._exit(1)  # the store (the supervisor) is unreachable
+                # Across machines the node's agent decides (the head may be lost): try a new
+                # client now and then (a failed one stays broken).
+                store = self._reconnect(store)
+                continue
             if abort:
                 os._exit(EXIT_TOLD)
+
+    def _reconnect(self, store: SignedStore) -> SignedStore:
+        time.sleep(RECONNECT_EVERY.total_seconds())
+        try:
+            return self.a.signed(self.a.connect(PROBE_TIMEOUT), self.send)
+        except Exception:
+            return store
 
     def _read(self, store: SignedStore) -> bool:
         """The control keys (signed ones only); whether the run was aborted."""
@@ -332,13 +369,15 @@ class Worker:
             member = self.prepare()
             # A replacement waits until it is let in or dismissed (the supervisor decides).
             first_wait = REPLACEMENT_WAIT if a.replacement else STARTUP_WAIT
-            gen = self.wait_generation(store, a.after_generation, first_wait)
+            gen = wait_generation(store, a, self.watcher, a.after_generation, first_wait)
         except FailedHere as exc:
             self.send(Failed(exc.failure, fatal=True))
             return 1
         except TimeoutError as exc:
             self.send(Failed(self.failure(exc, self.phase), fatal=True))
             return 1
+        except HeadGone:
+            return self.save_for_resume()
         return self.generations(store, member, gen)
 
     def prepare(self) -> Member:
@@ -373,26 +412,13 @@ class Worker:
             phase = "joining" if self.a.replacement else "preflight"
             raise FailedHere(self.failure(exc, phase)) from None
 
-    def wait_generation(self, store: SignedStore, after: int, timeout: timedelta) -> Generation:
-        """The newest generation after ``after`` that counts this worker in (or one that
-        leaves it out: then it exits). Raises TimeoutError when none comes in time."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        while time.monotonic() < deadline:
-            latest = latest_generation(store, after)  # (verified announcements only)
-            text = store.get(f"{GEN_PREFIX}{latest}") if latest > after else None
-            if text is not None:
-                gen = Announcement.from_json(latest, text).generation()
-                if self.a.slot in gen.members or not self.a.replacement:
-                    return gen
-                after = latest  # a replacement waits for the generation that lets it in
-            time.sleep(0.02)
-        raise TimeoutError(f"no new generation after {after} within {timeout}")
-
     # -- generations ---------------------------------------------------------------------
     def generations(self, store: SignedStore, member: Member, gen: Generation) -> int:
         """Train in one generation after another until the run ends for this worker."""
         while self.a.slot in gen.members:
             left = self.run_generation(store, member, gen)
+            if left.exit is not Exit.FINISHED and self.head_gone():
+                return self.save_for_resume()
             match left.exit:
                 case Exit.FINISHED:
                     return self.finish()
@@ -408,11 +434,31 @@ class Worker:
                 case Exit.BROKEN:
                     wait = ANNOUNCE_WAIT
             try:
-                gen = self.wait_generation(store, gen.number, wait)
+                gen = wait_generation(store, self.a, self.watcher, gen.number, wait)
+            except HeadGone:
+                return self.save_for_resume()
             except TimeoutError as exc:  # nobody else fell: the failure is this worker's
                 self.send(Failed(left.failure or self.failure(exc, self.phase), fatal=True))
                 return 1
         return EXIT_TOLD
+
+    def head_gone(self) -> bool:
+        """Across machines, after a generation ended for this worker: whether the head is
+        lost (see :func:`.emergency.await_verdict`); on one machine, never."""
+        if not self.a.spans_nodes:
+            return False
+        limit = self.a.config.node_timeout + timedelta(seconds=5)
+
+        def probe() -> None:
+            self.a.connect(PROBE_TIMEOUT).add(CONTROL_KEY, 0)
+
+        return await_verdict(lambda: self.watcher.head_lost, probe, limit)
+
+    def save_for_resume(self) -> int:
+        """The head is lost: keep the state this worker committed last in an emergency
+        checkpoint (see :mod:`.emergency`), tell the agent, and exit."""
+        self.send(keep_committed(self.loop, self.a.config, self.a.slot))
+        return EXIT_HEAD_LOST
 
     def run_generation(self, store: SignedStore, member: Member, gen: Generation) -> Left:
         """Train in ``gen`` until it ends for this worker; exceptions become an :class:`Exit`
@@ -497,6 +543,8 @@ class Worker:
             abandonable=self.a.spans_nodes,
         )
         self.watcher.group = group
+        if self.watcher.head_lost:  # (the order came before there was a group to abort)
+            raise GroupBroken("the head was lost")
         loop = self.loop_in(member, group, gen)
         if gen.number > 0:
             hand_over(loop, group, lambda ranks: self.subgroup(rendezvous, gen, ranks))
@@ -548,24 +596,46 @@ class Worker:
         return self.loop
 
     def finish(self) -> int:
-        loop = self.loop
-        assert loop is not None
-        loop.close_checkpointer()
-        done = Done(self.a.slot)
-        if loop.engine.is_main:
-            torch.save(loop.engine.state_dict()["model"], self.a.weights_path)
-            st = loop.state
-            done = Done(
-                self.a.slot,
-                self.a.weights_path,
-                st.history,
-                st.global_step,
-                st.epoch,
-                self.interrupted,
-                st.ledger,
-            )
-        self.send(done)
+        assert self.loop is not None
+        self.loop.close_checkpointer()
+        self.send(done_of(self.loop, self.a.slot, self.a.weights_path, self.interrupted))
         return 0
+
+
+def done_of(loop: TrainLoop, slot: int, weights_path: str, interrupted: str | None) -> Done:
+    """A finished worker's word; the main member's with the final weights (saved to
+    ``weights_path``) and the results."""
+    if not loop.engine.is_main:
+        return Done(slot)
+    torch.save(loop.engine.state_dict()["model"], weights_path)
+    st = loop.state
+    return Done(slot, weights_path, st.history, st.global_step, st.epoch, interrupted, st.ledger)
+
+
+def wait_generation(
+    store: SignedStore, args: WorkerArgs, watcher: Watcher, after: int, timeout: timedelta
+) -> Generation:
+    """The newest generation after ``after`` that counts this worker in (or one that leaves
+    it out: then it exits). Raises TimeoutError when none comes in time, HeadGone when the
+    node's agent says the head is lost."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        if watcher.head_lost:
+            raise HeadGone()
+        try:
+            latest = latest_generation(store, after)  # (verified announcements only)
+            text = store.get(f"{GEN_PREFIX}{latest}") if latest > after else None
+        except Exception:
+            if not args.spans_nodes:
+                raise
+            text = None  # across machines: the head may be lost (the agent decides)
+        if text is not None:
+            gen = Announcement.from_json(latest, text).generation()
+            if args.slot in gen.members or not args.replacement:
+                return gen
+            after = latest  # a replacement waits for the generation that lets it in
+        time.sleep(0.02)
+    raise TimeoutError(f"no new generation after {after} within {timeout}")
 
 
 def arrive(
