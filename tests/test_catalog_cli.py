@@ -295,6 +295,13 @@ def test_phalanx_run_sets_the_variables_and_passes_the_arguments(tmp_path: Path)
     }
 
 
+def test_phalanx_run_starts_a_spare(tmp_path: Path) -> None:
+    proc = _phalanx_run(tmp_path, "--nnodes", "2", "--node-rank", "spare", "--head", "n0:1",
+                        "ECHO")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["env"]["PHALANX_NODE_RANK"] == "spare"
+
+
 def test_phalanx_run_on_one_node_drops_a_stale_head(tmp_path: Path) -> None:
     proc = _phalanx_run(tmp_path, "--nnodes=1", "--", "ECHO", PHALANX_HEAD="old:1")
     assert proc.returncode == 0, proc.stderr
@@ -310,6 +317,8 @@ def test_phalanx_run_on_one_node_drops_a_stale_head(tmp_path: Path) -> None:
         (["--nnodes", "2", "--head", "h:1", "ECHO"], "--nnodes 2 needs --node-rank"),
         (["--nnodes", "2", "--node-rank", "2", "--head", "h:1", "ECHO"], "pass 0 (the head) to 1"),
         (["--nnodes", "2", "--node-rank", "1", "ECHO"], "--nnodes 2 needs --head HOST:PORT"),
+        (["--nnodes", "1", "--node-rank", "spare", "ECHO"], "a spare stands in for a node"),
+        (["--nnodes", "2", "--node-rank", "spare", "ECHO"], "--nnodes 2 needs --head HOST:PORT"),
         (["--nnodes", "2", "--node-rank", "1", "--head", "h", "ECHO"], "[PX140]"),
         (["--nnodes", "1", "--head", "h:99999", "ECHO"], "port 99999 is not 1 to 65535"),
         (["--nnodes", "1", "missing.py"], "no such script: missing.py"),

@@ -17,6 +17,7 @@ import pytest
 from phalanx.errors import ConfigError, LaunchEnvironmentError
 from phalanx.launch import (
     DEFAULT_PORT,
+    SPARE,
     Address,
     Launch,
     detect,
@@ -85,6 +86,11 @@ CASES: list[tuple[str, dict[str, str], Launch]] = [
             "PHALANX_RUN_ID": "exp3",
         },
         Launch("phalanx", nnodes=4, node_rank=2, head=Address("node0", 29410), job_id="exp3"),
+    ),
+    (
+        "phalanx, a spare",
+        {"PHALANX_NNODES": "2", "PHALANX_NODE_RANK": " Spare ", "PHALANX_HEAD": "node0:29410"},
+        Launch("phalanx", nnodes=2, node_rank=SPARE, head=Address("node0", 29410)),
     ),
     (
         "phalanx, IPv6 head and spaces",
@@ -235,6 +241,8 @@ BAD: list[tuple[dict[str, str], str]] = [
         r"PHALANX_NODE_RANK='-1'; it must be >= 0",
     ),
     ({"PHALANX_NNODES": "2", "PHALANX_NODE_RANK": "1"}, r"PHALANX_HEAD is not set"),
+    ({"PHALANX_NNODES": "1", "PHALANX_NODE_RANK": "spare"}, r"a spare stands in for a lost"),
+    ({"PHALANX_NNODES": "2", "PHALANX_NODE_RANK": "spare"}, r"PHALANX_HEAD is not set"),
     ({"PHALANX_NNODES": "2", "PHALANX_HEAD": "h:1"}, r"PHALANX_NODE_RANK is not set"),
     ({"PHALANX_NNODES": "1", "PHALANX_HEAD": "node0"}, r"PHALANX_HEAD='node0' is not host:port"),
     ({"PHALANX_NNODES": "1", "PHALANX_HEAD": "node0:"}, r"is not host:port"),

@@ -258,6 +258,93 @@ def test_torchrun_with_two_nodes_of_one_process_trains_one_job(tmp_path: Path) -
     assert same(models[0], one_node_run(tmp_path, epochs=4))
 
 
+@pytest.mark.timeout(400)
+def test_under_torchrun_max_restarts_a_lost_head_costs_no_committed_step(tmp_path: Path) -> None:
+    """The head's process is killed under ``torchrun --max-restarts 1`` (its agent lives):
+    the other node saves its last committed step and exits 75, torchrun restarts both nodes,
+    and the script (always ``resume=True``) goes on from that step: the run ends with the
+    model of a run that lost nothing and an exact ledger."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port, run_dir = free_port(), tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]))
+    for name in ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD"):
+        env.pop(name, None)
+    env.update(PHALANX_TOKEN="torchrun token", PHALANX_TEST_RESUME="1")
+    procs, logs = [], []
+    for rank in (0, 1):
+        logs.append(tmp_path / f"torchrun{rank}.log")
+        launcher = [
+            str(torchrun),
+            "--nnodes", "2", "--nproc-per-node", "1", "--monitor-interval", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "px-head-lost", "--max-restarts", "1",
+        ]  # fmt: skip
+        args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", "6", str(run_dir)]
+        procs.append(start(args, env, logs[-1], launcher))
+    try:
+        wait_for("epoch 2/6 done", logs[0], procs[0])
+        time.sleep(0.5)
+        head = subprocess.run(
+            ["pgrep", "-P", str(procs[0].pid), "-f", SCRIPT.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        assert len(head) == 1, head
+        os.kill(int(head[0]), signal.SIGKILL)  # the head (its workers follow it out)
+    finally:
+        finish_all(procs, logs, timeout=300)
+    node_text = logs[1].read_text()
+    assert "[PX147]" in node_text and "(this node wrote it)" in node_text, node_text[-3000:]
+    found = re.search(r"step (\d+) is in (\S+) \(this node wrote it\)", node_text)
+    assert found is not None
+    step, path = int(found.group(1)), found.group(2)
+    assert f"resumed from {path} after {step} committed step(s)" in logs[0].read_text()
+    results = [result_of(log) for log in logs]
+    assert [r["steps"] for r in results] == [60, 60] and all(r["ledger_ok"] for r in results)
+    clean = one_node_run(tmp_path, epochs=6)
+    assert same(weights(tmp_path / "node0.pt"), clean)
+    assert same(weights(tmp_path / "node1.pt"), clean)
+
+
+@pytest.mark.timeout(400)
+def test_a_spare_takes_the_lost_nodes_place_and_a_second_spare_waits_to_the_end(
+    tmp_path: Path,
+) -> None:
+    """Two spares (``PHALANX_NODE_RANK=spare``) wait at the head from the start. Node 1 is
+    killed: the first spare takes its place (its worker joins at a step boundary with the
+    agreed state), the second stays parked; every process ends with the model of a run
+    that lost nothing."""
+    port, procs, logs = two_nodes(tmp_path, epochs=20)
+    spares = [tmp_path / "spare0.log", tmp_path / "spare1.log"]
+    for i, log in enumerate(spares):
+        env = env_for(1, port, "t")
+        env["PHALANX_NODE_RANK"] = "spare"
+        procs.append(start([str(tmp_path / f"spare{i}.pt"), "cpu:0", "20", "-"], env, log))
+    try:
+        wait_for("epoch 2/20 done", logs[0], procs[0])
+        kill_group(procs[1])
+        codes = [finish(p) for p in (procs[0], procs[2], procs[3])]
+    finally:
+        for p in procs:
+            kill_group(p)
+    text = logs[0].read_text()
+    assert codes == [0, 0, 0], text[-3000:]
+    assert text.count("waits to take a lost node's place") == 2
+    assert "takes node 1's place: workers [1] start and join at a step boundary" in text
+    assert "Final world size: 2 of 2" in text
+    head = result_of(logs[0])
+    assert head["steps"] == 200 and head["ledger_ok"]
+    assert [f["action"] for f in head["failures"]] == ["shrunk"]
+    placed = [log for log in spares if "spare: takes node 1's place" in log.read_text()]
+    assert len(placed) == 1, [log.read_text()[-1500:] for log in spares]
+    clean = one_node_run(tmp_path, epochs=20)
+    for i, log in enumerate(spares):
+        assert result_of(log)["steps"] == 200  # the parked one returns the run's result too
+        assert same(weights(tmp_path / f"spare{i}.pt"), clean)
+    assert same(weights(tmp_path / "node0.pt"), clean)
+
+
 def alive_in_group(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

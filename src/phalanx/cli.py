@@ -1,5 +1,5 @@
 """The ``phalanx`` command: ``explain [CODE]``, ``demo``, ``report RUN_DIR``, ``plot RUN_DIR``,
-``run --nnodes N [--node-rank R] [--head HOST:PORT] SCRIPT [ARGS]``.
+``run --nnodes N [--node-rank R|spare] [--head HOST:PORT] SCRIPT [ARGS]``.
 
 :func:`main` returns the exit status instead of exiting, so it can be called from tests.
 Exit statuses (also in ``phalanx --help``):
@@ -134,6 +134,10 @@ def run_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     return [sys.executable, args.script, *args.args], env
 
 
+def _node_rank(text: str) -> int | str:
+    return "spare" if text.strip().lower() == "spare" else int(text)
+
+
 def _run_usage(args: argparse.Namespace) -> str | None:
     """What is wrong with ``phalanx run``'s flags, in their own names (None: nothing)."""
     n, rank = args.nnodes, args.node_rank
@@ -141,7 +145,9 @@ def _run_usage(args: argparse.Namespace) -> str | None:
         return f"--nnodes {n}: pass the number of nodes, 1 or more"
     if rank is None and n > 1:
         return f"--nnodes {n} needs --node-rank: this node's number, 0 (the head) to {n - 1}"
-    if rank is not None and not 0 <= rank < n:
+    if rank == "spare" and n < 2:
+        return f"--node-rank spare with --nnodes {n}: a spare stands in for a node of 2 or more"
+    if rank not in (None, "spare") and not 0 <= int(rank) < n:
         return f"--node-rank {rank} with --nnodes {n}: pass 0 (the head) to {n - 1}"
     if args.head is None and n > 1:
         return f"--nnodes {n} needs --head HOST:PORT: node 0's address and a free port"
@@ -221,9 +227,10 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--nnodes", type=int, required=True, help="number of nodes (1: one machine)")
     run.add_argument(
         "--node-rank",
-        type=int,
+        type=_node_rank,
         default=None,
-        help="this node's number, 0 (the head) to NNODES-1 (default 0 with --nnodes 1)",
+        help="this node's number, 0 (the head) to NNODES-1 (default 0 with --nnodes 1), or "
+        "'spare': a node that waits at the head and takes the place of the first node lost",
     )
     run.add_argument("--head", metavar="HOST:PORT", help="node 0's address and a port")
     run.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")

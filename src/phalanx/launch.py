@@ -44,6 +44,7 @@ from phalanx.errors import LaunchEnvironmentError
 Source = Literal["phalanx", "torchrun", "slurm", "local"]
 DEFAULT_PORT = 29410  # the head's port under Slurm unless PHALANX_PORT says otherwise
 PHALANX_VARS = ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD")
+SPARE = -1  # the node rank of a spare: PHALANX_NODE_RANK=spare
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,17 @@ class Launch:
     job_id: str = ""
     restart_count: int = 0
 
+    @property
+    def spare(self) -> bool:
+        """A spare node (``PHALANX_NODE_RANK=spare``): it waits at the head and takes the
+        place of whichever node is lost first (see :data:`SPARE`)."""
+        return self.node_rank == SPARE
+
+    @property
+    def remote(self) -> bool:
+        """A node of a run over several nodes other than the head (a spare included)."""
+        return self.nnodes > 1 and self.node_rank != 0
+
 
 def detect(environ: Mapping[str, str]) -> Launch:
     """This process's :class:`Launch` from ``environ`` (see the module docstring for the
@@ -113,7 +125,13 @@ def _from_phalanx(env: Mapping[str, str]) -> _Node | None:
             "nodes, 1 on one machine) too, or unset the PHALANX_* variables"
         )
     nnodes = _count(env, "PHALANX_NNODES", "the number of nodes")
-    node_rank = _index(env, "PHALANX_NODE_RANK", nnodes, "PHALANX_NNODES", default=0)
+    spare = env.get("PHALANX_NODE_RANK", "").strip().lower() == "spare"
+    node_rank = SPARE if spare else _index(env, "PHALANX_NODE_RANK", nnodes, "PHALANX_NNODES", 0)
+    if spare and nnodes < 2:
+        raise LaunchEnvironmentError(
+            f"PHALANX_NODE_RANK=spare with PHALANX_NNODES={nnodes}: a spare stands in for a "
+            "lost node of a run over several nodes; set PHALANX_NNODES to the job's node count"
+        )
     head = parse_address(env["PHALANX_HEAD"], "PHALANX_HEAD") if "PHALANX_HEAD" in env else None
     if nnodes > 1 and "PHALANX_NODE_RANK" not in env:
         raise LaunchEnvironmentError(

@@ -161,7 +161,7 @@ class Learner:
             self.spec, config, train_size, has_valid=valid is not None, train=train, valid=valid
         )
         check_free_memory(labels, min_free_memory)
-        remote = launch.nnodes > 1 and launch.node_rank > 0
+        remote = launch.remote
         # A node other than the head writes nothing in run_dir (the head's lock, files and
         # sinks): it only reads the token and, resuming, the checkpoints there.
         # PX143 while another live run holds run_dir.

@@ -98,6 +98,7 @@ class NodeJoined:
 
     node: int
     host: str
+    spare: bool = False  # a spare node (PHALANX_NODE_RANK=spare) took its place
 
 
 CoordinatorEvent = (
@@ -433,12 +434,12 @@ class NodeCoordinator(Coordinator):
         after = -1 if fell.step is None else fell.step
         for slot in slots:
             self.spawn(Spawn(slot, replaces=replace(fell, worker=slot), faults_after=after))
-        self.emit(
-            Notice(
-                f"node {event.node} ({event.host}) registered again: workers {slots} start "
-                "and join at a step boundary"
-            )
+        who = (
+            f"a spare ({event.host}) takes node {event.node}'s place"
+            if event.spare
+            else f"node {event.node} ({event.host}) registered again"
         )
+        self.emit(Notice(f"{who}: workers {slots} start and join at a step boundary"))
 
     def _restart(self) -> None:
         if self.lost_nodes:  # (a lost node's slots cannot be started again)

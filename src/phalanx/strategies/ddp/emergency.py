@@ -115,6 +115,11 @@ def save_on_head_loss(agent: Agent, wait: timedelta = SAVE_WAIT) -> list[Saved]:
 def head_lost_message(launch: Launch, config: FitConfig, first: int, saved: list[Saved]) -> str:
     """The node's word on the head's loss: what was kept, where, and how to go on."""
     limit = config.node_timeout.total_seconds()
+    if launch.spare:
+        return (
+            f"spare: the head at {launch.head} was lost before this spare took a node's "
+            f"place (its link closed, or no word for {limit:g}s); nothing to save here"
+        )
     lead = (
         f"node {launch.node_rank}: the head at {launch.head} was lost (its link closed, or "
         f"no word for {limit:g}s); no generation can form without it, so this node's "

@@ -95,6 +95,7 @@ class Link:
         self.inbox: queue.Queue[Frame | LinkError] = queue.Queue()
         self.last_heard = time.monotonic()
         self.closed = False
+        self.started = False
 
     # -- the handshake --------------------------------------------------------------------
     @classmethod
@@ -185,7 +186,10 @@ class Link:
         """Read frames in a thread into :attr:`inbox` until the link fails (the LinkError is
         the last item). The thread's reads block (a timeout in the middle of a frame would
         lose its first bytes): the owner judges silence from :attr:`last_heard` and closes
-        the link, which ends the read."""
+        the link, which ends the read. Once: a second call does nothing."""
+        if self.started:
+            return
+        self.started = True
         self.sock.settimeout(None)
         threading.Thread(target=self._read_loop, daemon=True, name=f"link-{self.peer}").start()
 
@@ -197,6 +201,14 @@ class Link:
                 self.inbox.put(exc)
                 self.close()
                 return
+
+    def next(self, timeout: float) -> Frame | LinkError | None:
+        """The next item of :attr:`inbox` within ``timeout`` seconds, else None (one at a
+        time: what follows stays for the next reader)."""
+        try:
+            return self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def drain(self) -> list[Frame | LinkError]:
         items: list[Frame | LinkError] = []

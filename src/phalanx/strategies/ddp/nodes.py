@@ -17,6 +17,7 @@ for as long) has its workers save what the run committed and ends with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import socket
@@ -41,7 +42,7 @@ from phalanx.errors import (
 from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
-from phalanx.launch import Launch, interface_problem, is_loopback
+from phalanx.launch import SPARE, Launch, interface_problem, is_loopback
 from phalanx.plan import Plan
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.spec import FitConfig
@@ -176,6 +177,7 @@ class RemoteNode:
     lost: bool = False
     last_sent: float = field(default_factory=time.monotonic)
     alive: set[int] = field(default_factory=set)  # its slots with a live process
+    spare: bool = False  # a spare that took this node rank's place
 
     @property
     def slots(self) -> range:
@@ -188,6 +190,8 @@ class NodeHub:
     def __init__(self, listener: Listener, nnodes: int, timeout: timedelta) -> None:
         self.listener, self.nnodes, self.timeout = listener, nnodes, timeout
         self.nodes: dict[int, RemoteNode] = {}
+        self.spares: list[RemoteNode] = []  # parked: each takes the place of a lost node
+        self.notes: list[tuple[str, str]] = []  # (level, text) for the head's sinks
         self.rejected: list[tuple[str, str]] = []
         self.check: dict[str, Any] = {}
         self.plan: Plan | None = None
@@ -215,24 +219,31 @@ class NodeHub:
                 link, hello = self.listener.joined.get(timeout=min(left, 0.2))
             except Exception:
                 continue
-            doc = hello.doc
-            rank = int(doc.get("node", -1))
-            problems = disagreements(check, dict(doc.get("check") or {}), plan)
-            if not 0 < rank < self.nnodes or rank in self.nodes:
-                problems.append(f"node rank {rank} is not a free node rank of {self.nnodes}")
-            if problems:
-                message = "nodes disagree: " + "; ".join(problems)
-                link.send("refused", {"code": NodesDisagreeError.code, "message": message})
-                link.close()
-                raise NodesDisagreeError(f"node {rank} ({doc.get('host')}): {message}")
-            devices = [str(d) for d in doc.get("devices", [])]
-            self.nodes[rank] = RemoteNode(rank, str(doc.get("host", "?")), devices, link)
+            if hello.doc.get("spare"):
+                self._park(link, hello.doc)
+            else:
+                self._register(link, hello.doc)
         labels = list(own)
         for rank in sorted(self.nodes):
             node = self.nodes[rank]
             node.first = len(labels)
             labels += node.devices
         return labels
+
+    def _register(self, link: Link, doc: dict[str, Any]) -> None:
+        """A node's hello at start-up: taken, or refused with the head failing too."""
+        assert self.plan is not None
+        rank = int(doc.get("node", -1))
+        problems = disagreements(self.check, dict(doc.get("check") or {}), self.plan)
+        if not 0 < rank < self.nnodes or rank in self.nodes:
+            problems.append(f"node rank {rank} is not a free node rank of {self.nnodes}")
+        if problems:
+            message = "nodes disagree: " + "; ".join(problems)
+            link.send("refused", {"code": NodesDisagreeError.code, "message": message})
+            link.close()
+            raise NodesDisagreeError(f"node {rank} ({doc.get('host')}): {message}")
+        devices = [str(d) for d in doc.get("devices", [])]
+        self.nodes[rank] = RemoteNode(rank, str(doc.get("host", "?")), devices, link)
 
     def welcome(self, labels: list[str], store: tuple[str, int], run_id: str) -> None:
         self.labels, self.store, self.run_id = labels, store, run_id
@@ -242,6 +253,7 @@ class NodeHub:
     def _welcome(self, node: RemoteNode) -> None:
         assert self.store is not None
         doc = {
+            "node": node.rank,
             "devices": self.labels,
             "first": node.first,
             "store": list(self.store),
@@ -258,6 +270,9 @@ class NodeHub:
         while not self.listener.joined.empty():
             link, hello = self.listener.joined.get()
             doc = hello.doc
+            if doc.get("spare"):
+                self._park(link, doc)
+                continue
             rank = int(doc.get("node", -1)) if isinstance(doc.get("node"), int) else -1
             old = self.nodes.get(rank)
             assert self.plan is not None
@@ -279,7 +294,46 @@ class NodeHub:
             self.nodes[rank] = node
             self._welcome(node)
             found.append((node, ""))
-        return found
+        return found + self._place_spares(admits)
+
+    def _park(self, link: Link, doc: dict[str, Any]) -> None:
+        """A spare registered: kept (its link beats both ways) until a node is lost, or
+        refused when it disagrees with the head."""
+        assert self.plan is not None
+        host, devices = str(doc.get("host", "?")), [str(d) for d in doc.get("devices", [])]
+        problems = disagreements(self.check, dict(doc.get("check") or {}), self.plan)
+        with contextlib.suppress(LinkError):
+            if problems:
+                message = "nodes disagree: " + "; ".join(problems)
+                link.send("refused", {"code": NodesDisagreeError.code, "message": message})
+                link.close()
+                self.notes.append(("warning", f"refused a spare on {host}: {message}"))
+                return
+            link.send("parked", {})
+            link.start()
+            self.spares.append(RemoteNode(SPARE, host, devices, link, spare=True))
+            self.notes.append(("info", f"a spare on {host} waits to take a lost node's place"))
+
+    def _place_spares(self, admits: Callable[[int], bool]) -> list[tuple[RemoteNode, str]]:
+        """Each parked spare takes the place of a lost node with the same devices that the
+        run takes back (the lowest node rank first), as that node would rejoin."""
+        placed: list[tuple[RemoteNode, str]] = []
+        for spare in list(self.spares):
+            lost = [
+                old
+                for rank, old in sorted(self.nodes.items())
+                if old.lost and admits(rank) and old.devices == spare.devices
+            ]
+            if spare.lost or not lost:
+                continue
+            old = lost[0]
+            node = RemoteNode(old.rank, spare.host, spare.devices, spare.link, old.first)
+            node.spare = True
+            self.spares.remove(spare)
+            self.nodes[old.rank] = node
+            self._welcome(node)
+            placed.append((node, ""))
+        return placed
 
     def node_of(self, slot: int) -> RemoteNode | None:
         for node in self.nodes.values():
@@ -301,6 +355,7 @@ class NodeHub:
         frames: list[tuple[RemoteNode, Frame]] = []
         lost: list[tuple[RemoteNode, str]] = []
         now = time.monotonic()
+        self._keep_spares(now)
         for node in self.nodes.values():
             if node.lost:
                 continue
@@ -326,6 +381,20 @@ class NodeHub:
         self._rejected()
         return frames, lost
 
+    def _keep_spares(self, now: float) -> None:
+        """Parked spares: a keep-alive each second; one that closed or fell silent is
+        dropped (a warning)."""
+        for spare in list(self.spares):
+            gone = [i for i in spare.link.drain() if isinstance(i, LinkError)]
+            silent = now - spare.link.last_heard > self.timeout.total_seconds()
+            if gone or silent:
+                spare.lost = True
+                spare.link.close()
+                self.spares.remove(spare)
+                self.notes.append(("warning", f"the spare on {spare.host} is gone: dropped"))
+            elif now - spare.last_sent > BEAT_EVERY:
+                self.send(spare, "beat", {})
+
     def _rejected(self) -> None:
         while not self.listener.rejected.empty():
             self.rejected.append(self.listener.rejected.get())
@@ -334,7 +403,7 @@ class NodeHub:
         return all(node.lost or not node.alive for node in self.nodes.values())
 
     def close(self) -> None:
-        for node in self.nodes.values():
+        for node in [*self.nodes.values(), *self.spares]:
             node.link.close()
         self.listener.close()
 
@@ -404,7 +473,7 @@ def rejected_link(address: str, why: str) -> Any:
 
 def tell_end(hub: NodeHub, doc: dict[str, Any], weights: bytes = b"") -> None:
     """Every live node learns how the run ended (with the final weights when it finished)."""
-    for node in hub.nodes.values():
+    for node in [*hub.nodes.values(), *hub.spares]:  # (a spare still parked returns it too)
         hub.send(node, "end", doc, weights)
 
 
@@ -435,6 +504,10 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     check_interface(launch, config)
     token = node_token(config.run_dir, JOIN_TIMEOUT.total_seconds())
     link, answer = _join(run, launch, token, emit)
+    if answer.kind == "end":  # a spare that never had to take a place
+        link.close()
+        return _node_end(run, answer, time.time() - started)
+    launch = dataclasses.replace(launch, node_rank=int(answer.doc["node"]))
     labels = [str(d) for d in answer.doc["devices"]]
     host, port = answer.doc["store"]
     first = int(answer.doc["first"])
@@ -468,16 +541,46 @@ def _join(run: RunInputs, launch: Launch, token: bytes, emit: Any) -> tuple[Link
     precision = str(getattr(run.spec, "precision", "32"))
     hello = {
         "node": launch.node_rank,
+        "spare": launch.spare,
         "host": socket.gethostname(),
         "devices": list(run.config.devices),
         "check": agreement(run.config, run.plan, precision),
     }
-    emit(Notice(f"node {launch.node_rank}: joining the head at {launch.head}"))
+    who = "spare" if launch.spare else f"node {launch.node_rank}"
+    emit(Notice(f"{who}: joining the head at {launch.head}"))
     link, answer = connect_to_head(launch, token, hello, JOIN_TIMEOUT)
     if answer.kind == "refused":
         link.close()
         raise NodesDisagreeError(str(answer.doc.get("message")))
+    if answer.kind == "parked":
+        emit(Notice("spare: waiting at the head to take the place of a node that is lost"))
+        placed = _parked(link, run.config.node_timeout.total_seconds())
+        if placed is None:
+            link.close()
+            raise _head_lost(launch, run.config, SPARE, [], emit)
+        if placed.kind == "welcome":
+            emit(Notice(f"spare: takes node {placed.doc['node']}'s place"))
+        answer = placed
     return link, answer
+
+
+def _parked(link: Link, limit: float) -> Frame | None:
+    """A spare, until the head places it (``welcome``) or the run ends (``end``); None when
+    the head is lost (the link closed, or no word for ``limit`` seconds)."""
+    link.start()
+    last_sent = time.monotonic()
+    while True:
+        item = link.next(0.05)  # (one at a time: the orders after a welcome are the node's)
+        if isinstance(item, LinkError):
+            return None
+        if item is not None and item.kind in ("welcome", "end"):
+            return item
+        if time.monotonic() - link.last_heard > limit:
+            return None
+        if time.monotonic() - last_sent > BEAT_EVERY:
+            with contextlib.suppress(LinkError):
+                link.send("beat", {})
+            last_sent = time.monotonic()
 
 
 def fenced_message(node: int, doc: dict[str, Any]) -> str:

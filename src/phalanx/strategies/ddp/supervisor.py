@@ -170,7 +170,10 @@ class Supervisor:
             if refused:
                 self.emit(Notice(f"refused node {node.rank} ({node.host}): {refused}", "warning"))
             else:
-                self._feed(NodeJoined(node.rank, node.host))
+                self._feed(NodeJoined(node.rank, node.host, spare=node.spare))
+        notes, self.hub.notes = self.hub.notes, []
+        for level, text in notes:
+            self.emit(Notice(text, level))
         self._stacks_ready()
 
     def _frame(self, node: RemoteNode, frame: Frame) -> None:
@@ -321,7 +324,7 @@ def run_ddp(
     """Train on one worker process per device; raises TrainingFailed when the run stopped
     (the caller finishes it: :func:`phalanx.run.finish`). Across machines (``launch`` with
     several nodes) this is the head's part; a node's is :func:`.nodes.run_node`."""
-    if launch is not None and launch.nnodes > 1 and launch.node_rank > 0:
+    if launch is not None and launch.remote:
         return run_node(run, launch, emit, interrupter)
     started = time.time()
     nodes = None
