@@ -356,6 +356,13 @@ def test_a_real_torchrun_environment(tmp_path: Path, nproc: int) -> None:
         ("10.0.0.1", "127.0.1.1", {}, False, False),  # CUDA devices: NCCL picks its own
         ("127.0.0.1", "127.0.0.1", {}, True, False),  # every node on this machine
         ("::1", None, {}, True, False),
+        ("10.0.0.1", "10.0.0.2", {"GLOO_SOCKET_IFNAME": "lo"}, True, True),  # named: loopback
+        ("10.0.0.1", "10.0.0.2", {"NCCL_SOCKET_IFNAME": "=lo"}, False, True),
+        ("10.0.0.1", "10.0.0.2", {"NCCL_SOCKET_IFNAME": "lo,lo0"}, False, True),
+        ("10.0.0.1", "10.0.0.2", {"NCCL_SOCKET_IFNAME": "^lo,docker"}, False, False),
+        ("10.0.0.1", "127.0.1.1", {"NCCL_SOCKET_IFNAME": "ib,eth"}, False, False),
+        ("10.0.0.1", "10.0.0.2", {"GLOO_SOCKET_IFNAME": "lo"}, False, False),  # (NCCL's run)
+        ("127.0.0.1", "127.0.0.1", {"NCCL_SOCKET_IFNAME": "lo"}, False, False),
     ],
 )
 def test_an_interface_that_the_other_nodes_cannot_reach_is_named(
@@ -364,4 +371,5 @@ def test_an_interface_that_the_other_nodes_cannot_reach_is_named(
     problem = interface_problem(head, "node7", own, env, gloo)
     assert (problem is not None) == refused
     if problem is not None:
-        assert "node7" in problem and "GLOO_SOCKET_IFNAME" in problem and head in problem
+        variable = "GLOO_SOCKET_IFNAME" if gloo else "NCCL_SOCKET_IFNAME"
+        assert "node7" in problem and variable in problem and head in problem

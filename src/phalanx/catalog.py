@@ -920,14 +920,16 @@ _ENTRIES = [
         "where the name resolves to a loopback address (an /etc/hosts line such as "
         "'127.0.1.1 myhost' is common) or not at all, gloo falls back to loopback and "
         "gives the other nodes 127.0.0.1 for this node: their collectives with it never "
-        "connect and wait until their timeout. phalanx refuses to start instead. A head on "
-        "a loopback address means every node is on this one machine: then nothing is "
-        "checked.",
-        when="In fit() on every node of a multi-node run with CPU devices, before the head "
-        "listens or the node joins: before anything trains.",
+        "connect and wait until their timeout. phalanx refuses to start instead; likewise "
+        "when GLOO_SOCKET_IFNAME (CPU devices) or NCCL_SOCKET_IFNAME (CUDA devices) selects "
+        "only loopback interfaces (lo). A head on a loopback address means every node is "
+        "on this one machine: then nothing is checked.",
+        when="In fit() on every node of a multi-node run, before the head listens or the "
+        "node joins: before anything trains.",
         causes=[
             "The host's name maps to 127.0.0.1 or 127.0.1.1 in /etc/hosts (many images do).",
             "The host's name does not resolve at all (no DNS entry).",
+            "GLOO_SOCKET_IFNAME=lo or NCCL_SOCKET_IFNAME=lo left over from a one-machine setup.",
         ],
         fixes=[
             "export GLOO_SOCKET_IFNAME=<interface> on every node: the interface that "

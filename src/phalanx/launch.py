@@ -361,18 +361,38 @@ def interface_problem(
 ) -> str | None:
     """Why the other nodes could not reach this one's collectives, or None. ``head``: the
     head's address as resolved here; ``own``: what this host's name (``hostname``)
-    resolves to (None: it does not). gloo, without ``GLOO_SOCKET_IFNAME``, binds to the
-    address of the host's name and falls back to loopback where that is loopback or
-    unresolvable: the other nodes would be given 127.0.0.1 for this node and never connect.
-    A head on loopback means every node is on this machine: nothing to check."""
-    if not gloo or is_loopback(head) or env.get("GLOO_SOCKET_IFNAME"):
+    resolves to (None: it does not); ``gloo``: CPU devices (else CUDA: NCCL). An interface
+    variable (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``) that selects only loopback is
+    named. gloo, without ``GLOO_SOCKET_IFNAME``, binds to the address of the host's name and
+    falls back to loopback where that is loopback or unresolvable: the other nodes would be
+    given 127.0.0.1 for this node and never connect (NCCL leaves loopback out by itself). A
+    head on loopback means every node is on this machine: nothing to check."""
+    if is_loopback(head):
         return None
-    if own is not None and not is_loopback(own):
+    variable = "GLOO_SOCKET_IFNAME" if gloo else "NCCL_SOCKET_IFNAME"
+    value = env.get(variable, "")
+    fix = (
+        f"Set {variable} to the network interface the nodes share (the one that reaches "
+        f"the head at {head}; `ip route get {head}` names it), on every node"
+    )
+    if value and _only_loopback(value):
+        return (
+            f"{variable}={value} on this host ({hostname}) selects loopback only, which "
+            f"the other nodes cannot reach: they would wait until their timeout. {fix}"
+        )
+    if not gloo or value or (own is not None and not is_loopback(own)):
         return None
     what = f"resolves to {own}, a loopback address" if own else "does not resolve"
     return (
         f"this host's name ({hostname}) {what}: gloo would bind this node's collectives to "
         "loopback, which the other nodes cannot reach, and they would wait until their "
-        f"timeout. Set GLOO_SOCKET_IFNAME to the network interface the nodes share (the one "
-        f"that reaches the head at {head}; `ip route get {head}` names it), on every node"
+        f"timeout. {fix}"
     )
+
+
+def _only_loopback(value: str) -> bool:
+    """Whether an interface list (``eth0,ib``; ``^`` excludes, ``=`` is an exact name, as
+    NCCL reads it) selects only loopback interfaces (``lo``, ``lo0``)."""
+    chosen = [p.strip().lstrip("=") for p in value.split(",") if p.strip()]
+    chosen = [p for p in chosen if not p.startswith("^")]
+    return bool(chosen) and all(p.startswith("lo") for p in chosen)

@@ -77,8 +77,8 @@ def _resolve(host: str) -> str | None:
 
 
 def check_interface(launch: Launch, config: FitConfig) -> None:
-    """PX146 before anything starts, where this node's gloo collectives would bind to
-    loopback while the head is on another machine (:func:`phalanx.launch.interface_problem`)."""
+    """PX146 before anything starts, where this node's collectives would bind to loopback
+    while the head is on another machine (:func:`phalanx.launch.interface_problem`)."""
     host, _ = link_address(launch)
     head = _resolve(host) or host  # (unresolvable: joining names an unreachable head)
     name = socket.gethostname()
