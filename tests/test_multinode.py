@@ -253,6 +253,7 @@ def test_torchrun_with_two_nodes_of_one_process_trains_one_job(tmp_path: Path) -
     assert [r["steps"] for r in results] == [40, 40] and all(r["ledger_ok"] for r in results)
     text = "".join(log.read_text() for log in logs)
     assert "joined; workers 1..1" in text and "Final world size: 2 of 2" in text
+    assert "(torchrun's))" in logs[0].read_text()  # the run's keys live in torchrun's store
     models = [weights(tmp_path / f"node{rank}.pt") for rank in (0, 1)]
     assert same(models[0], models[1])
     assert same(models[0], one_node_run(tmp_path, epochs=4))

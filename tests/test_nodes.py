@@ -350,3 +350,43 @@ def test_a_nodes_spawner_gives_its_workers_that_nodes_slots() -> None:
     one_host = Spawner(learner.spec, config, Plan(16, 8), (None, None, 0), agent, 4)  # type: ignore[arg-type]
     one_host.spawn(SpawnOrder(slot=1))
     assert agent.args.here == (0, 1, 2, 3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_under_torchrun_the_head_uses_torchruns_agent_store_under_its_own_prefix() -> None:
+    import torch.distributed as dist
+
+    from phalanx.launch import Address, Launch
+    from phalanx.strategies.ddp.nodes import head_agent
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    launch = Launch("torchrun", nnodes=2, head=Address("127.0.0.1", server.port))
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    agent = head_agent(launch, "127.0.0.1", b"t", "run7", env)
+    try:
+        assert agent.client and agent.store_at == ("127.0.0.1", server.port)
+        assert agent.prefix == "phalanx/run7"  # (torch joins it to each key with a /)
+        agent.set_stop("test")  # lands in torchrun's store, under the run's prefix only
+        assert int(server.add("phalanx/run7/control/version", 0)) == 1
+        assert not server.check(["control/version"])
+    finally:
+        agent.close()
+
+
+def test_under_torchrun_without_a_shared_store_the_head_hosts_one_on_master_port() -> None:
+    from phalanx.launch import Address, Launch
+    from phalanx.strategies.ddp.nodes import head_agent
+
+    port = _free_port()
+    launch = Launch("torchrun", nnodes=2, head=Address("127.0.0.1", port))
+    agent = head_agent(launch, "127.0.0.1", b"t", "run8", {})
+    try:
+        assert not agent.client and agent.prefix == ""
+        assert agent.store_at == ("127.0.0.1", port)  # the port torchrun set aside
+    finally:
+        agent.close()

@@ -34,6 +34,7 @@ from phalanx.strategies.ddp.protocol import (
 )
 
 STACK_WAIT = timedelta(seconds=0.5)
+STORE_TIMEOUT = timedelta(seconds=30)  # of the head's client of a launcher's store
 
 
 @dataclass
@@ -75,12 +76,24 @@ class Agent:
     # None: a node's agent, whose workers use the head's store (``store_at``).
     bind: tuple[str, int] | None = ("127.0.0.1", 0)
     store_at: tuple[str, int] | None = None  # (host, port) of the store the workers use
+    # Every key this run reads and writes is under it: empty in a store of the run's own;
+    # ``phalanx/<run id>/`` in a launcher's store (torchrun's agent store), which outlives
+    # the run and holds the launcher's own keys.
+    prefix: str = ""
+    # The head's agent writing to a store it does not host (``store_at``, torchrun's).
+    client: bool = False
 
     def __post_init__(self) -> None:
-        self.store: dist.TCPStore | None = None
+        self.store: dist.Store | None = None
         if self.bind is not None:
-            self.store = serve_store(*self.bind)
-            self.store_at = (self.bind[0], self.store.port)
+            server = serve_store(*self.bind)
+            self.store, self.store_at = server, (self.bind[0], server.port)
+        elif self.client:
+            assert self.store_at is not None
+            host, port = self.store_at
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT)
+        if self.store is not None and self.prefix:
+            self.store = dist.PrefixStore(self.prefix, self.store)
 
     # -- processes -------------------------------------------------------------------------
     def spawn(

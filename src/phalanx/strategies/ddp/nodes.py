@@ -23,7 +23,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -198,6 +198,7 @@ class NodeHub:
         self.store: tuple[str, int] | None = None
         self.labels: list[str] = []
         self.run_id = ""  # the nodes sign with Signer.for_run(token, run_id), as the head
+        self.prefix = ""  # of the run's keys in the store (see Agent.prefix)
 
     def gather(
         self, check: dict[str, Any], plan: Plan, own: list[str], deadline: timedelta
@@ -245,8 +246,10 @@ class NodeHub:
         devices = [str(d) for d in doc.get("devices", [])]
         self.nodes[rank] = RemoteNode(rank, str(doc.get("host", "?")), devices, link)
 
-    def welcome(self, labels: list[str], store: tuple[str, int], run_id: str) -> None:
-        self.labels, self.store, self.run_id = labels, store, run_id
+    def welcome(
+        self, labels: list[str], store: tuple[str, int], run_id: str, prefix: str = ""
+    ) -> None:
+        self.labels, self.store, self.run_id, self.prefix = labels, store, run_id, prefix
         for node in self.nodes.values():
             self._welcome(node)
 
@@ -257,6 +260,7 @@ class NodeHub:
             "devices": self.labels,
             "first": node.first,
             "store": list(self.store),
+            "prefix": self.prefix,
             "run": self.run_id,
         }
         node.link.send("welcome", doc)
@@ -430,15 +434,9 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
     host, port = link_address(launch)
     listener = Listener.open(host, port, token)
     try:
-        store_port = int(os.environ.get("PHALANX_STORE_PORT", "0"))
-        agent = Agent(bind=(host, store_port), signer=Signer.for_run(token, run_id))
+        agent = head_agent(launch, host, token, run_id, os.environ)
         hub = NodeHub(listener, launch.nnodes, config.node_timeout)
-        emit(
-            Notice(
-                f"head: waiting for {launch.nnodes - 1} node(s) at {host}:{listener.port} "
-                f"(store at {host}:{agent.store_at[1] if agent.store_at else '?'})"
-            )
-        )
+        emit(waiting_notice(launch.nnodes, f"{host}:{listener.port}", agent))
         if is_loopback(host):
             emit(Notice(f"head: {host} is loopback: only nodes on this machine reach it"))
         precision = str(getattr(run.spec, "precision", "32"))
@@ -448,7 +446,7 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
         listener.close()
         raise
     assert agent.store_at is not None
-    hub.welcome(labels, agent.store_at, run_id)
+    hub.welcome(labels, agent.store_at, run_id, agent.prefix)
     slot_nodes = [0] * len(config.devices)
     shown = list(config.devices)
     for rank in sorted(hub.nodes):
@@ -459,6 +457,31 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
         emit(rejected_link(address, why))
     hub.rejected.clear()
     return Nodes(hub, agent, labels, shown, tuple(slot_nodes))
+
+
+def waiting_notice(nnodes: int, address: str, agent: Agent) -> Notice:
+    assert agent.store_at is not None
+    store = f"{agent.store_at[0]}:{agent.store_at[1]}" + (" (torchrun's)" if agent.client else "")
+    return Notice(f"head: waiting for {nnodes - 1} node(s) at {address} (store at {store})")
+
+
+def head_agent(
+    launch: Launch, host: str, token: bytes, run_id: str, env: Mapping[str, str]
+) -> Agent:
+    """The head's agent and the run's store. Under torchrun the store is torchrun's own:
+    its agent's store at ``MASTER_ADDR:MASTER_PORT`` when torchrun shares it with its
+    workers (``TORCHELASTIC_USE_AGENT_STORE``; the run's keys under ``phalanx/<run id>/``),
+    else one this process hosts on ``MASTER_PORT`` (the port torchrun set aside for the
+    workers' store). Otherwise the head hosts it on ``PHALANX_STORE_PORT`` (any free port
+    when unset)."""
+    signer = Signer.for_run(token, run_id)
+    if launch.source == "torchrun" and launch.head is not None:
+        if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            at = (launch.head.host, launch.head.port)
+            prefix = f"phalanx/{run_id}"
+            return Agent(bind=None, store_at=at, prefix=prefix, client=True, signer=signer)
+        return Agent(bind=(host, launch.head.port), signer=signer)
+    return Agent(bind=(host, int(env.get("PHALANX_STORE_PORT", "0"))), signer=signer)
 
 
 def rejected_link(address: str, why: str) -> Any:
@@ -512,7 +535,8 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     host, port = answer.doc["store"]
     first = int(answer.doc["first"])
     signer = Signer.for_run(token, str(answer.doc["run"]))
-    agent = Agent(bind=None, store_at=(str(host), int(port)), signer=signer)
+    prefix = str(answer.doc.get("prefix", ""))
+    agent = Agent(bind=None, store_at=(str(host), int(port)), signer=signer, prefix=prefix)
     data = (run.train, run.valid, run.valid_size)
     global_config = _with_devices(config, labels)
     local = len(config.devices)

@@ -61,6 +61,7 @@ class Spawner:
                 slot=order.slot,
                 store_port=agent.store_at[1],
                 store_host=agent.store_at[0],
+                store_prefix=agent.prefix,
                 local_slots=self.here,
                 token=agent.signer.token,
                 user=self.user,

@@ -160,6 +160,7 @@ class WorkerArgs:
     heartbeat: Heartbeat | None = None
     # The host of the store: the head's address across machines
     store_host: str = "127.0.0.1"
+    store_prefix: str = ""  # of every key the run uses (in a launcher's store, see Agent)
     # The slots this machine runs (its node's; every slot when empty): LOCAL_RANK counts them
     local_slots: tuple[int, ...] = ()
 
@@ -186,11 +187,12 @@ class WorkerArgs:
             raise RuntimeError("WorkerArgs.unpack() was not called")
         return self._spec
 
-    def connect(self, timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
-        """A new client of the supervisor's store (one per thread: clients are not shared)."""
-        return dist.TCPStore(self.store_host, self.store_port, is_master=False, timeout=timeout)
+    def connect(self, timeout: timedelta = STORE_TIMEOUT) -> dist.Store:
+        """A new client of the run's store (one per thread: clients are not shared)."""
+        store = dist.TCPStore(self.store_host, self.store_port, is_master=False, timeout=timeout)
+        return dist.PrefixStore(self.store_prefix, store) if self.store_prefix else store
 
-    def signed(self, store: dist.TCPStore, send: Callable[[object], None]) -> SignedStore:
+    def signed(self, store: dist.Store, send: Callable[[object], None]) -> SignedStore:
         """``store``'s control keys, read only when signed with this run's token; a rejected
         value is told to the supervisor once (``send`` a :class:`Rejected`)."""
 
@@ -553,7 +555,7 @@ class Worker:
         self.send(Joined(self.a.slot, gen.number, loop.state.global_step))
         self.interrupted = loop.run().interrupted
 
-    def subgroup(self, store: dist.TCPStore, gen: Generation, ranks: list[int]) -> GenerationGroup:
+    def subgroup(self, store: dist.Store, gen: Generation, ranks: list[int]) -> GenerationGroup:
         """The hand-over's group of the source and the members behind it."""
         rank = ranks.index(gen.rank_of(self.a.slot))
         timeout = forming_timeout(self.a.config)
