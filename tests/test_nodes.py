@@ -332,6 +332,7 @@ def test_a_nodes_spawner_gives_its_workers_that_nodes_slots() -> None:
 
     class FakeAgent:
         store_at = ("10.0.0.1", 29400)
+        prefix = "phalanx/r1"
         tmp = "/tmp"
         signer = SimpleNamespace(token=b"t")
 
@@ -347,6 +348,7 @@ def test_a_nodes_spawner_gives_its_workers_that_nodes_slots() -> None:
     args = agent.args
     assert (args.slot, args.local_slots, args.here) == (3, (2, 3), (2, 3))
     assert (args.store_host, args.store_port) == ("10.0.0.1", 29400)
+    assert args.store_prefix == "phalanx/r1"  # (the run's keys in a launcher's store)
     one_host = Spawner(learner.spec, config, Plan(16, 8), (None, None, 0), agent, 4)  # type: ignore[arg-type]
     one_host.spawn(SpawnOrder(slot=1))
     assert agent.args.here == (0, 1, 2, 3)
