@@ -24,6 +24,7 @@ from test_multinode import (
     finish,
     finish_all,
     kill_group,
+    one_node_run,
     result_of,
     same,
     wait_for,
@@ -70,6 +71,7 @@ def start_in(
     args: list[str],
     log: Path,
     ifname: bool = True,
+    node_timeout: float | None = None,
 ) -> subprocess.Popen[bytes]:
     ns, dev, _ = node
     env = dict(os.environ)
@@ -83,6 +85,8 @@ def start_in(
     )
     if ifname:
         env["GLOO_SOCKET_IFNAME"] = dev
+    if node_timeout is not None:
+        env["PHALANX_TEST_NODE_TIMEOUT"] = str(node_timeout)
     out = open(log, "wb")  # noqa: SIM115 - closed with the process
     cmd = ["ip", "netns", "exec", ns, sys.executable, str(SCRIPT), *args]
     return subprocess.Popen(
@@ -144,6 +148,45 @@ def test_a_cut_link_is_named_on_both_sides_and_the_head_goes_on(
     assert result["steps"] == 600 and result["ledger_ok"]
     [failure] = result["failures"]
     assert failure["action"] == "shrunk" and failure["recovery_seconds"] < 5.0
+
+
+@pytest.mark.timeout(300)
+def test_a_non_head_host_that_dies_is_named_and_the_run_ends_as_if_nothing_was_lost(
+    tmp_path: Path, namespaces: list[tuple[str, str, str]]
+) -> None:
+    """Node 1's host dies: its interface goes down, then its processes are killed (their
+    sockets close with no packet leaving) and its namespace is deleted. The head hears
+    nothing more, names the node lost after node_timeout (3 s here) by its silence, goes
+    on without it, and ends with the model of a run that lost nothing."""
+    head = f"{namespaces[0][2]}:29612"
+    logs = [tmp_path / "n0.log", tmp_path / "n1.log"]
+    args = ["cpu:0", "12", "-", "shrink"]
+    procs = [
+        start_in(
+            namespaces[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], node_timeout=3
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        wait_for("epoch 2/12 done", logs[0], procs[0])
+        ip("-n", namespaces[1][0], "link", "set", namespaces[1][1], "down")
+        died = time.time()
+        kill_group(procs[1])
+        subprocess.run(["ip", "netns", "del", namespaces[1][0]], check=True)
+        head_code = finish(procs[0], timeout=120)
+    finally:
+        for p in procs:
+            kill_group(p)
+    head_text = logs[0].read_text()
+    assert head_code == 0, head_text[-3000:]
+    result = result_of(logs[0])
+    assert result["steps"] == 120 and result["ledger_ok"]
+    [failure] = result["failures"]
+    assert failure["action"] == "shrunk" and "no word for" in failure["message"]
+    assert failure["message"].startswith("node 1 (")
+    assert 2.0 <= failure["time"] - died < 3.0 + 3.0  # node_timeout after its last word
+    assert failure["recovery_seconds"] < 5.0
+    assert same(weights(tmp_path / "n0.pt"), one_node_run(tmp_path, epochs=12))
 
 
 @pytest.mark.timeout(120)
