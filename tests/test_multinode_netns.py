@@ -164,7 +164,7 @@ def test_a_non_head_host_that_dies_is_named_and_the_run_ends_as_if_nothing_was_l
     procs = [
         start_in(
             namespaces[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], node_timeout=3
-        )  # fmt: skip
+        )
         for r in (0, 1)
     ]
     try:
