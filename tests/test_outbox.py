@@ -18,7 +18,7 @@ import pytest
 from ddp_helpers import say_steps_then_exit
 from phalanx.events import Notice, StepEnded
 from phalanx.strategies.ddp import protocol
-from phalanx.strategies.ddp.agent import Agent
+from phalanx.strategies.ddp.agent import Agent, SlotState
 from phalanx.strategies.ddp.protocol import Outbox, Ready, Relay
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes")
@@ -36,11 +36,11 @@ def channel() -> tuple[Outbox, Any, Any]:
     return Outbox(writer, ring), reader, bell
 
 
-def rings(bell: Any) -> int:
+def rings(bell: Any) -> bytes:
     try:
-        return len(os.read(bell.fileno(), 4096))
+        return os.read(bell.fileno(), 4096)
     except BlockingIOError:
-        return 0
+        return b""
 
 
 def received(reader: Any) -> list[object]:
@@ -53,29 +53,29 @@ def received(reader: Any) -> list[object]:
 def test_every_message_is_in_the_pipe_in_order_and_only_step_events_wait() -> None:
     outbox, reader, bell = channel()
     outbox.send(Ready(0))
-    assert rings(bell) == 1
+    assert rings(bell) == protocol.URGENT
     sent = [step(n) for n in range(1, 6)]
     for message in sent:  # (well within RING_AFTER of the Ready's ring)
         outbox.send(message)
-    assert rings(bell) == 0
+    assert rings(bell) == b""
     hello = Relay(Notice("hello"))
     outbox.send(hello)  # any other event rings at once
-    assert rings(bell) == 1
+    assert rings(bell) == protocol.URGENT
     assert received(reader) == [Ready(0), *sent, hello]
 
 
 def test_step_events_ring_every_so_many_and_after_a_while() -> None:
     outbox, reader, bell = channel()
     outbox.send(step(1))  # the first one rings: nothing rang for long
-    assert rings(bell) == 1
+    assert rings(bell) == protocol.LATER
     for n in range(2, 2 + protocol.RING_EVERY):  # (at once: well within RING_AFTER)
         outbox.send(step(n))
-    assert rings(bell) == 1  # the RING_EVERY-th unrung one
+    assert rings(bell) == protocol.LATER  # the RING_EVERY-th unrung one
     outbox.send(step(100))
-    assert rings(bell) == 0
+    assert rings(bell) == b""
     outbox.rung_at -= protocol.RING_AFTER  # as if that long had passed since the last ring
     outbox.send(step(101))
-    assert rings(bell) == 1
+    assert rings(bell) == protocol.LATER
     assert len(received(reader)) == protocol.RING_EVERY + 3
 
 
@@ -101,3 +101,33 @@ def test_the_agent_reads_unrung_events_and_closes_a_bell_at_eof() -> None:
         assert state.bell is not None and state.bell.closed and state.waker() is None
     finally:
         agent.close()
+
+
+class Quiet:
+    """A process that neither ends nor writes (its sentinel: a pipe nobody writes to)."""
+
+    def __init__(self) -> None:
+        self.sentinel_end, self.keep = multiprocessing.Pipe(duplex=False)
+        self.sentinel = self.sentinel_end.fileno()
+        self.exitcode = None
+
+
+def test_step_events_waiting_in_one_pipe_are_handled_before_a_peers_urgent_message() -> None:
+    """Slot 1, the main member, committed steps whose events did not ring; slot 0 then says
+    something that follows them (a failure in the next step's vote): the agent hands out
+    slot 1's step events first, though it reads slots in order otherwise."""
+    agent = Agent(bind=None)
+    boxes = []
+    for slot in (0, 1):
+        outbox, reader, bell = channel()
+        os.set_blocking(bell.fileno(), True)  # (as the agent's own read end is)
+        agent.slots[slot] = SlotState(Quiet(), reader, bell=bell)
+        boxes.append(outbox)
+    for n in (1, 2, 3):
+        boxes[1].send(step(n))  # (the first rings, "later"; the others do not)
+    assert [s.message.event.global_step for s in agent.poll(timedelta(seconds=5))] == [1, 2, 3]
+    boxes[1].send(step(4))
+    boxes[0].send(Ready(0))
+    seen = [s.message for s in agent.poll(timedelta(seconds=5))]
+    assert seen[0] == step(4) or seen[0].event.global_step == 4
+    assert seen[1:] == [Ready(0)]

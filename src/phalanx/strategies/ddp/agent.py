@@ -28,6 +28,7 @@ from phalanx.strategies.ddp.protocol import (
     GEN_LATEST,
     GEN_PREFIX,
     STOP_KEY,
+    URGENT,
     Announcement,
     Heartbeat,
     Outbox,
@@ -130,9 +131,14 @@ class Agent:
         wakers = [w for w in (s.waker() for s in self.slots.values()) if w is not None]
         sentinels = [s.process.sentinel for s in self.slots.values()]
         ready = wait([*wakers, *sentinels], timeout=timeout.total_seconds())
-        for slot, state in list(self.slots.items()):
-            if state.bell is not None and state.bell in ready:
-                _hush(state.bell)
+        urgent = {
+            slot
+            for slot, state in self.slots.items()
+            if state.bell is not None and state.bell in ready and _hush(state.bell)
+        }
+        # The pipes that hold step events only are read first: such an event may precede,
+        # unread, another worker's message that follows it (a failure in the next step).
+        for slot, state in sorted(self.slots.items(), key=lambda item: item[0] in urgent):
             if not state.conn.closed:
                 self._read(slot, state.conn)
         for slot, state in list(self.slots.items()):
@@ -240,15 +246,18 @@ class Agent:
         self.store.add(CONTROL_KEY, 1)
 
 
-def _hush(bell: Connection) -> None:
-    """Read the rings a bell holds (one read: what is left rings again); closed at EOF, when
-    its process has closed it (exited)."""
+def _hush(bell: Connection) -> bool:
+    """Read the rings a bell holds (one read: what is left rings again): whether one was
+    for a message to act on (see Outbox). Closed at EOF, when its process has closed it
+    (exited)."""
     try:
-        if os.read(bell.fileno(), 4096):
-            return
+        rings = os.read(bell.fileno(), 4096)
     except OSError:
-        pass
-    bell.close()
+        rings = b""
+    if not rings:
+        bell.close()
+        return True
+    return URGENT in rings
 
 
 def serve_store(host: str, port: int) -> dist.TCPStore:

@@ -118,6 +118,8 @@ class Relay:
 # ~10 kB of them in the pipe (a worker never blocks on a full pipe the supervisor ignores).
 RING_EVERY = 32
 RING_AFTER = 0.05  # seconds
+# What a ring says: a message to act on (``URGENT``), or step events only (``LATER``).
+URGENT, LATER = b"!", b"."
 
 
 class Outbox:
@@ -156,14 +158,15 @@ class Outbox:
         if self.bell is None:
             return
         now = time.monotonic()
+        ring = URGENT
         if isinstance(message, Relay) and isinstance(message.event, StepEnded):
-            self.unrung += 1
+            self.unrung, ring = self.unrung + 1, LATER
             if self.unrung < RING_EVERY and now - self.rung_at < RING_AFTER:
                 return
         self.unrung, self.rung_at = 0, now
         # (full of rings the supervisor has not read yet: it is ringing already)
         with contextlib.suppress(BlockingIOError):
-            os.write(self.bell.fileno(), b"\0")
+            os.write(self.bell.fileno(), ring)
 
     def close(self) -> None:
         self.pipe.close()
