@@ -312,8 +312,9 @@ class Replica:
                         vote.check()
                         vote.launch(result)
                         tracker.launched = True
+                share = (b - a) * self.world / global_samples  # (1.0 for even shares)
                 with tracker.enter("backward"), self.faults.inside_backward(step, self.module):
-                    self.module.backward(loss * ((b - a) * self.world / global_samples))
+                    self.module.backward(loss if share == 1.0 else loss * share)
                     tracker.synced = last
 
     def zero_pass(self, result: LocalResult | None = None, vote: VoteLaunch | None = None) -> None:
