@@ -225,3 +225,18 @@ def counting_bn_mlp(calls: str) -> nn.Module:
     with open(calls, "a") as fh:
         fh.write(f"{multiprocessing.current_process().name} {os.getpid()}\n")
     return bn_mlp()
+
+
+def say_steps_then_exit(args: tuple[Any, int]) -> None:
+    """An agent's process (``args``: its Outbox and a count): Ready, then that many step
+    events at once (within one ring interval: they ring once at most), then it lingers a
+    moment and exits."""
+    from phalanx.events import StepEnded
+    from phalanx.strategies.ddp.protocol import Ready, Relay
+
+    outbox, n = args
+    outbox.send(Ready(0))
+    for step in range(1, n + 1):
+        outbox.send(Relay(StepEnded(0, step - 1, step, n, 0.5, 0.1, 4, 1.0)))
+    time.sleep(0.5)
+    outbox.close()

@@ -75,19 +75,22 @@ _FLAGS = ("stop", "regroup")
 
 def pack_vote(vote: Vote) -> torch.Tensor:
     """One member's vote as one float64 tensor (see :data:`VOTE_FIELDS`)."""
-    head = [float(getattr(vote, name)) for name in VOTE_FIELDS] + [float(x) for x in vote.ledger]
-    return torch.cat([torch.tensor(head, dtype=torch.float64), vote.sums.to(torch.float64)])
+    values = [float(getattr(vote, name)) for name in VOTE_FIELDS]
+    values += vote.ledger
+    values += vote.sums.tolist()  # (Python floats hold every float64 exactly)
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def unpack_vote(packed: torch.Tensor, failures: list[WorkerFailure] | None = None) -> Vote:
     """The vote of a packed sum over members; ``failures`` are the ones seen locally."""
     values = packed.cpu()
-    n = len(VOTE_FIELDS)
-    head = dict(zip(VOTE_FIELDS, values[:n].tolist(), strict=True))
-    fields: dict[str, Any] = {k: v > 0 if k in _FLAGS else round(v) for k, v in head.items()}
-    fingerprint = cast(Fingerprint, tuple(values[n : n + len(EMPTY)].tolist()))
+    flat = values.tolist()
+    n, m = len(VOTE_FIELDS), len(VOTE_FIELDS) + len(EMPTY)
+    head = zip(VOTE_FIELDS, flat[:n], strict=True)
+    fields: dict[str, Any] = {k: v > 0 if k in _FLAGS else round(v) for k, v in head}
+    fingerprint = cast(Fingerprint, tuple(flat[n:m]))
     return Vote(
-        sums=values[n + len(EMPTY) :],
+        sums=values[m:],
         failures=list(failures or []),
         ledger=fingerprint,
         **fields,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -220,7 +220,8 @@ class Replica:
         launches exactly one vote per call, and always before its synchronised backward's
         first bucket, so the collectives stay in the same order on every member.
         """
-        sums = torch.zeros(self.size, dtype=torch.float64)
+        # (the fingerprint once: the vote carries the very result this call returns)
+        done = LocalResult(torch.zeros(self.size, dtype=torch.float64), ledger=fingerprint(samples))
         self.step = step
         self.unvoted, self.unvoted_splittable = None, False
         tracker = _PhaseTracker(step, self.on_phase)
@@ -230,7 +231,7 @@ class Replica:
                 data = to_device(batch(), self.device) if batch is not None and samples else None
             if data is not None:
                 micro = min(len(samples), micro_batches * self.split_factor)
-                self._micro_steps(data, samples, global_samples, step, sums, tracker, micro, vote)
+                self._micro_steps(data, samples, global_samples, step, done, tracker, micro, vote)
         except (Exception, SystemExit) as exc:  # sys.exit() in a step fails that step
             failure = from_exception(
                 exc,
@@ -255,10 +256,9 @@ class Replica:
             elif not tracker.synced and not broken:
                 self.zero_pass(result, vote)
             return result
-        result = LocalResult(sums, ledger=fingerprint(samples))
-        if not tracker.synced:
-            self.zero_pass(result, vote)
-        return result
+        if not tracker.synced:  # (nothing to compute: no samples)
+            self.zero_pass(done, vote)
+        return done
 
     def _split_after(self, failure: WorkerFailure, local: int, micro_batches: int) -> bool:
         """After an out-of-memory error, double the split if micro-batches can still shrink."""
@@ -275,14 +275,15 @@ class Replica:
         samples: list[int],
         global_samples: int,
         step: int,
-        sums: torch.Tensor,
+        result: LocalResult,
         tracker: _PhaseTracker,
         micro_batches: int,
         vote: VoteLaunch | None = None,
     ) -> None:
-        """Forward, metric states and backward of each micro-batch; all but the last under
-        ``no_sync``. Before the last backward, ``vote`` (ddp) checks phase ``sync`` and
-        launches this member's vote (``tracker.launched``); ``tracker.synced`` is set as
+        """Forward, metric states (summed into ``result.sums``) and backward of each
+        micro-batch; all but the last under ``no_sync``. Before the last backward, ``vote``
+        (ddp) checks phase ``sync`` and launches this member's vote on ``result``
+        (``tracker.launched``); ``tracker.synced`` is set as
         soon as the last backward has run, so nothing after it causes a second synchronised
         backward."""
         pieces = bounds(len(samples), micro_batches)
@@ -303,16 +304,17 @@ class Replica:
                         )
                 with tracker.enter("metrics"):
                     self.faults.check(step, "metrics")
-                    sums += pack_states(
+                    result.sums += pack_states(
                         self.metrics, StepOutput(loss.detach(), outputs, targets), b - a
                     )
                 if last and vote is not None:
                     with tracker.enter("sync"):
                         vote.check()
-                        vote.launch(LocalResult(sums, ledger=fingerprint(samples)))
+                        vote.launch(result)
                         tracker.launched = True
+                share = (b - a) * self.world / global_samples  # (1.0 for even shares)
                 with tracker.enter("backward"), self.faults.inside_backward(step, self.module):
-                    self.module.backward(loss * ((b - a) * self.world / global_samples))
+                    self.module.backward(loss if share == 1.0 else loss * share)
                     tracker.synced = last
 
     def zero_pass(self, result: LocalResult | None = None, vote: VoteLaunch | None = None) -> None:
@@ -348,9 +350,16 @@ class _PhaseTracker:
         self.step = step
         self.on_phase = on_phase
 
-    @contextlib.contextmanager
-    def enter(self, phase: str) -> Iterator[None]:
+    def enter(self, phase: str) -> _PhaseTracker:
+        """``with tracker.enter(phase):`` around the code of ``phase`` (a plain context
+        manager: nothing happens on leaving it, an exception goes through)."""
         if self.on_phase is not None and phase != self.phase:
             self.on_phase(self.step, phase)
         self.phase = phase
-        yield
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -28,8 +28,10 @@ from phalanx.strategies.ddp.protocol import (
     GEN_LATEST,
     GEN_PREFIX,
     STOP_KEY,
+    URGENT,
     Announcement,
     Heartbeat,
+    Outbox,
     Progress,
 )
 
@@ -45,6 +47,19 @@ class SlotState:
     conn: Connection
     exit_seen: bool = False
     heartbeat: Heartbeat | None = None  # shared with the process: its phase entries
+    # The read end of its bell (see Outbox): what the agent sleeps on. None: on ``conn``.
+    bell: Connection | None = None
+
+    def waker(self) -> Connection | None:
+        """What wakes the agent when this process writes: its bell, else its pipe."""
+        if self.bell is not None:
+            return None if self.bell.closed else self.bell
+        return None if self.conn.closed else self.conn
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.bell is not None:
+            self.bell.close()
 
 
 @dataclass
@@ -99,35 +114,45 @@ class Agent:
     def spawn(
         self, slot: int, name: str, target: Callable[[Any], None], make_args: Callable[..., Any]
     ) -> int | None:
-        """Start ``target(make_args(write_end, stack_file, heartbeat))`` as the process of
+        """Start ``target(make_args(outbox, stack_file, heartbeat))`` as the process of
         ``slot``; the one it replaces is read to the end and retired. Returns the new pid."""
         reader, writer = self.ctx.Pipe(duplex=False)
+        bell, ring = self.ctx.Pipe(duplex=False)
         if slot in self.slots:
             old = self.slots[slot]
             self._read(slot, old.conn, stale=True)  # its last words, then let the pipe go
-            old.conn.close()
+            old.close()
             self.retired.append(old.process)
         heartbeat = Heartbeat.create(self.ctx)
-        args = make_args(writer, self.stack_file(slot), heartbeat)
+        outbox = Outbox(writer, ring)
+        args = make_args(outbox, self.stack_file(slot), heartbeat)
         # Not daemonic: a daemonic process cannot start children (DataLoader workers when
         # num_workers > 0). close() kills every worker, and a worker whose parent is gone
         # exits by itself (its watch thread), so none outlives the run.
         proc = self.ctx.Process(target=target, args=(args,), name=name, daemon=False)
         proc.start()
-        writer.close()  # the worker holds the only write end: EOF means it is gone
-        self.slots[slot] = SlotState(proc, reader, heartbeat=heartbeat)
+        outbox.close()  # the worker holds the only write ends: EOF means it is gone
+        self.slots[slot] = SlotState(proc, reader, heartbeat=heartbeat, bell=bell)
         return proc.pid
 
     def poll(self, timeout: timedelta) -> list[Seen]:
-        """What arrives within ``timeout`` (wakes on a message or a process exit, not on a
-        heartbeat); an exit is reported once, after everything its process wrote. Each
-        slot's latest heartbeat, read after its pipe, comes first: a beat written before a
-        message is never handled after it (one written after it is the newer state)."""
-        conns = [s.conn for s in self.slots.values() if not s.conn.closed]
+        """What arrives within ``timeout``: wakes on a bell (see :class:`Outbox`) or a
+        process exit, not on a heartbeat nor on every step's event, then reads every pipe;
+        an exit is reported once, after everything its process wrote. Each slot's latest
+        heartbeat, read after its pipe, comes first: a beat written before a message is
+        never handled after it (one written after it is the newer state)."""
+        wakers = [w for w in (s.waker() for s in self.slots.values()) if w is not None]
         sentinels = [s.process.sentinel for s in self.slots.values()]
-        ready = wait([*conns, *sentinels], timeout=timeout.total_seconds())
-        for slot, state in list(self.slots.items()):
-            if not state.conn.closed and state.conn in ready:
+        ready = wait([*wakers, *sentinels], timeout=timeout.total_seconds())
+        urgent = {
+            slot
+            for slot, state in self.slots.items()
+            if state.bell is not None and state.bell in ready and _hush(state.bell)
+        }
+        # The pipes that hold step events only are read first: such an event may precede,
+        # unread, another worker's message that follows it (a failure in the next step).
+        for slot, state in sorted(self.slots.items(), key=lambda item: item[0] in urgent):
+            if not state.conn.closed:
                 self._read(slot, state.conn)
         for slot, state in list(self.slots.items()):
             code = state.process.exitcode
@@ -174,7 +199,7 @@ class Agent:
     def close(self) -> None:
         self.kill_all()
         for state in self.slots.values():
-            state.conn.close()
+            state.close()
         for proc in self.retired:  # replaced by a respawn: its end was accounted for then
             if proc.is_alive():
                 proc.kill()
@@ -232,6 +257,20 @@ class Agent:
     def _bump(self) -> None:
         assert self.store is not None
         self.store.add(CONTROL_KEY, 1)
+
+
+def _hush(bell: Connection) -> bool:
+    """Read the rings a bell holds (one read: what is left rings again): whether one was
+    for a message to act on (see Outbox). Closed at EOF, when its process has closed it
+    (exited)."""
+    try:
+        rings = os.read(bell.fileno(), 4096)
+    except OSError:
+        rings = b""
+    if not rings:
+        bell.close()
+        return True
+    return URGENT in rings
 
 
 def serve_store(host: str, port: int) -> dist.TCPStore:

@@ -1,14 +1,18 @@
-"""What workers tell the supervisor (each over its own pipe) and the store keys the
-supervisor uses to talk back. Every message is a small picklable dataclass, except the
-heartbeat, which is a :class:`Heartbeat` in shared memory (no pipe write per phase)."""
+"""What workers tell the supervisor (each over its own pipe, through an :class:`Outbox`) and
+the store keys the supervisor uses to talk back. Every message is a small picklable
+dataclass, except the heartbeat, which is a :class:`Heartbeat` in shared memory (no pipe
+write per phase)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from phalanx.events import Event
+from phalanx.events import Event, StepEnded
 from phalanx.failures import PHASES, WorkerFailure
 
 EXIT_TOLD = 3  # a worker's exit code when it exited because the supervisor said so
@@ -109,6 +113,67 @@ class Relay:
     """An event from rank 0, for the supervisor's sinks."""
 
     event: Event
+
+
+# A step's event rings the supervisor's bell after this many unrung events, or this long
+# after the last ring: at most ~20 wake-ups a second for step events, and never more than
+# ~10 kB of them in the pipe (a worker never blocks on a full pipe the supervisor ignores).
+RING_EVERY = 32
+RING_AFTER = 0.05  # seconds
+# What a ring says: a message to act on (``URGENT``), or step events only (``LATER``).
+URGENT, LATER = b"!", b"."
+
+
+class Outbox:
+    """A worker's end of its channel to the supervisor: a pipe for the messages and a bell.
+
+    Every message is written to the pipe before :meth:`send` returns (a worker killed a
+    moment later has still said it), in order. The supervisor sleeps on the bell, not on the
+    pipe, and reads every pipe whenever it wakes: a message it acts on (a failure, ready,
+    done, any event but a step's) rings the bell at once; a committed step's
+    :class:`StepEnded` rings it only every :data:`RING_EVERY` events or :data:`RING_AFTER`
+    seconds, so at 4 ms steps the supervisor does not wake 250 times a second to compete for
+    the cores with the workers it watches. Such an event is read at the supervisor's next
+    wake-up: about ``RING_AFTER`` after it while steps go on, within the supervisor's poll
+    interval (0.1 s) when they stop; it carries the time it was stamped with in the worker.
+    ``bell`` None: every message wakes the supervisor (it sleeps on the pipe itself)."""
+
+    def __init__(self, pipe: Any, bell: Any = None) -> None:
+        self.pipe, self.bell = pipe, bell  # write ends (multiprocessing Connections)
+        self._fresh()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"pipe": self.pipe, "bell": self.bell}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.pipe, self.bell = state["pipe"], state["bell"]
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.unrung = 0  # step events written since the last ring
+        self.rung_at = 0.0  # monotonic time of the last ring
+        if self.bell is not None:  # a ring never blocks (a full bell is ringing anyway)
+            os.set_blocking(self.bell.fileno(), False)
+
+    def send(self, message: object) -> None:
+        self.pipe.send(message)
+        if self.bell is None:
+            return
+        now = time.monotonic()
+        ring = URGENT
+        if isinstance(message, Relay) and isinstance(message.event, StepEnded):
+            self.unrung, ring = self.unrung + 1, LATER
+            if self.unrung < RING_EVERY and now - self.rung_at < RING_AFTER:
+                return
+        self.unrung, self.rung_at = 0, now
+        # (full of rings the supervisor has not read yet: it is ringing already)
+        with contextlib.suppress(BlockingIOError):
+            os.write(self.bell.fileno(), ring)
+
+    def close(self) -> None:
+        self.pipe.close()
+        if self.bell is not None:
+            self.bell.close()
 
 
 @dataclass

@@ -143,7 +143,7 @@ class WorkerArgs:
     train: Dataset[Any]
     valid: Dataset[Any] | None
     valid_size: int
-    conn: Any  # write end of this worker's pipe to the supervisor
+    conn: Any  # its Outbox: the pipe to the supervisor, and the bell that wakes it
     parent_pid: int
     stack_file: str
     weights_path: str
