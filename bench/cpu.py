@@ -36,7 +36,6 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import phalanx as px
 from phalanx.events import Event, StepEnded
 from phalanx.plan import Plan, split
 
@@ -156,21 +155,8 @@ class Marks:
 
 
 def phalanx_run(n: int, size: str) -> dict[str, list[float]]:
-    width, layers, batch = steps.SIZES[size]
     marks = Marks(n)
-    learner = px.Learner(
-        functools.partial(steps.make_model, width, layers), steps.make_optimizer, steps.train_step
-    )
-    learner.fit(
-        steps.dataset(n * batch),
-        epochs=1,
-        batch_size=batch,
-        strategy="ddp",
-        devices="cpu:0,cpu:1",
-        sinks=[marks],
-        shuffle=True,
-        preflight=False,
-    )
+    steps.phalanx_fit(n, size, "cpu:0,cpu:1", marks)
     return marks.result()
 
 

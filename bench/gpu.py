@@ -260,21 +260,8 @@ def plain_run(device: str, n: int, size: str) -> list[float]:
 
 
 def phalanx_run(device: str, n: int, size: str) -> list[float]:
-    width, layers, batch = steps.SIZES[size]
     sink = steps.Stamps()
-    learner = px.Learner(
-        functools.partial(steps.make_model, width, layers), steps.make_optimizer, steps.train_step
-    )
-    learner.fit(
-        steps.dataset(n * batch),
-        epochs=1,
-        batch_size=batch,
-        strategy="ddp",
-        devices=device,
-        sinks=[sink],
-        shuffle=True,
-        preflight=False,
-    )
+    steps.phalanx_fit(n, size, device, sink)
     return sink.times
 
 

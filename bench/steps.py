@@ -240,6 +240,23 @@ def phalanx_run(
     return [t0, *sink.times]
 
 
+def phalanx_fit(steps: int, size: str, devices: str, sink: Any) -> None:
+    """One epoch of ``steps`` steps of the bench's ``size`` model under phalanx ddp on
+    ``devices`` (no preflight), its events to ``sink``: the other benches' phalanx arm."""
+    width, layers, batch = SIZES[size]
+    factory = functools.partial(make_model, width, layers)
+    px.Learner(factory, make_optimizer, train_step).fit(
+        dataset(steps * batch),
+        epochs=1,
+        batch_size=batch,
+        strategy="ddp",
+        devices=devices,
+        sinks=[sink],
+        shuffle=True,
+        preflight=False,
+    )
+
+
 # -- Lightning Fabric --------------------------------------------------------------------------
 def _fabric_main(fabric: Any, steps: int, size: str, out: str) -> None:
     width, layers, batch = SIZES[size]

@@ -133,6 +133,28 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(a, b, strict=True))
 
 
+def saved_by_node(text: str) -> tuple[int, str]:
+    """The step and file a node's PX147 says it saved itself."""
+    found = re.search(r"step (\d+) is in (\S+) \(this node wrote it\)", text)
+    assert found is not None and "[PX147]" in text, text[-3000:]
+    return int(found.group(1)), found.group(2)
+
+
+def assert_resumed_clean(
+    tmp_path: Path, logs: list[Path], models: list[str], saved: tuple[int, str], epochs: int
+) -> None:
+    """Every node resumed from ``saved`` (step, file) and ended with the full run's steps,
+    an exact ledger and the model of a run that lost nothing."""
+    step, path = saved
+    assert f"resumed from {path} after {step} committed step(s)" in logs[0].read_text()
+    results = [result_of(log) for log in logs]
+    assert [r["steps"] for r in results] == [epochs * 10] * len(logs)
+    assert all(r["ledger_ok"] for r in results) and not results[0]["failures"]
+    clean = one_node_run(tmp_path, epochs=epochs)
+    for name in models:
+        assert same(weights(tmp_path / name), clean)
+
+
 def one_node_run(tmp_path: Path, epochs: int) -> list[torch.Tensor]:
     """The same job on one node with the same devices (two workers)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]))
@@ -225,18 +247,19 @@ def test_a_killed_node_is_named_and_the_survivors_finish_without_it(tmp_path: Pa
     assert "Final world size: 1 of 2" in logs[0].read_text()
 
 
-@pytest.mark.timeout(300)
-def test_torchrun_with_two_nodes_of_one_process_trains_one_job(tmp_path: Path) -> None:
-    """``torchrun --nnodes 2 --nproc-per-node 1`` with c10d rendezvous, as on a cluster (two
-    agents, here on loopback): phalanx reads torchrun's environment (the node's rank from
-    GROUP_RANK, the head from MASTER_ADDR) and the two nodes train one job, each returning
-    the model of the same job on one node with two devices."""
+def torchrun_nodes(
+    tmp_path: Path, run_id: str, args: list[str], flags: Sequence[str] = (), resume: bool = False
+) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+    """Two torchrun agents of one process each (c10d rendezvous on loopback), each running
+    SCRIPT with ``node<rank>.pt cpu:0 *args``; their logs are ``torchrun<rank>.log``."""
     torchrun = Path(sys.executable).with_name("torchrun")
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]))
     for name in ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD"):
         env.pop(name, None)
     env["PHALANX_TOKEN"] = "torchrun token"
+    if resume:
+        env["PHALANX_TEST_RESUME"] = "1"
     procs, logs = [], []
     for rank in (0, 1):
         logs.append(tmp_path / f"torchrun{rank}.log")
@@ -244,10 +267,20 @@ def test_torchrun_with_two_nodes_of_one_process_trains_one_job(tmp_path: Path) -
             str(torchrun),
             "--nnodes", "2", "--nproc-per-node", "1", "--monitor-interval", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "px-two-nodes",
+            "--rdzv-id", run_id, *flags,
         ]  # fmt: skip
-        args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", "4", "-"]
-        procs.append(start(args, env, logs[-1], launcher))
+        procs.append(start([str(tmp_path / f"node{rank}.pt"), "cpu:0", *args], env, logs[-1],
+                           launcher))  # fmt: skip
+    return procs, logs
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_with_two_nodes_of_one_process_trains_one_job(tmp_path: Path) -> None:
+    """``torchrun --nnodes 2 --nproc-per-node 1`` with c10d rendezvous, as on a cluster (two
+    agents, here on loopback): phalanx reads torchrun's environment (the node's rank from
+    GROUP_RANK, the head from MASTER_ADDR) and the two nodes train one job, each returning
+    the model of the same job on one node with two devices."""
+    procs, logs = torchrun_nodes(tmp_path, "px-two-nodes", ["4", "-"])
     finish_all(procs, logs)
     results = [result_of(log) for log in logs]
     assert [r["steps"] for r in results] == [40, 40] and all(r["ledger_ok"] for r in results)
@@ -265,23 +298,10 @@ def test_under_torchrun_max_restarts_a_lost_head_costs_no_committed_step(tmp_pat
     the other node saves its last committed step and exits 75, torchrun restarts both nodes,
     and the script (always ``resume=True``) goes on from that step: the run ends with the
     model of a run that lost nothing and an exact ledger."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    port, run_dir = free_port(), tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]))
-    for name in ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD"):
-        env.pop(name, None)
-    env.update(PHALANX_TOKEN="torchrun token", PHALANX_TEST_RESUME="1")
-    procs, logs = [], []
-    for rank in (0, 1):
-        logs.append(tmp_path / f"torchrun{rank}.log")
-        launcher = [
-            str(torchrun),
-            "--nnodes", "2", "--nproc-per-node", "1", "--monitor-interval", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "px-head-lost", "--max-restarts", "1",
-        ]  # fmt: skip
-        args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", "6", str(run_dir)]
-        procs.append(start(args, env, logs[-1], launcher))
+    run_dir = tmp_path / "run"
+    procs, logs = torchrun_nodes(
+        tmp_path, "px-head-lost", ["6", str(run_dir)], ["--max-restarts", "1"], resume=True
+    )
     try:
         wait_for("epoch 2/6 done", logs[0], procs[0])
         time.sleep(0.5)
@@ -295,17 +315,8 @@ def test_under_torchrun_max_restarts_a_lost_head_costs_no_committed_step(tmp_pat
         os.kill(int(head[0]), signal.SIGKILL)  # the head (its workers follow it out)
     finally:
         finish_all(procs, logs, timeout=300)
-    node_text = logs[1].read_text()
-    assert "[PX147]" in node_text and "(this node wrote it)" in node_text, node_text[-3000:]
-    found = re.search(r"step (\d+) is in (\S+) \(this node wrote it\)", node_text)
-    assert found is not None
-    step, path = int(found.group(1)), found.group(2)
-    assert f"resumed from {path} after {step} committed step(s)" in logs[0].read_text()
-    results = [result_of(log) for log in logs]
-    assert [r["steps"] for r in results] == [60, 60] and all(r["ledger_ok"] for r in results)
-    clean = one_node_run(tmp_path, epochs=6)
-    assert same(weights(tmp_path / "node0.pt"), clean)
-    assert same(weights(tmp_path / "node1.pt"), clean)
+    saved = saved_by_node(logs[1].read_text())
+    assert_resumed_clean(tmp_path, logs, ["node0.pt", "node1.pt"], saved, 6)
 
 
 @pytest.mark.timeout(400)
@@ -420,10 +431,8 @@ def test_the_head_lost_a_node_saves_what_was_committed_and_a_resume_loses_nothin
             kill_group(p)
     text = logs[1].read_text()
     assert code == 75, text[-3000:]  # EX_TEMPFAIL: run the same command again
-    assert "[PX147]" in text and "the head at 127.0.0.1:" in text and "resume=True" in text
-    found = re.search(r"step (\d+) is in (\S+) \(this node wrote it\)", text)
-    assert found is not None, text[-3000:]
-    step, path = int(found.group(1)), found.group(2)
+    assert "the head at 127.0.0.1:" in text and "resume=True" in text
+    step, path = saved_by_node(text)
     assert 20 < step < 60  # newer than the newest regular checkpoint: nothing lost
     assert decided < 15.0  # at once (the link closed), not after a store or group timeout
     saved = torch.load(path, weights_only=True)  # a file plain torch opens
@@ -432,13 +441,7 @@ def test_the_head_lost_a_node_saves_what_was_committed_and_a_resume_loses_nothin
     # The same command on both nodes with resume=True goes on from the saved step.
     _, procs, logs = two_nodes(tmp_path, epochs=6, run_dir=run_dir, resume=True, name="again")
     finish_all(procs, logs)
-    head, node = result_of(logs[0]), result_of(logs[1])
-    assert head["steps"] == node["steps"] == 60 and head["ledger_ok"] and node["ledger_ok"]
-    assert not head["failures"]
-    assert f"resumed from {path} after {step} committed step(s)" in logs[0].read_text()
-    clean = one_node_run(tmp_path, epochs=6)
-    assert same(weights(tmp_path / "again0.pt"), clean)
-    assert same(weights(tmp_path / "again1.pt"), clean)
+    assert_resumed_clean(tmp_path, logs, ["again0.pt", "again1.pt"], (step, path), 6)
 
 
 @pytest.mark.timeout(300)
@@ -459,14 +462,12 @@ def test_a_frozen_head_is_lost_after_node_timeout_and_the_node_saves_its_step(
             kill_group(p)
     text = logs[1].read_text()
     assert code == 75, text[-3000:]
-    found = re.search(r"step (\d+) is in (\S+) \(this node wrote it\)", text)
-    assert found is not None and "[PX147]" in text, text[-3000:]
-    step = int(found.group(1))
+    step, path = saved_by_node(text)
     assert 20 < step < 120
     # node_timeout (3 s) after the head's last word; the worker's wait on the frozen head's
     # worker was abandoned, not left to the group's timeout (50 s here)
     assert 2.0 <= decided < 15.0, decided
-    assert torch.load(found.group(2), weights_only=True)["phalanx"]["step"] == step
+    assert torch.load(path, weights_only=True)["phalanx"]["step"] == step
 
 
 @pytest.mark.timeout(200)
