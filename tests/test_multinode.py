@@ -305,14 +305,9 @@ def test_under_torchrun_max_restarts_a_lost_head_costs_no_committed_step(tmp_pat
     try:
         wait_for("epoch 2/6 done", logs[0], procs[0])
         time.sleep(0.5)
-        head = subprocess.run(
-            ["pgrep", "-P", str(procs[0].pid), "-f", SCRIPT.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
+        head = children_running(procs[0].pid, SCRIPT.name)  # torchrun's worker: the head
         assert len(head) == 1, head
-        os.kill(int(head[0]), signal.SIGKILL)  # the head (its workers follow it out)
+        os.kill(head[0], signal.SIGKILL)  # (its workers follow it out)
     finally:
         finish_all(procs, logs, timeout=300)
     saved = saved_by_node(logs[1].read_text())
@@ -355,6 +350,24 @@ def test_a_spare_takes_the_lost_nodes_place_and_a_second_spare_waits_to_the_end(
         assert result_of(log)["steps"] == 200  # the parked one returns the run's result too
         assert same(weights(tmp_path / f"spare{i}.pt"), clean)
     assert same(weights(tmp_path / "node0.pt"), clean)
+
+
+def children_running(parent: int, name: str) -> list[int]:
+    """The pids of ``parent``'s children whose command line mentions ``name`` (from /proc:
+    no procps needed)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # (the name in parentheses may hold spaces)
+        if ppid == parent and name in cmdline:
+            found.append(int(entry.name))
+    return found
 
 
 def alive_in_group(pgid: int) -> bool:
