@@ -331,8 +331,9 @@ class NodeHub:
             if spare.lost or not lost:
                 continue
             old = lost[0]
-            node = RemoteNode(old.rank, spare.host, spare.devices, spare.link, old.first)
-            node.spare = True
+            node = RemoteNode(
+                old.rank, spare.host, spare.devices, spare.link, old.first, spare=True
+            )
             self.spares.remove(spare)
             self.nodes[old.rank] = node
             self._welcome(node)
@@ -355,49 +356,49 @@ class NodeHub:
             pass  # seen as the node's loss by poll
 
     def poll(self) -> tuple[list[tuple[RemoteNode, Frame]], list[tuple[RemoteNode, str]]]:
-        """Frames from every live node, and the nodes lost since the last poll (why)."""
+        """Frames from every live node, and the nodes lost since the last poll (why).
+        Parked spares are heard the same way; one that is lost is dropped (a warning)."""
         frames: list[tuple[RemoteNode, Frame]] = []
         lost: list[tuple[RemoteNode, str]] = []
         now = time.monotonic()
-        self._keep_spares(now)
+        for spare in list(self.spares):
+            if self._listen(spare, now, []) is not None:
+                self.spares.remove(spare)
+                self.notes.append(("warning", f"the spare on {spare.host} is gone: dropped"))
         for node in self.nodes.values():
             if node.lost:
                 continue
-            for item in node.link.drain():
-                if isinstance(item, LinkError):
-                    node.lost = True
-                    lost.append((node, f"its link closed ({item})"))
-                    break
-                frames.append((node, item))
-            silent = now - node.link.last_heard
-            if not node.lost and silent > self.timeout.total_seconds():
-                node.lost = True
-                limit = self.timeout.total_seconds()
-                lost.append((node, f"no word for {silent:.1f}s (node_timeout {limit:g}s)"))
-                # (a frozen node reads this when it wakes: it is out, and stops)
-                with contextlib.suppress(LinkError, OSError):
-                    node.link.send("fenced", {"silent": silent, "limit": limit})
-            if node.lost:
-                node.link.close()
-                node.alive.clear()
-            elif now - node.last_sent > BEAT_EVERY:
-                self.send(node, "beat", {})
+            why = self._listen(node, now, frames)
+            if why is not None:
+                lost.append((node, why))
         self._rejected()
         return frames, lost
 
-    def _keep_spares(self, now: float) -> None:
-        """Parked spares: a keep-alive each second; one that closed or fell silent is
-        dropped (a warning)."""
-        for spare in list(self.spares):
-            gone = [i for i in spare.link.drain() if isinstance(i, LinkError)]
-            silent = now - spare.link.last_heard > self.timeout.total_seconds()
-            if gone or silent:
-                spare.lost = True
-                spare.link.close()
-                self.spares.remove(spare)
-                self.notes.append(("warning", f"the spare on {spare.host} is gone: dropped"))
-            elif now - spare.last_sent > BEAT_EVERY:
-                self.send(spare, "beat", {})
+    def _listen(
+        self, node: RemoteNode, now: float, frames: list[tuple[RemoteNode, Frame]]
+    ) -> str | None:
+        """``node``'s frames (added to ``frames``) and why it is lost now (None: it is not):
+        its link closed, or it was silent for ``node_timeout`` (it is told so, see
+        ``fenced``). A live node gets a keep-alive each second."""
+        why = None
+        for item in node.link.drain():
+            if isinstance(item, LinkError):
+                why = f"its link closed ({item})"
+                break
+            frames.append((node, item))
+        silent, limit = now - node.link.last_heard, self.timeout.total_seconds()
+        if why is None and silent > limit:
+            why = f"no word for {silent:.1f}s (node_timeout {limit:g}s)"
+            # (a frozen node reads this when it wakes: it is out, and stops)
+            with contextlib.suppress(LinkError, OSError):
+                node.link.send("fenced", {"silent": silent, "limit": limit})
+        if why is not None:
+            node.lost = True
+            node.link.close()
+            node.alive.clear()
+        elif now - node.last_sent > BEAT_EVERY:
+            self.send(node, "beat", {})
+        return why
 
     def _rejected(self) -> None:
         while not self.listener.rejected.empty():

@@ -267,7 +267,7 @@ class Watcher:
     def _reconnect(self, store: SignedStore) -> SignedStore:
         time.sleep(RECONNECT_EVERY.total_seconds())
         try:
-            return self.a.signed(self.a.connect(PROBE_TIMEOUT), self.send)
+            return self.a.signed(self.a.connect(), self.send)
         except Exception:
             return store
 
