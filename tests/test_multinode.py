@@ -352,6 +352,33 @@ def test_a_spare_takes_the_lost_nodes_place_and_a_second_spare_waits_to_the_end(
     assert same(weights(tmp_path / "node0.pt"), clean)
 
 
+@pytest.mark.timeout(300)
+def test_a_spare_that_disagrees_is_refused_and_one_that_dies_is_dropped(tmp_path: Path) -> None:
+    """Spares never stop the run: one started with other settings (epochs) is refused with
+    PX144 and a warning, one killed while parked is dropped with a warning; the two nodes
+    train to the end with the clean model."""
+    port, procs, logs = two_nodes(tmp_path, epochs=8)
+    odd, doomed = tmp_path / "odd.log", tmp_path / "doomed.log"
+    env = dict(env_for(1, port, "t"), PHALANX_NODE_RANK="spare")
+    procs.append(start([str(tmp_path / "odd.pt"), "cpu:0", "9", "-"], env, odd))
+    procs.append(start([str(tmp_path / "doomed.pt"), "cpu:0", "8", "-"], env, doomed))
+    try:
+        wait_for("spare: waiting at the head", doomed, procs[3])
+        kill_group(procs[3])  # a parked spare's machine goes away
+        codes = [finish(procs[0]), finish(procs[1]), finish(procs[2])]
+    finally:
+        for p in procs:
+            kill_group(p)
+    text = logs[0].read_text()
+    assert codes == [0, 0, 1], text[-3000:] + odd.read_text()[-2000:]
+    assert "refused a spare on" in text and "epochs: the head has 8, this node 9" in text
+    assert "[PX144]" in odd.read_text()
+    assert "is gone: dropped" in text
+    head = result_of(logs[0])
+    assert head["steps"] == 80 and head["ledger_ok"] and not head["failures"]
+    assert same(weights(tmp_path / "node0.pt"), one_node_run(tmp_path, epochs=8))
+
+
 def children_running(parent: int, name: str) -> list[int]:
     """The pids of ``parent``'s children whose command line mentions ``name`` (from /proc:
     no procps needed)."""
