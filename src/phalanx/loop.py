@@ -16,12 +16,12 @@ Only the main member emits events and writes checkpoints.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-import numpy as np
 import torch
 
 from phalanx import rng
@@ -479,8 +479,11 @@ _ACTION_NAMES = {"retry": "retried", "abort": "aborted", "split": "split"}
 
 def step_seed(seed: int, global_step: int, rank: int) -> int:
     """Torch's RNG is reseeded at every step attempt: dropout and any randomness in the step
-    depend only on (seed, step, rank), so a retried step and a resumed run replay exactly."""
-    return int(np.random.SeedSequence([seed, global_step, rank]).generate_state(1)[0])
+    depend only on (seed, step, rank), so a retried step and a resumed run replay exactly.
+    (A 64-bit hash of the three: well mixed for neighbouring steps and ranks, ~1 us where
+    numpy's SeedSequence took ~10.)"""
+    key = b"%d,%d,%d" % (seed, global_step, rank)
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
 def _size(metrics: list[Metric]) -> int:

@@ -62,8 +62,11 @@ class StepModule(nn.Module):
         self.autocast = autocast
         self.scaler: LossScaler | None = None
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, ballot: torch.Tensor | None = None) -> None:
+        """``loss``'s backward (scaled under "16-mixed"); ``ballot``, a term whose gradient
+        carries a ddp member's vote, is added after the scaling (its gradient stays exact)."""
+        total = self.scaler.scale(loss) if self.scaler is not None else loss
+        (total if ballot is None else total + ballot).backward()
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any]:
         if isinstance(batch, ZeroPass):
@@ -149,12 +152,13 @@ class LocalResult:
 class VoteLaunch(Protocol):
     """What a ddp member does right before its synchronised backward (the real one or the
     zero pass): ``check`` (phase ``sync``: an injected fault there fails the attempt, before
-    any vote left) and ``launch`` its vote on ``result`` (the collective starts and runs
-    while the backward computes; the engine waits for it after the backward)."""
+    any vote left) and ``launch`` its vote on ``result``: a term to add to the loss, whose
+    gradient carries the vote through the backward's own all-reduce (the engine counts it
+    after the backward)."""
 
     def check(self) -> None: ...
 
-    def launch(self, result: LocalResult) -> None: ...
+    def launch(self, result: LocalResult) -> torch.Tensor: ...
 
 
 class Replica:
@@ -216,9 +220,9 @@ class Replica:
         zero pass when the slice is empty or something raised before it), so DDP's
         collectives match across ranks whatever happens here. With ``vote`` (ddp), the
         member's vote is launched right before that backward, on what it knows then (so
-        every metric state is computed before the backward it belongs to): every member
-        launches exactly one vote per call, and always before its synchronised backward's
-        first bucket, so the collectives stay in the same order on every member.
+        every metric state is computed before the backward it belongs to), and travels in
+        that backward's gradient all-reduce: every member casts exactly one vote per call,
+        and no collective of its own.
         """
         # (the fingerprint once: the vote carries the very result this call returns)
         done = LocalResult(torch.zeros(self.size, dtype=torch.float64), ledger=fingerprint(samples))
@@ -307,14 +311,15 @@ class Replica:
                     result.sums += pack_states(
                         self.metrics, StepOutput(loss.detach(), outputs, targets), b - a
                     )
+                ballot = None
                 if last and vote is not None:
                     with tracker.enter("sync"):
                         vote.check()
-                        vote.launch(result)
+                        ballot = vote.launch(result)
                         tracker.launched = True
                 share = (b - a) * self.world / global_samples  # (1.0 for even shares)
                 with tracker.enter("backward"), self.faults.inside_backward(step, self.module):
-                    self.module.backward(loss if share == 1.0 else loss * share)
+                    self.module.backward(loss if share == 1.0 else loss * share, ballot)
                     tracker.synced = last
 
     def zero_pass(self, result: LocalResult | None = None, vote: VoteLaunch | None = None) -> None:
@@ -322,7 +327,7 @@ class Replica:
         matched); ``vote`` launches ``result`` as this member's vote right before it."""
         loss, _, _ = self.forward(ZERO_PASS)
         if vote is not None and result is not None:
-            vote.launch(result)
+            loss = loss + vote.launch(result)
         loss.backward()
 
     @torch.no_grad()

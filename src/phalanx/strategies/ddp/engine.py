@@ -1,7 +1,6 @@
-"""The engine of one ddp rank in one generation: the local step through DDP, and one
-all-reduce (the vote) launched right before the synchronised backward, so that it runs
-while the gradients are computed and reduced; every collective over the generation's own
-group."""
+"""The engine of one ddp rank in one generation: the local step through DDP, whose gradient
+all-reduce also carries the step's vote (:mod:`phalanx.strategies.ddp.ballot`); every
+collective over the generation's own group."""
 
 from __future__ import annotations
 
@@ -18,11 +17,13 @@ from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
-from phalanx.loop import Vote, pack_vote, unpack_vote
+from phalanx.ledger import EMPTY
+from phalanx.loop import VOTE_FIELDS, Vote, pack_vote, unpack_vote
 from phalanx.plan import Plan
 from phalanx.replica import Identity, LocalResult, Replica
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
+from phalanx.strategies.ddp.ballot import Ballot
 from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
 from phalanx.trainable import Trainable
 
@@ -67,10 +68,10 @@ class DdpEngine:
     """Rank ``group.rank`` of ``group.size`` in one generation: its slice of each global
     batch, under a DDP module built over this generation's group.
 
-    The vote is one all-reduce of the packed vote (:func:`phalanx.loop.pack_vote`), launched
-    by :meth:`launch` right before the synchronised backward and waited for after it: its
-    latency hides behind the backward; a failed step costs nothing extra and metrics need no
-    collective of their own.
+    The vote (:func:`phalanx.loop.pack_vote`) is cast by :meth:`launch` right before the
+    synchronised backward, as a term of the loss whose gradient DDP reduces with the
+    model's (:class:`~phalanx.strategies.ddp.ballot.Ballot`), and counted after it: no
+    collective of its own; a failed step costs nothing extra and metrics need none either.
     """
 
     def __init__(
@@ -91,7 +92,9 @@ class DdpEngine:
         self.device = member.device
         # A later generation's members get their state from the hand-over, not from rank 0
         # (which may be the one behind): no sync at construction then.
-        ddp = group.wrap(member.trainable.module, init_sync=init_sync)
+        size = len(VOTE_FIELDS) + len(EMPTY) + member.replica.size
+        self.ballot = Ballot(member.trainable.module, self.world, size, self.device)
+        ddp = group.wrap(self.ballot, init_sync=init_sync)
         self.ddp: DistributedDataParallel | None = ddp  # None once the group is left
         replica = member.replica
         replica.forward, replica.world, replica.identity.rank = ddp, self.world, self.rank
@@ -101,10 +104,10 @@ class DdpEngine:
         self.batches: LocalBatches | None = None
         self.epoch = 0
         self.step = 0
-        # The attempt in progress: its stop request, and its vote once launched (the work,
-        # the packed tensor it reduces, this member's own vote), or why it could not start.
+        # The attempt in progress: its stop request, and this member's own vote once cast,
+        # or why it could not be.
         self._stop: Callable[[], bool] = lambda: False
-        self._pending: tuple[Any, torch.Tensor, Vote] | BaseException | None = None
+        self._pending: Vote | BaseException | None = None
 
     @property
     def trainable(self) -> Trainable:
@@ -124,19 +127,16 @@ class DdpEngine:
         assert self.batches is not None
         self.step = global_step
         self._stop, self._pending = stop, None
-        try:
-            res = self.m.replica.run(
-                self.batches.loader(step),
-                self.batches.indices(step),
-                self.batches.global_size(step),
-                global_step,
-                epoch,
-                self.micro,
-                vote=self,
-            )
-            pending = self._pending
-        finally:
-            self._pending = None  # (a gloo work keeps its group's sockets open)
+        res = self.m.replica.run(
+            self.batches.loader(step),
+            self.batches.indices(step),
+            self.batches.global_size(step),
+            global_step,
+            epoch,
+            self.micro,
+            vote=self,
+        )
+        mine, self._pending = self._pending, None
         if res.broken:  # no vote on a broken group: leave it (the failure is the peer's)
             raise GroupBroken(f"step {global_step + 1}: {res.failure and res.failure.message}")
         if res.after_vote:  # the vote said ok: leaving is what keeps the peers from committing
@@ -144,13 +144,11 @@ class DdpEngine:
                 f"step {global_step + 1}: this member failed after its vote left "
                 f"({res.failure and res.failure.message})"
             )
-        if isinstance(pending, BaseException):  # the vote could not start: the group is gone
-            raise GroupBroken(f"step {global_step + 1}: the vote: {pending}") from pending
-        assert pending is not None, "Replica.run returned without launching the vote"
-        work, packed, mine = pending
-        self.group.wait(work)
+        if isinstance(mine, BaseException):  # this member's vote could not be cast
+            raise GroupBroken(f"step {global_step + 1}: the vote: {mine}") from mine
+        assert mine is not None, "Replica.run returned without launching the vote"
         self.m.replica.unvoted = None  # the vote carries it from here
-        vote = unpack_vote(packed, mine.failures)
+        vote = unpack_vote(self.ballot.count(), mine.failures)
         # After backward DDP has reduced the gradients: every member holds the same ones
         # (what keeps DDP's replicas equal), so each finds the same overflow, here counted for
         # every member (only read when nobody failed: then every member checked).
@@ -165,17 +163,18 @@ class DdpEngine:
         """Phase ``sync``: an injected fault here fails this attempt before the vote left."""
         self.m.faults.check(self.step, "sync")
 
-    def launch(self, result: LocalResult) -> None:
-        """This member's vote on ``result`` into one all-reduce, started now and waited for
-        after the backward (:meth:`attempt`). The stop and regroup requests are read here.
-        Never raises: a vote that cannot start is kept, and raised by :meth:`attempt` (the
-        backward's own collectives fail on that group too)."""
+    def launch(self, result: LocalResult) -> torch.Tensor:
+        """This member's vote on ``result``, as the term of the loss that carries it through
+        the backward's all-reduce; counted after the backward (:meth:`attempt`). The stop and
+        regroup requests are read here. Never raises: a vote that cannot be cast is kept
+        and raised by :meth:`attempt` (this member then leaves the group), and its term
+        carries a failed vote, so that no peer commits the step either."""
         try:
             mine = member_vote(result, self._stop(), self.hooks.regroup_requested())
-            packed = pack_vote(mine).to(self.device)
-            self._pending = (self.group.all_reduce_async(packed), packed, mine)
+            self._pending = mine
         except Exception as exc:
-            self._pending = exc
+            self._pending, mine = exc, Vote(failed=1, stop=False, sums=result.sums)
+        return self.ballot.cast(pack_vote(mine), self.rank)
 
     def commit(self, skip: bool = False) -> None:
         """Buffers first (a collective that can still fail with nothing changed), then the
