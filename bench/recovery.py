@@ -9,6 +9,8 @@ SIGKILL when it reaches step ``--kill-at``. Measured in one run, side by side:
   (phalanx: its WorkerFailed event; torchrun: the restarted workers' first line, since it
   prints no report of its own that a program can time);
 - fault -> next committed step: from the kill to the first optimizer step after it;
+- longest gap (phalanx): the longest interval between two committed steps from the kill
+  to the end, a replacement's join (respawn) included: what the survivors wait at worst;
 - committed steps lost: steps that had been committed before the kill and were computed
   again after it (torchrun restarts from the last checkpoint, written every ``--every``
   steps; phalanx goes on from the last step all members agreed on);
@@ -17,13 +19,15 @@ SIGKILL when it reaches step ``--kill-at``. Measured in one run, side by side:
 torchrun runs twice: as launched by default, and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
 the opt-out (named in pytorch/pytorch#135712) of the store sharing that breaks its restarts
 (see NO_SHARED_STORE).
-``--torchrun-logs DIR`` keeps what the agent and its workers print.
+``--torchrun-logs DIR`` keeps what the agent and its workers print; ``--only phalanx`` runs
+phalanx's two rows alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -128,6 +132,10 @@ def phalanx_run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "fault_to_report": (rec.failed_at or fault_time) - fault_time,
         "fault_to_step": after[0][0] - fault_time if after else float("nan"),
+        "longest_gap": max(
+            (b - a for a, b in itertools.pairwise([fault_time, *(t for t, _ in after)])),
+            default=float("nan"),
+        ),
         "steps_lost": len(committed) - len(set(committed)),
         "ledger_ok": result.ledger_ok,
         "peak_rss_mb": max(rec.peak_rss.values()) / 1024 if rec.peak_rss else float("nan"),
@@ -303,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--torchrun-logs", help="keep each torchrun run's console output in this folder"
     )
+    parser.add_argument("--only", help="run only the rows whose name starts with this")
     args = parser.parse_args(argv)
     runs = {
         "phalanx shrink": lambda: phalanx_run("shrink", args),
@@ -314,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "plain DDP under torchrun, no fault (memory baseline)": lambda: torchrun_run(args, False),
     }
+    runs = {k: v for k, v in runs.items() if k.startswith(args.only or "")}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     for trial in range(args.trials):  # interleaved: the machine's load hits all alike
         for name, run in runs.items():
@@ -324,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.trials} trials each (medians over the trials that recovered)\n"
     )
     print(
-        "| run | recovered | fault -> report | fault -> next committed step | committed "
-        "steps lost | exactly once | peak RSS / worker |\n|---|---|---|---|---|---|---|"
+        "| run | recovered | fault -> report | fault -> next committed step | longest gap | "
+        "committed steps lost | exactly once | peak RSS / worker |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     for name, trials in results.items():
         ok = [r for r in trials if r.get("outcome", "recovered") == "recovered"]
@@ -336,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {len(ok)}/{len(trials)}{note}"
             f" | {_cell(ok, 'fault_to_report', '{:.2f} s')}"
             f" | {_cell(ok, 'fault_to_step', '{:.2f} s')}"
+            f" | {_cell(ok, 'longest_gap', '{:.2f} s')}"
             f" | {_cell(ok, 'steps_lost', '{:g}')} | {_all(ok, 'ledger_ok')}"
             f" | {_cell(trials, 'peak_rss_mb', '{:.0f} MB')} |"
         )
@@ -343,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:
-    values = [r[key] for r in rows if r[key] == r[key]]  # NaN != NaN
+    found = [r.get(key, float("nan")) for r in rows]  # (torchrun's rows have no gap)
+    values = [v for v in found if v == v]  # NaN != NaN
     return statistics.median(values) if values else float("nan")
 
 
