@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from phalanx.replica import StepModule
+from phalanx.replica import StepModule, backward
 from phalanx.strategies.ddp.ballot import Ballot
 
 WAYS = ("plain", "all-reduce", "ballot")
@@ -47,7 +47,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     for way in WAYS:
         torch.manual_seed(0)
         modules[way] = StepModule(steps.make_model(width, layers), _loss)
-        wrapped = Ballot(modules[way], 2, VOTE, torch.device("cpu")) if way == "ballot" else None
+        cpu = torch.device("cpu")
+        wrapped = Ballot(modules[way], rank, 2, VOTE, cpu) if way == "ballot" else None
         ddps[way] = DistributedDataParallel(wrapped or modules[way])
         opts[way] = steps.make_optimizer(modules[way].model.parameters())
     x, y = steps.dataset(64 * batch).tensors
@@ -64,7 +65,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
             packed.tolist()
         elif way == "ballot":
             box = ddps[way].module
-            (loss + box.cast(packed, rank)).backward()
+            backward(loss, box.cast(packed))
             box.count().tolist()
         else:
             loss.backward()

@@ -35,6 +35,18 @@ from phalanx.report import is_secondary
 from phalanx.step import StepOutput, as_step_output
 
 StepFn = Callable[[nn.Module, Any], Any]
+# A ddp member's vote as the synchronised backward carries it: a leaf tensor and the
+# gradient it receives (strategies/ddp/ballot.py).
+Cast = tuple[torch.Tensor, torch.Tensor]
+
+
+def backward(loss: torch.Tensor, ballot: Cast | None = None) -> None:
+    """``loss.backward()``; with a ``ballot``, its leaf is a second root of the same
+    backward, given the ballot's gradient as is (no scaling touches it)."""
+    if ballot is None:
+        loss.backward()
+    else:
+        torch.autograd.backward([loss, ballot[0]], [None, ballot[1]])
 
 
 class ZeroPass:
@@ -62,11 +74,9 @@ class StepModule(nn.Module):
         self.autocast = autocast
         self.scaler: LossScaler | None = None
 
-    def backward(self, loss: torch.Tensor, ballot: torch.Tensor | None = None) -> None:
-        """``loss``'s backward (scaled under "16-mixed"); ``ballot``, a term whose gradient
-        carries a ddp member's vote, is added after the scaling (its gradient stays exact)."""
-        total = self.scaler.scale(loss) if self.scaler is not None else loss
-        (total if ballot is None else total + ballot).backward()
+    def backward(self, loss: torch.Tensor, ballot: Cast | None = None) -> None:
+        """``loss``'s backward (scaled under "16-mixed"; ``ballot``: see :func:`backward`)."""
+        backward(self.scaler.scale(loss) if self.scaler is not None else loss, ballot)
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any]:
         if isinstance(batch, ZeroPass):
@@ -152,13 +162,13 @@ class LocalResult:
 class VoteLaunch(Protocol):
     """What a ddp member does right before its synchronised backward (the real one or the
     zero pass): ``check`` (phase ``sync``: an injected fault there fails the attempt, before
-    any vote left) and ``launch`` its vote on ``result``: a term to add to the loss, whose
-    gradient carries the vote through the backward's own all-reduce (the engine counts it
-    after the backward)."""
+    any vote left) and ``launch`` its vote on ``result``: a second root for the backward,
+    whose gradient carries the vote through the backward's own all-reduce (the engine
+    counts it after the backward)."""
 
     def check(self) -> None: ...
 
-    def launch(self, result: LocalResult) -> torch.Tensor: ...
+    def launch(self, result: LocalResult) -> Cast: ...
 
 
 class Replica:
@@ -326,9 +336,7 @@ class Replica:
         """A backward of zero gradients through ``forward`` (keeps DDP's collectives
         matched); ``vote`` launches ``result`` as this member's vote right before it."""
         loss, _, _ = self.forward(ZERO_PASS)
-        if vote is not None and result is not None:
-            loss = loss + vote.launch(result)
-        loss.backward()
+        backward(loss, vote.launch(result) if vote is not None and result is not None else None)
 
     @torch.no_grad()
     def evaluate(self, batch: Any, samples: int) -> torch.Tensor:

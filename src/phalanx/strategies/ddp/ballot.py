@@ -1,11 +1,11 @@
 """The vote rides DDP's gradient all-reduce: no collective of its own.
 
 The module DDP wraps is a :class:`Ballot`: the replica's step module plus one parameter,
-the *box*, that no optimizer sees. Right before its synchronised backward a member adds
-``dot(box, its ballot)`` to the loss; the box's gradient is then exactly the ballot, and DDP
-reduces it with the model's gradients, in the bucket of the layers whose gradients come
-first (its gradient is ready at the very start of the backward). After the backward every
-member reads the same reduced box and counts the vote from it.
+the *box*, that no optimizer sees. A member's synchronised backward has two roots: the loss,
+and the box with its ballot as the gradient it receives; the box's gradient is then exactly
+the ballot, and DDP reduces it with the model's gradients, in the bucket of the layers whose
+gradients come first (the box's is ready at the very start of the backward). After the
+backward every member reads the same reduced box and counts the vote from it.
 
 A packed vote (:func:`phalanx.loop.pack_vote`) is float64; a bucket is float32 and DDP
 averages it. So the ballot is exact by construction, whatever the world size and the order
@@ -15,9 +15,9 @@ its 64 bits in four 16-bit pieces, integers a float32 holds exactly. After DDP's
 the world size, multiplying back and rounding gives every piece exactly. The members'
 votes are then summed in rank order, in float64, the same on every member.
 
-The cost: three small autograd operations and a copy of ``4 * world * len(vote)`` floats
-(a few hundred bytes on two workers) into the first bucket, instead of one more collective
-each step.
+The cost: writing the ballot, one more leaf in the backward, ``4 * world * len(vote)``
+floats (a few hundred bytes on two workers) more in the first bucket and reading them back,
+instead of one more collective each step.
 """
 
 from __future__ import annotations
@@ -34,31 +34,51 @@ PIECES = 4  # 16-bit pieces of one float64 (little-endian on every member)
 
 
 class Ballot(nn.Module):
-    """What DDP wraps in a generation of ``world`` members: ``step`` (the replica's step
-    module, whose forward this is) and the box for votes of ``size`` values."""
+    """What DDP wraps for member ``rank`` of a generation of ``world``: ``step`` (the
+    replica's step module, whose forward this is) and the box for votes of ``size`` values."""
 
-    def __init__(self, step: StepModule, world: int, size: int, device: torch.device) -> None:
+    def __init__(
+        self, step: StepModule, rank: int, world: int, size: int, device: torch.device
+    ) -> None:
         super().__init__()
         self.step = step
-        self.world, self.size = world, size
+        self.rank, self.world, self.size = rank, world, size
         self.box = nn.Parameter(torch.zeros(world * size * PIECES, device=device))
+        # Never None: the ballot is added into it in place (a gradient torch could take over
+        # as the box's own would be this member's ballot buffer, which DDP then overwrites).
+        self.box.grad = torch.zeros_like(self.box)
+        self._ballot = np.zeros((world, size * PIECES), dtype=np.float32)  # (reused)
+        self._sent = torch.from_numpy(self._ballot).view(-1)  # (its memory)
+        self._seen: tuple[torch.Tensor, np.ndarray] | None = None  # the box's gradient, read
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any]:
         return self.step(batch)
 
-    def cast(self, packed: torch.Tensor, rank: int) -> torch.Tensor:
-        """The term to add to the loss before the synchronised backward: its gradient with
-        respect to the box is member ``rank``'s ballot for ``packed`` (its vote). Clears the
-        box's gradient of the step before (nothing else does: no optimizer holds it)."""
-        self.box.grad = None
-        ballot = torch.from_numpy(encode(packed.numpy(), rank, self.world))
-        return torch.dot(self.box, ballot.to(self.box.device, non_blocking=True))
+    def cast(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This member's ballot for ``packed`` (its vote), as a second root of the
+        synchronised backward: the box, and the gradient it receives (the ballot). Clears
+        the box's gradient of the step before (no optimizer holds it)."""
+        grad = self.box.grad
+        if grad is None:
+            self.box.grad = torch.zeros_like(self.box)
+        else:
+            grad.zero_()
+        self._ballot[self.rank] = np.asarray(packed.numpy(), dtype="<f8").view("<u2")
+        if self.box.device.type == "cpu":
+            return self.box, self._sent
+        return self.box, self._sent.to(self.box.device)
 
     def count(self) -> torch.Tensor:
         """After the synchronised backward: the sum of every member's packed vote."""
         grad = self.box.grad
         assert grad is not None, "count() before a backward that carried the ballots"
-        return torch.from_numpy(decode(grad.cpu().numpy(), self.world, self.size))
+        if grad.device.type != "cpu":
+            reduced = grad.cpu().numpy()
+        else:  # (DDP writes the reduced box into the same tensor every step: one view)
+            if self._seen is None or self._seen[0] is not grad:
+                self._seen = (grad, grad.detach().numpy())
+            reduced = self._seen[1]
+        return torch.from_numpy(decode(reduced, self.world, self.size))
 
 
 def encode(packed: np.ndarray, rank: int, world: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from phalanx.faults import FaultInjector
 from phalanx.ledger import EMPTY
 from phalanx.loop import VOTE_FIELDS, Vote, pack_vote, unpack_vote
 from phalanx.plan import Plan
-from phalanx.replica import Identity, LocalResult, Replica
+from phalanx.replica import Cast, Identity, LocalResult, Replica
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
 from phalanx.strategies.ddp.ballot import Ballot
@@ -69,8 +69,8 @@ class DdpEngine:
     batch, under a DDP module built over this generation's group.
 
     The vote (:func:`phalanx.loop.pack_vote`) is cast by :meth:`launch` right before the
-    synchronised backward, as a term of the loss whose gradient DDP reduces with the
-    model's (:class:`~phalanx.strategies.ddp.ballot.Ballot`), and counted after it: no
+    synchronised backward, as a gradient DDP reduces with the model's
+    (:class:`~phalanx.strategies.ddp.ballot.Ballot`), and counted after it: no
     collective of its own; a failed step costs nothing extra and metrics need none either.
     """
 
@@ -93,7 +93,7 @@ class DdpEngine:
         # A later generation's members get their state from the hand-over, not from rank 0
         # (which may be the one behind): no sync at construction then.
         size = len(VOTE_FIELDS) + len(EMPTY) + member.replica.size
-        self.ballot = Ballot(member.trainable.module, self.world, size, self.device)
+        self.ballot = Ballot(member.trainable.module, self.rank, self.world, size, self.device)
         ddp = group.wrap(self.ballot, init_sync=init_sync)
         self.ddp: DistributedDataParallel | None = ddp  # None once the group is left
         replica = member.replica
@@ -163,18 +163,18 @@ class DdpEngine:
         """Phase ``sync``: an injected fault here fails this attempt before the vote left."""
         self.m.faults.check(self.step, "sync")
 
-    def launch(self, result: LocalResult) -> torch.Tensor:
-        """This member's vote on ``result``, as the term of the loss that carries it through
-        the backward's all-reduce; counted after the backward (:meth:`attempt`). The stop and
-        regroup requests are read here. Never raises: a vote that cannot be cast is kept
-        and raised by :meth:`attempt` (this member then leaves the group), and its term
-        carries a failed vote, so that no peer commits the step either."""
+    def launch(self, result: LocalResult) -> Cast:
+        """This member's vote on ``result``, as the second root of the backward that carries
+        it through the backward's all-reduce; counted after the backward (:meth:`attempt`).
+        The stop and regroup requests are read here. Never raises: a vote that cannot be
+        cast is kept and raised by :meth:`attempt` (this member then leaves the group), and
+        a failed vote goes instead, so that no peer commits the step either."""
         try:
             mine = member_vote(result, self._stop(), self.hooks.regroup_requested())
             self._pending = mine
         except Exception as exc:
             self._pending, mine = exc, Vote(failed=1, stop=False, sums=result.sums)
-        return self.ballot.cast(pack_vote(mine), self.rank)
+        return self.ballot.cast(pack_vote(mine))
 
     def commit(self, skip: bool = False) -> None:
         """Buffers first (a collective that can still fail with nothing changed), then the
