@@ -278,17 +278,26 @@ def _fabric_main(fabric: Any, steps: int, size: str, out: str) -> None:
             fh.write("\n".join(map(str, stamps)))
 
 
-def fabric_ddp(steps: int, world: int, size: str) -> list[float]:
+def fabric_ddp(steps: int, world: int, size: str, tries: int = 3) -> list[float]:
+    """Rank 0's step stamps under Fabric. Lightning's spawn launcher sometimes aborts a
+    process at its start (``terminate called without an active exception``, SIGABRT): that
+    run is started again, up to ``tries`` times, and said on stderr."""
     from lightning.fabric import Fabric  # type: ignore[import-not-found]
 
     threads = max(1, (os.cpu_count() or 1) // world)
-    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp_spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "stamps")
-        t0 = time.time()
-        fabric.launch(functools.partial(_fabric_entry, threads, steps, size, out))
-        with open(out) as fh:
-            return [t0, *(float(line) for line in fh)]
+    for attempt in range(tries):
+        fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp_spawn")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "stamps")
+            t0 = time.time()
+            try:
+                fabric.launch(functools.partial(_fabric_entry, threads, steps, size, out))
+            except mp.ProcessExitedException as exc:
+                print(f"fabric run {attempt + 1} of {tries} failed: {exc}", file=sys.stderr)
+                continue
+            with open(out) as fh:
+                return [t0, *(float(line) for line in fh)]
+    raise RuntimeError(f"Fabric's launcher failed {tries} times in a row")
 
 
 def _fabric_entry(threads: int, steps: int, size: str, out: str, fabric: Any) -> None:
