@@ -19,7 +19,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from phalanx.plan import bounds
 from phalanx.precision import LossScaler
 from phalanx.report import is_secondary
 from phalanx.step import StepOutput, as_step_output
+
+if TYPE_CHECKING:
+    from phalanx.data import LocalBatches
 
 StepFn = Callable[[nn.Module, Any], Any]
 # A ddp member's vote as the synchronised backward carries it: a leaf tensor and the
@@ -273,6 +276,26 @@ class Replica:
         if not tracker.synced:  # (nothing to compute: no samples)
             self.zero_pass(done, vote)
         return done
+
+    def run_step(
+        self,
+        batches: LocalBatches,
+        step: int,
+        global_step: int,
+        epoch: int,
+        micro_batches: int = 1,
+        vote: VoteLaunch | None = None,
+    ) -> LocalResult:
+        """:meth:`run` on this replica's slice of the epoch's ``step`` in ``batches``."""
+        return self.run(
+            batches.loader(step),
+            batches.indices(step),
+            batches.global_size(step),
+            global_step,
+            epoch,
+            micro_batches,
+            vote,
+        )
 
     def _split_after(self, failure: WorkerFailure, local: int, micro_batches: int) -> bool:
         """After an out-of-memory error, double the split if micro-batches can still shrink."""

@@ -49,14 +49,7 @@ class SingleEngine:
     def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
         assert self.batches is not None
         self.step = global_step
-        res = self.replica.run(
-            self.batches.loader(step),
-            self.batches.indices(step),
-            self.batches.global_size(step),
-            global_step,
-            epoch,
-            self.micro,
-        )
+        res = self.replica.run_step(self.batches, step, global_step, epoch, self.micro)
         overflow = res.failure is None and self.trainable.overflowed()
         return member_vote(res, stop(), overflow=overflow)
 

@@ -221,14 +221,7 @@ class ThreadsEngine:
             self._entered(i, global_step, "data")
             if device.type == "cuda":
                 torch.cuda.manual_seed(_member_seed(seed, i))
-            result = replica.run(
-                batches.loader(step),
-                batches.indices(step),
-                batches.global_size(step),
-                global_step,
-                epoch,
-                self.micro,
-            )
+            result = replica.run_step(batches, step, global_step, epoch, self.micro)
             if result.failure is None:
                 self._entered(i, global_step, "sync")
                 try:

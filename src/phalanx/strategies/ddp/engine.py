@@ -127,15 +127,7 @@ class DdpEngine:
         assert self.batches is not None
         self.step = global_step
         self._stop, self._pending = stop, None
-        res = self.m.replica.run(
-            self.batches.loader(step),
-            self.batches.indices(step),
-            self.batches.global_size(step),
-            global_step,
-            epoch,
-            self.micro,
-            vote=self,
-        )
+        res = self.m.replica.run_step(self.batches, step, global_step, epoch, self.micro, self)
         mine, self._pending = self._pending, None
         if res.broken:  # no vote on a broken group: leave it (the failure is the peer's)
             raise GroupBroken(f"step {global_step + 1}: {res.failure and res.failure.message}")
