@@ -432,3 +432,26 @@ def test_the_worker_panel_sees_each_state_change_once_and_the_generations() -> N
         (1, [0], "worker 1 crash: respawned"),
     ]
     assert all(g.time == 1_000_000.0 + (1 if g.number else 0) for g in gens)  # the fake clock
+
+
+def test_a_replacement_is_shown_training_by_its_joined_with_its_generation() -> None:
+    """The agent hands over each heartbeat before the messages read with it, so a
+    replacement's first step beat can come before the Joined it wrote first: the panel shows
+    it training once, by the Joined, with the generation it joined (not "generation None")."""
+    run = Run(world=2)
+    run.start_training()
+    run.at_step(1, 3)
+    run.at(1).feed(Exited(1, SIGKILL))
+    run.form([0], 1, step=3)
+    run.at(2).say(1, Ready(1))  # the replacement
+    run.at_step(1, 5, "data")  # its first step's beat, handed over before its Joined
+    run.at_step(0, 5, "data")
+    run.form([0, 1], 2, step=5)
+    shown = [
+        (e.event.worker, e.event.state, e.event.generation)
+        for e in run.log
+        if isinstance(e, Emit) and isinstance(e.event, WorkerState)
+    ]
+    mine = [s for s in shown if s[0] == 1]
+    assert mine[-2:] == [(1, "joining", None), (1, "training", 2)], shown
+    assert (1, "training", None) not in shown

@@ -15,6 +15,7 @@ TICK = timedelta(seconds=0.5)  # between two WorkersTick events
 # What a worker's phase shows as (other phases: training).
 PANEL_STATES = {"start": "starting", "preflight": "preflight", "regroup": "joining"}
 IDLE_PHASES = ("start", "regroup", "joining")  # bounded by their own timeouts, not hangs
+BEFORE_TRAINING = ("starting", "preflight", "joining")  # panel states a Joined ends
 
 
 class Shown(Protocol):
@@ -35,10 +36,21 @@ class Panel:
     ticked: float = float("-inf")
 
     def show(
-        self, slot: int, state: str, rec: Shown, rank: int | None, detail: str = ""
+        self,
+        slot: int,
+        state: str,
+        rec: Shown,
+        rank: int | None,
+        detail: str = "",
+        beat: bool = False,
     ) -> WorkerState | None:
-        """``slot``'s worker is now in ``state`` (None: nothing new to show)."""
+        """``slot``'s worker is now in ``state`` (None: nothing new to show). ``beat``: told
+        by a heartbeat, which the agent hands over before the messages read with it, so a
+        step's beat can come before the ``Joined`` written ahead of it: a worker starting or
+        joining is shown training by its ``Joined`` only, with the generation it joined."""
         if self.shown.get(slot) == state:
+            return None
+        if beat and state == "training" and self.shown.get(slot) in BEFORE_TRAINING:
             return None
         if state not in ("fallen", "replaced", "finished") and rec.ended:
             return None  # a fallen worker's last words do not revive its row

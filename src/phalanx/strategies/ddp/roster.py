@@ -170,10 +170,11 @@ class Roster:
         self.slots[action.slot] = state
         self.out.append(action)
 
-    def show(self, slot: int, panel_state: str, detail: str = "") -> None:
-        """The worker panel: ``slot`` is now in ``panel_state`` (sent once per change)."""
+    def show(self, slot: int, panel_state: str, detail: str = "", beat: bool = False) -> None:
+        """The worker panel: ``slot`` is now in ``panel_state`` (sent once per change;
+        ``beat``: see :meth:`Panel.show`)."""
         rank = self.rank(slot) if slot in self.gens.current else None
-        event = self.panel.show(slot, panel_state, self.slots[slot], rank, detail)
+        event = self.panel.show(slot, panel_state, self.slots[slot], rank, detail, beat)
         if event is not None:
             self.emit(event)
 
