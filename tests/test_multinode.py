@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -453,23 +453,33 @@ def test_a_frozen_node_is_given_up_the_others_go_on_and_it_stops_when_it_wakes(
     assert not left_behind, "the woken node left processes behind"
 
 
+def lose_the_head(
+    tmp_path: Path, run_dir: Path, epochs: int, lose: Callable[[Any], None], **options: Any
+) -> tuple[int, float, str]:
+    """Two nodes on ``run_dir``; once epoch 2 is done (checkpoints at steps 10 and 20) and
+    half a second into epoch 3, ``lose(head process)``: node 1's exit code, the seconds it
+    took to decide, and its output."""
+    _, procs, logs = two_nodes(tmp_path, epochs=epochs, run_dir=run_dir, **options)
+    try:
+        wait_for(f"epoch 2/{epochs} done", logs[0], procs[0])
+        time.sleep(0.5)  # into epoch 3: steps committed after the newest checkpoint
+        lost_at = time.time()
+        lose(procs[0])
+        code = finish(procs[1], 90)
+        decided = time.time() - lost_at
+    finally:
+        for p in procs:
+            kill_group(p)
+    return code, decided, logs[1].read_text()
+
+
 @pytest.mark.timeout(400)
 def test_the_head_lost_a_node_saves_what_was_committed_and_a_resume_loses_nothing(
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    _, procs, logs = two_nodes(tmp_path, epochs=6, run_dir=run_dir)
-    try:
-        wait_for("epoch 2/6 done", logs[0], procs[0])  # checkpoints at steps 10 and 20
-        time.sleep(0.5)  # into epoch 3: steps committed after the newest checkpoint
-        killed_at = time.time()
-        kill_group(procs[0])  # the head: its process, the store, its worker
-        code = finish(procs[1], 90)
-        decided = time.time() - killed_at
-    finally:
-        for p in procs:
-            kill_group(p)
-    text = logs[1].read_text()
+    # the head killed: its process, the store, its worker
+    code, decided, text = lose_the_head(tmp_path, run_dir, 6, kill_group)
     assert code == 75, text[-3000:]  # EX_TEMPFAIL: run the same command again
     assert "the head at 127.0.0.1:" in text and "resume=True" in text
     step, path = saved_by_node(text)
@@ -489,18 +499,10 @@ def test_a_frozen_head_is_lost_after_node_timeout_and_the_node_saves_its_step(
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    _, procs, logs = two_nodes(tmp_path, epochs=12, run_dir=run_dir, node_timeout=3)
-    try:
-        wait_for("epoch 2/12 done", logs[0], procs[0])
-        time.sleep(0.5)
-        frozen_at = time.time()
-        os.killpg(procs[0].pid, signal.SIGSTOP)  # the head's sockets stay open
-        code = finish(procs[1], 90)
-        decided = time.time() - frozen_at
-    finally:
-        for p in procs:
-            kill_group(p)
-    text = logs[1].read_text()
+    # the head frozen: its sockets stay open
+    code, decided, text = lose_the_head(
+        tmp_path, run_dir, 12, lambda p: os.killpg(p.pid, signal.SIGSTOP), node_timeout=3
+    )
     assert code == 75, text[-3000:]
     step, path = saved_by_node(text)
     assert 20 < step < 120

@@ -63,7 +63,7 @@ class Ballot(nn.Module):
             self.box.grad = torch.zeros_like(self.box)
         else:
             grad.zero_()
-        self._ballot[self.rank] = np.asarray(packed.numpy(), dtype="<f8").view("<u2")
+        self._ballot[self.rank] = pieces(packed.numpy())
         if self.box.device.type == "cpu":
             return self.box, self._sent
         return self.box, self._sent.to(self.box.device)
@@ -81,17 +81,22 @@ class Ballot(nn.Module):
         return torch.from_numpy(decode(reduced, self.world, self.size))
 
 
+def pieces(packed: np.ndarray) -> np.ndarray:
+    """The bits of each float64 of ``packed`` as 16-bit unsigned integers, low first."""
+    return np.asarray(packed, dtype="<f8").view("<u2")
+
+
 def encode(packed: np.ndarray, rank: int, world: int) -> np.ndarray:
-    """Member ``rank``'s ballot (float32, ``world * len(packed) * PIECES``): the bits of
-    each float64 of ``packed`` as 16-bit pieces, in its own slot."""
+    """Member ``rank``'s ballot (float32, ``world * len(packed) * PIECES``): the
+    :func:`pieces` of ``packed`` in its own slot (what :meth:`Ballot.cast` sends)."""
     out = np.zeros((world, len(packed) * PIECES), dtype=np.float32)
-    out[rank] = np.asarray(packed, dtype="<f8").view("<u2")
+    out[rank] = pieces(packed)
     return out.reshape(-1)
 
 
 def decode(reduced: np.ndarray, world: int, size: int) -> np.ndarray:
     """The float64 sum over members of the votes in ``reduced``, the box's gradient as DDP
     left it (the ballots summed, divided by ``world``)."""
-    pieces = np.rint(reduced * np.float32(world)).astype("<u2")  # (each within 2**-8)
+    exact = np.rint(reduced * np.float32(world)).astype("<u2")  # (each within 2**-8)
     # (rows added in rank order: the same float64 sum on every member)
-    return pieces.view("<f8").reshape(world, size).sum(axis=0)
+    return exact.view("<f8").reshape(world, size).sum(axis=0)

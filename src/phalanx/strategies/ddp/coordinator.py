@@ -178,7 +178,7 @@ class Coordinator(Roster):
             self.out.append(Emit(message.event))  # (as the worker stamped it)
         elif isinstance(message, Progress | Joined):
             self.slots[slot].progress(message, self.now.mono)
-            beat = isinstance(message, Progress)
+            beat = isinstance(message, Progress)  # (a heartbeat; else Joined)
             phase = message.phase if isinstance(message, Progress) else "joined"
             self.show(slot, PANEL_STATES.get(phase, "training"), beat=beat)
         elif isinstance(message, Ready):

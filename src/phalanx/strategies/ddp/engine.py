@@ -104,10 +104,9 @@ class DdpEngine:
         self.batches: LocalBatches | None = None
         self.epoch = 0
         self.step = 0
-        # The attempt in progress: its stop request, and this member's own vote once cast,
-        # or why it could not be.
+        # The attempt in progress: its stop request, and this member's own vote once cast.
         self._stop: Callable[[], bool] = lambda: False
-        self._pending: Vote | BaseException | None = None
+        self._pending: Vote | None = None
 
     @property
     def trainable(self) -> Trainable:
@@ -136,8 +135,6 @@ class DdpEngine:
                 f"step {global_step + 1}: this member failed after its vote left "
                 f"({res.failure and res.failure.message})"
             )
-        if isinstance(mine, BaseException):  # this member's vote could not be cast
-            raise GroupBroken(f"step {global_step + 1}: the vote: {mine}") from mine
         assert mine is not None, "Replica.run returned without launching the vote"
         self.m.replica.unvoted = None  # the vote carries it from here
         vote = unpack_vote(self.ballot.count(), mine.failures)
@@ -158,15 +155,10 @@ class DdpEngine:
     def launch(self, result: LocalResult) -> Cast:
         """This member's vote on ``result``, as the second root of the backward that carries
         it through the backward's all-reduce; counted after the backward (:meth:`attempt`).
-        The stop and regroup requests are read here. Never raises: a vote that cannot be
-        cast is kept and raised by :meth:`attempt` (this member then leaves the group), and
-        a failed vote goes instead, so that no peer commits the step either."""
-        try:
-            mine = member_vote(result, self._stop(), self.hooks.regroup_requested())
-            self._pending = mine
-        except Exception as exc:
-            self._pending, mine = exc, Vote(failed=1, stop=False, sums=result.sums)
-        return self.ballot.cast(pack_vote(mine))
+        The stop and regroup requests are read here (flags: nothing here waits or fails on
+        a peer, so the vote needs no failure path of its own)."""
+        self._pending = member_vote(result, self._stop(), self.hooks.regroup_requested())
+        return self.ballot.cast(pack_vote(self._pending))
 
     def commit(self, skip: bool = False) -> None:
         """Buffers first (a collective that can still fail with nothing changed), then the
