@@ -1,21 +1,22 @@
 """CPU time and wake-ups per step of each process, phalanx ddp next to plain DDP.
 
     PYTHONPATH=src .venv/bin/python bench/cpu.py [--rounds 3] [--steps 400] [--size small]
-                                                [--arms floor,floor+vote,phalanx]
+                                                [--arms floor,floor+vote,phalanx] [--workers 2]
 
 Wall-clock step times on a shared 2-core machine move by 30% between rounds; the CPU time a
 process consumes over a fixed number of steps moves less: it does not count the time spent
-waiting for a core. Each arm trains ``bench/steps.py``'s MLP on 2 workers for ``--steps``
-steps; between step ``WARM`` and the last step, the CPU time (user + system: of every
-thread, and of the main thread alone, which leaves out gloo's socket and work threads) and
-the context switches (voluntary: a wait, a wake-up; involuntary: preempted) of each process
-are read from ``/proc`` and divided by the steps between. The processes: each worker, and
-the parent: phalanx's supervisor (the ``fit`` caller) or plain DDP's launcher (idle in
-``Queue.get``). The arms: ``floor`` (plain DDP slicing its tensors, as in
-``bench/steps.py``, reading the loss each step as phalanx does), ``floor+vote`` (the floor
-plus one all-reduce of 20 float64 launched before backward and waited for after it:
-phalanx's vote alone) and ``phalanx`` (``fit(strategy="ddp", preflight=False)``). ``wall``
-is rank 0's mean step interval over the same steps. Linux only.
+waiting for a core. Each arm trains ``bench/steps.py``'s MLP on ``--workers`` workers (2; 1:
+phalanx's own cost with no peer to wait for) for ``--steps`` steps; between step ``WARM``
+and the last step, the CPU time (user + system: of every thread, and of the main thread
+alone, which leaves out gloo's socket and work threads) and the context switches (voluntary:
+a wait, a wake-up; involuntary: preempted) of each process are read from ``/proc`` and
+divided by the steps between. The processes: each worker, and the parent: phalanx's
+supervisor (the ``fit`` caller) or plain DDP's launcher (idle in ``Queue.get``). The arms:
+``floor`` (plain DDP slicing its tensors, as in ``bench/steps.py``, reading the loss each
+step as phalanx does), ``floor+vote`` (the floor plus one all-reduce of 20 float64 launched
+before backward and waited for after it: phalanx's vote alone) and ``phalanx``
+(``fit(strategy="ddp", preflight=False)``). ``wall`` is rank 0's mean step interval over the
+same steps. Linux only.
 """
 
 from __future__ import annotations
@@ -107,12 +108,13 @@ def _floor(rank: int, world: int, port: int, n: int, size: str, vote: bool, out:
     dist.destroy_process_group()
 
 
-def floor_run(n: int, size: str, vote: bool = False) -> dict[str, list[float]]:
+def floor_run(n: int, size: str, vote: bool = False, world: int = 2) -> dict[str, list[float]]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_floor, args=(r, 2, store.port, n, size, vote, out)) for r in range(2)
+        ctx.Process(target=_floor, args=(r, world, store.port, n, size, vote, out))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -154,9 +156,9 @@ class Marks:
         return found
 
 
-def phalanx_run(n: int, size: str) -> dict[str, list[float]]:
+def phalanx_run(n: int, size: str, world: int = 2) -> dict[str, list[float]]:
     marks = Marks(n)
-    steps.phalanx_fit(n, size, "cpu:0,cpu:1", marks)
+    steps.phalanx_fit(n, size, ",".join(f"cpu:{i}" for i in range(world)), marks)
     return marks.result()
 
 
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--size", default="small")
     parser.add_argument("--arms", default="floor,phalanx")
+    parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
     runners = {
         "floor": floor_run,
@@ -176,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     got: dict[str, list[dict[str, list[float]]]] = {a: [] for a in arms}
     for r in range(args.rounds):
         for arm in arms:
-            got[arm].append(runners[arm](args.steps, args.size))
+            got[arm].append(runners[arm](args.steps, args.size, world=args.workers))
             print(f"round {r + 1} {arm}: {got[arm][-1]}", file=sys.stderr, flush=True)
-    print(f"\n{args.size}, {args.steps} steps, median of {args.rounds} rounds, per step:")
+    head = f"{args.size}, {args.workers} workers, {args.steps} steps"
+    print(f"\n{head}, median of {args.rounds} rounds, per step:")
     print("| arm | process | CPU ms | main thread CPU ms | voluntary switches | involuntary |")
     print("|---|---|---|---|---|---|")
     for arm in arms:

@@ -133,3 +133,17 @@ def test_the_hash_of_many_indices_at_once_is_mix_of_each() -> None:
     assert (count, total, squares) == tuple(float(x) for x in exact)
     assert hashed == float(sum(ledger.mix(i) for i in indices))
     assert ledger.fingerprint([]) == ledger.EMPTY
+
+
+@pytest.mark.parametrize("largest", [10, 5000, 2**28, 2**31, 2**40])
+def test_an_epochs_fingerprints_at_once_are_each_steps_own(largest: int) -> None:
+    """The same floats as slice by slice, bit for bit: empty slices, one sample, indices
+    whose squares sum past 2**64 in a slice (computed slice by slice then)."""
+    rng = np.random.default_rng(largest)
+    slices = [
+        [int(i) for i in rng.integers(0, largest, size=int(n))]
+        for n in rng.choice([0, 1, 3, 64, 200], size=40)
+    ]
+    slices.append([largest - 1] * 64)  # (the largest sums this size allows)
+    assert ledger.fingerprints(slices) == [ledger.fingerprint(s) for s in slices]
+    assert ledger.fingerprints([]) == [] and ledger.fingerprints([[]]) == [ledger.EMPTY]

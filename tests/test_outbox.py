@@ -46,8 +46,18 @@ def rings(bell: Any) -> bytes:
 def received(reader: Any) -> list[object]:
     got = []
     while reader.poll():
-        got.append(reader.recv())
+        got.append(protocol.received(reader.recv()))
     return got
+
+
+def test_a_steps_event_arrives_as_it_was_sent() -> None:
+    """It crosses the pipe as the tuple of its fields, not pickled as a dataclass."""
+    outbox, reader, _ = channel()
+    event = StepEnded(2, 6, 207, 30, 0.25, 1e-3, 64, 812.5, {"loss": 0.25, "acc": 0.5}, True)
+    outbox.send(Relay(event))
+    assert isinstance(reader.recv(), tuple)
+    outbox.send(Relay(event))
+    assert received(reader) == [Relay(event)]
 
 
 def test_every_message_is_in_the_pipe_in_order_and_only_step_events_wait() -> None:

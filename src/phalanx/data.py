@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
 from phalanx import rng
+from phalanx.ledger import Fingerprint, fingerprints
 from phalanx.plan import DataPrint, Plan, split
 
 
@@ -96,6 +97,7 @@ class LocalBatches:
         self.global_sizes = [
             len(plan.global_batch(epoch, s, order)) for s in range(start_step, plan.steps)
         ]
+        self.prints = fingerprints(self.slices)  # (the ledger's, for every step at once)
         self._dataset, self._loading = dataset, loading or Loading()
         self._loader = self._iterate(start_step)
         self._current: tuple[int, Any] | None = None
@@ -110,6 +112,10 @@ class LocalBatches:
 
     def global_size(self, step: int) -> int:
         return self.global_sizes[step - self.start]
+
+    def fingerprint(self, step: int) -> Fingerprint:
+        """The ledger's fingerprint of :meth:`indices`."""
+        return self.prints[step - self.start]
 
     def loader(self, step: int) -> Callable[[], Any]:
         """A thunk that returns the collated slice of ``step`` (loaded once)."""

@@ -118,15 +118,20 @@ class FaultInjector:
             self.fired_at.add(step)
             fire(fault)
 
-    @contextlib.contextmanager
-    def inside_backward(self, step: int, module: torch.nn.Module) -> Iterator[None]:
+    def inside_backward(
+        self, step: int, module: torch.nn.Module
+    ) -> contextlib.AbstractContextManager[None]:
         """Backward faults fire in the middle of the backward pass, as a real error there
         would: from a hook on the gradient of the module's first parameter (usually the
         first layer's, computed last, when DDP has already begun reducing the others), or
-        after the backward when that gradient is never computed."""
+        after the backward when that gradient is never computed. (None due: a context that
+        does nothing, at no cost.)"""
         if not self.due(step, "backward"):
-            yield
-            return
+            return contextlib.nullcontext()
+        return self._hooked(step, module)
+
+    @contextlib.contextmanager
+    def _hooked(self, step: int, module: torch.nn.Module) -> Iterator[None]:
         params = [p for p in module.parameters() if p.requires_grad]
         fired: list[bool] = []
 

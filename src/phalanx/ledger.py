@@ -13,9 +13,10 @@ float64 (the vote's dtype) for global batches up to about 2**30 samples of index
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -58,6 +59,37 @@ def fingerprint(samples: Iterable[int]) -> Fingerprint:
     hashed = int(mix_all(np.asarray(values, dtype=np.uint64)).sum(dtype=np.uint64))
     squares = sum(i * i for i in values)  # (exact Python ints, then float as before)
     return (float(len(values)), float(sum(values)), float(squares), float(hashed))
+
+
+def fingerprints(slices: Sequence[Sequence[int]]) -> list[Fingerprint]:
+    """:func:`fingerprint` of each of ``slices``, the same values, computed together (a
+    member's slices of a whole epoch at once: its steps then find theirs ready, where one
+    step's own took 25 to 50 us). Each term is a difference of running sums in wrapping
+    uint64 arithmetic, exact while no slice's sum of squares reaches 2**64 (else, and for
+    negative indices, slice by slice)."""
+    lengths = np.fromiter((len(s) for s in slices), dtype=np.int64, count=len(slices))
+    total = int(lengths.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(slices), dtype=np.int64, count=total)
+    if total == 0:
+        return [EMPTY] * len(slices)
+    if int(flat.min()) < 0 or int(flat.max()) ** 2 * int(lengths.max()) >= 1 << 64:
+        return [fingerprint(s) for s in slices]
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    values = flat.astype(np.uint64)
+
+    def per_slice(terms: np.ndarray) -> list[int]:
+        running = np.concatenate((np.zeros(1, np.uint64), np.cumsum(terms, dtype=np.uint64)))
+        return (running[ends] - running[starts]).tolist()  # (wraps back: exact)
+
+    columns = zip(
+        lengths.tolist(),
+        per_slice(values),
+        per_slice(values * values),
+        per_slice(mix_all(values)),
+        strict=True,
+    )
+    return [(float(n), float(t), float(q), float(h)) if n else EMPTY for n, t, q, h in columns]
 
 
 def check(plan: Plan, entries: list[list[float]], epochs_done: int) -> list[str]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
+import numpy as np
 import torch
 
 from phalanx import rng
@@ -73,24 +74,30 @@ VOTE_FIELDS = ("failed", "stop", "regroup", "splittable", "contract", "overflow"
 _FLAGS = ("stop", "regroup")
 
 
-def pack_vote(vote: Vote) -> torch.Tensor:
-    """One member's vote as one float64 tensor (see :data:`VOTE_FIELDS`)."""
-    values = [float(getattr(vote, name)) for name in VOTE_FIELDS]
-    values += vote.ledger
-    values += vote.sums.tolist()  # (Python floats hold every float64 exactly)
-    return torch.tensor(values, dtype=torch.float64)
+def vote_values(vote: Vote) -> list[float]:
+    """One member's vote as the float64 values of its packed layout (see
+    :data:`VOTE_FIELDS`; Python floats hold every float64 exactly)."""
+    head = [float(getattr(vote, name)) for name in VOTE_FIELDS]
+    return [*head, *vote.ledger, *vote.sums.tolist()]
 
 
-def unpack_vote(packed: torch.Tensor, failures: list[WorkerFailure] | None = None) -> Vote:
-    """The vote of a packed sum over members; ``failures`` are the ones seen locally."""
-    values = packed.cpu()
-    flat = values.tolist()
+def pack_vote(vote: Vote) -> np.ndarray:
+    """One member's vote as one float64 array (:func:`vote_values`)."""
+    return np.array(vote_values(vote), dtype=np.float64)
+
+
+def unpack_vote(
+    packed: list[float] | np.ndarray | torch.Tensor, failures: list[WorkerFailure] | None = None
+) -> Vote:
+    """The vote of a packed sum over members (float64 values, on the CPU); ``failures`` are
+    the ones seen locally."""
+    flat = packed if isinstance(packed, list) else np.asarray(packed, np.float64).tolist()
     n, m = len(VOTE_FIELDS), len(VOTE_FIELDS) + len(EMPTY)
     head = zip(VOTE_FIELDS, flat[:n], strict=True)
     fields: dict[str, Any] = {k: v > 0 if k in _FLAGS else round(v) for k, v in head}
     fingerprint = cast(Fingerprint, tuple(flat[n:m]))
     return Vote(
-        sums=values[m:],
+        sums=torch.tensor(flat[m:], dtype=torch.float64),
         failures=list(failures or []),
         ledger=fingerprint,
         **fields,
@@ -349,11 +356,12 @@ class TrainLoop:
         st.ledger.append([st.epoch, st.step, st.global_step, *vote.ledger])
         assert st.epoch_sums is not None
         st.epoch_sums += vote.sums
-        samples = int(vote.sums[1].item())
+        loss_sum, samples_sum = vote.sums[:2].tolist()  # (the Loss metric's state comes first)
+        samples = int(samples_sum)
         st.epoch_samples += samples
         st.step += 1
         st.global_step += 1
-        self._emit_step(vote, samples, time.perf_counter() - started, skipped)
+        self._emit_step(loss_sum, samples, time.perf_counter() - started, skipped)
         metrics = self._validate_mid_epoch() if self._validating_now(vote) else None
         if self.checkpointer and should_save(st.global_step, False, self.checkpointer.config):
             self._checkpoint(epoch_end=False, metrics=metrics)
@@ -391,14 +399,16 @@ class TrainLoop:
     def _stopping(self) -> bool:
         return self.stop_requested() is not None
 
-    def _emit_step(self, vote: Vote, samples: int, seconds: float, skipped: bool) -> None:
+    def _emit_step(self, loss_sum: float, samples: int, seconds: float, skipped: bool) -> None:
+        if not self.engine.is_main:  # (only the main member speaks: nothing to build)
+            return
         st = self.state
         stats = LoopStats(lr=self.engine.lr(), samples_per_s=samples / max(seconds, 1e-9))
         assert st.epoch_sums is not None
         with self._fails_as("metrics"):
             running = compute_all(self.s.metrics, st.epoch_sums)
         running.update({m.name: m.read(stats) for m in self.s.loop_metrics})
-        loss = vote.sums[0].item() / max(samples, 1)
+        loss = loss_sum / max(samples, 1)
         self.emit(
             StepEnded(
                 st.epoch,

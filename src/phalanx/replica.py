@@ -94,7 +94,7 @@ class StepModule(nn.Module):
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move tensors nested in tuples (named tuples too), lists and dicts to ``device``."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, tuple | list):
@@ -225,9 +225,10 @@ class Replica:
         epoch: int,
         micro_batches: int = 1,
         vote: VoteLaunch | None = None,
+        ledger: Fingerprint | None = None,
     ) -> LocalResult:
         """Forward, metric states and backward over the local ``samples`` (``batch()``
-        loads them, collated).
+        loads them, collated; ``ledger``: their fingerprint, if known).
 
         Every call performs exactly one synchronised backward (the last micro-batch, or a
         zero pass when the slice is empty or something raised before it), so DDP's
@@ -238,7 +239,8 @@ class Replica:
         and no collective of its own.
         """
         # (the fingerprint once: the vote carries the very result this call returns)
-        done = LocalResult(torch.zeros(self.size, dtype=torch.float64), ledger=fingerprint(samples))
+        ledger = fingerprint(samples) if ledger is None else ledger
+        done = LocalResult(torch.zeros(self.size, dtype=torch.float64), ledger=ledger)
         self.step = step
         self.unvoted, self.unvoted_splittable = None, False
         tracker = _PhaseTracker(step, self.on_phase)
@@ -295,6 +297,7 @@ class Replica:
             epoch,
             micro_batches,
             vote,
+            batches.fingerprint(step),
         )
 
     def _split_after(self, failure: WorkerFailure, local: int, micro_batches: int) -> bool:
@@ -326,12 +329,13 @@ class Replica:
         pieces = bounds(len(samples), micro_batches)
         for j, (a, b) in enumerate(pieces):
             last = j == len(pieces) - 1
-            with contextlib.ExitStack() as stack:
-                if not last:
-                    stack.enter_context(self.no_sync())
+            whole = (a, b) == (0, len(samples))  # (one micro-batch: the batch as loaded)
+            with self.no_sync() if not last else contextlib.nullcontext():
                 with tracker.enter("forward"):
                     self.faults.check(step, "forward")
-                    loss, outputs, targets = self.forward(slice_batch(data, a, b))
+                    loss, outputs, targets = self.forward(
+                        data if whole else slice_batch(data, a, b)
+                    )
                     value = float(loss.detach())
                     if not math.isfinite(value):
                         raise NonFiniteLossError(

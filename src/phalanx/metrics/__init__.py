@@ -8,8 +8,7 @@ The layout of the flat vector is each metric's state in list order; its length i
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from typing import NoReturn
 
 import torch
 
@@ -50,14 +49,20 @@ def pack_states(metrics: list[Metric], output: StepOutput, samples: int) -> torc
     """
     parts: list[torch.Tensor] = []
     for m in metrics:
-        with _named(m, "state", output):
+        try:
             s = m.state(output, samples)
+        except Exception as exc:
+            _raise_named(m, "state", exc, output)
         if s.ndim != 1 or s.numel() != m.size():
             raise InvalidSettingError(
                 f"metric {m.name!r} returned a state of shape {tuple(s.shape)}; its state() "
                 f"must return a 1-D tensor of length size()={m.size()}"
             )
-        parts.append(s.detach().cpu().to(torch.float64))
+        if s.requires_grad or s.dtype != torch.float64 or s.device.type != "cpu":
+            s = s.detach().cpu().to(torch.float64)  # (skipped when it is that already)
+        parts.append(s)
+    if len(parts) == 1:
+        return parts[0].clone()  # (never the metric's own tensor)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
@@ -67,8 +72,8 @@ def compute_all(metrics: list[Metric], state: torch.Tensor) -> dict[str, float]:
     Raises InvalidSettingError if two metrics share a name or ``state`` has the wrong length.
     """
     names = [m.name for m in metrics]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
         raise InvalidSettingError(
             f"several metrics are named {duplicates}; give each metric a distinct name"
         )
@@ -80,36 +85,38 @@ def compute_all(metrics: list[Metric], state: torch.Tensor) -> dict[str, float]:
     values: dict[str, float] = {}
     start = 0
     for m in metrics:
-        with _named(m, "compute"):
+        try:
             values[m.name] = m.compute(state[start : start + m.size()])
+        except Exception as exc:
+            _raise_named(m, "compute", exc)
         start += m.size()
     return values
 
 
-@contextlib.contextmanager
-def _named(metric: Metric, method: str, output: StepOutput | None = None) -> Iterator[None]:
-    """An exception in a metric's method becomes a MetricError that names the metric and
-    what to check: for ``state``, what the step returned (``output``)."""
-    try:
-        yield
-    except (PhalanxError, torch.OutOfMemoryError):
-        raise
-    except Exception as exc:
-        if method == "state":
-            hint = (
-                f"check {metric.name!r} against the step's outputs and targets "
-                f"({_shapes(output)}); a metric that needs them requires the step to return "
-                "px.StepOutput(loss=..., outputs=..., targets=...)"
-            )
-        else:
-            hint = (
-                f"check {metric.name!r}'s compute() against the summed state its state() "
-                "builds from the step's outputs and targets (e.g. an epoch with no samples)"
-            )
-        raise MetricError(
-            f"metric {metric.name!r} ({type(metric).__name__}.{method}) raised "
-            f"{type(exc).__name__}: {exc}; {hint}"
-        ) from exc
+def _raise_named(
+    metric: Metric, method: str, exc: Exception, output: StepOutput | None = None
+) -> NoReturn:
+    """Raise ``exc``, an exception in a metric's method, as a MetricError that names the
+    metric and what to check (for ``state``, what the step returned, ``output``); a phalanx
+    error or an out-of-memory error as itself. (Called in the ``except`` block: a plain
+    ``try`` costs nothing per step where a context manager did.)"""
+    if isinstance(exc, PhalanxError | torch.OutOfMemoryError):
+        raise exc
+    if method == "state":
+        hint = (
+            f"check {metric.name!r} against the step's outputs and targets "
+            f"({_shapes(output)}); a metric that needs them requires the step to return "
+            "px.StepOutput(loss=..., outputs=..., targets=...)"
+        )
+    else:
+        hint = (
+            f"check {metric.name!r}'s compute() against the summed state its state() "
+            "builds from the step's outputs and targets (e.g. an epoch with no samples)"
+        )
+    raise MetricError(
+        f"metric {metric.name!r} ({type(metric).__name__}.{method}) raised "
+        f"{type(exc).__name__}: {exc}; {hint}"
+    ) from exc
 
 
 def _shapes(output: StepOutput | None) -> str:

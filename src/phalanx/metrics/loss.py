@@ -23,7 +23,7 @@ class Loss(Metric):
         return 2
 
     def state(self, output: StepOutput, samples: int) -> torch.Tensor:
-        loss = output.loss.detach().item()  # (a Python float: float64, the value exactly)
+        loss = output.loss.item()  # (a Python float: float64, the value exactly)
         return torch.tensor([loss * samples, float(samples)], dtype=torch.float64)
 
     def compute(self, state: torch.Tensor) -> float:

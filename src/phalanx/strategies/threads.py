@@ -194,7 +194,7 @@ class ThreadsEngine:
             except Exception as exc:
                 failure = self._failure(exc, 0, "sync", global_step, epoch, None)
                 votes.append(member_vote(LocalResult(votes[0].sums * 0, failure), False))
-        total = torch.stack([pack_vote(v) for v in votes]).sum(dim=0)
+        total = np.stack([pack_vote(v) for v in votes]).sum(axis=0)
         vote = unpack_vote(total, [f for v in votes for f in v.failures])
         vote.stop, vote.overflow = stop(), int(overflow)
         return vote

@@ -33,6 +33,7 @@ from phalanx.strategies.ddp.protocol import (
     Heartbeat,
     Outbox,
     Progress,
+    received,
 )
 
 STACK_WAIT = timedelta(seconds=0.5)
@@ -178,7 +179,7 @@ class Agent:
     def _read(self, slot: int, conn: Connection, stale: bool = False) -> None:
         try:
             while conn.poll():
-                self.queue.append(Seen(slot, conn.recv(), stale=stale))
+                self.queue.append(Seen(slot, received(conn.recv()), stale=stale))
         except (EOFError, OSError):
             conn.close()
 

@@ -22,6 +22,7 @@ instead of one more collective each step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,28 +48,35 @@ class Ballot(nn.Module):
         # Never None: the ballot is added into it in place (a gradient torch could take over
         # as the box's own would be this member's ballot buffer, which DDP then overwrites).
         self.box.grad = torch.zeros_like(self.box)
-        self._ballot = np.zeros((world, size * PIECES), dtype=np.float32)  # (reused)
+        # Buffers made once (a step's few numpy calls then allocate nothing): this member's
+        # ballot (its slot, and its packed vote whose pieces fill the slot), and the box's
+        # reduced gradient as read.
+        self._ballot = np.zeros((world, size * PIECES), dtype=np.float32)
         self._sent = torch.from_numpy(self._ballot).view(-1)  # (its memory)
-        self._seen: tuple[torch.Tensor, np.ndarray] | None = None  # the box's gradient, read
+        self._packed = np.zeros(size, dtype="<f8")
+        self._slot, self._pieces = self._ballot[rank], pieces(self._packed)
+        self._seen: tuple[torch.Tensor, np.ndarray] | None = None
+        self._decode = Decoder(world, size)
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any]:
         return self.step(batch)
 
-    def cast(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This member's ballot for ``packed`` (its vote), as a second root of the
-        synchronised backward: the box, and the gradient it receives (the ballot). Clears
-        the box's gradient of the step before (no optimizer holds it)."""
+    def cast(self, packed: Sequence[float] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """This member's ballot for ``packed`` (its vote, ``size`` values), as a second root
+        of the synchronised backward: the box, and the gradient it receives (the ballot).
+        Clears the box's gradient of the step before (no optimizer holds it)."""
         grad = self.box.grad
         if grad is None:
             self.box.grad = torch.zeros_like(self.box)
         else:
             grad.zero_()
-        self._ballot[self.rank] = pieces(packed.numpy())
+        self._packed[:] = packed
+        self._slot[:] = self._pieces
         if self.box.device.type == "cpu":
             return self.box, self._sent
         return self.box, self._sent.to(self.box.device)
 
-    def count(self) -> torch.Tensor:
+    def count(self) -> list[float]:
         """After the synchronised backward: the sum of every member's packed vote."""
         grad = self.box.grad
         assert grad is not None, "count() before a backward that carried the ballots"
@@ -78,7 +86,7 @@ class Ballot(nn.Module):
             if self._seen is None or self._seen[0] is not grad:
                 self._seen = (grad, grad.detach().numpy())
             reduced = self._seen[1]
-        return torch.from_numpy(decode(reduced, self.world, self.size))
+        return self._decode(reduced).tolist()
 
 
 def pieces(packed: np.ndarray) -> np.ndarray:
@@ -94,9 +102,24 @@ def encode(packed: np.ndarray, rank: int, world: int) -> np.ndarray:
     return out.reshape(-1)
 
 
+class Decoder:
+    """The float64 sum over members of the votes in a box's reduced gradient (as DDP left
+    it: the ballots summed, divided by ``world``), into buffers made once."""
+
+    def __init__(self, world: int, size: int) -> None:
+        self.world = np.float32(world)
+        self.scaled = np.zeros(world * size * PIECES, dtype=np.float32)
+        self.pieces = np.zeros(world * size * PIECES, dtype="<u2")
+        self.votes = self.pieces.view("<f8").reshape(world, size)  # (a view of the pieces)
+
+    def __call__(self, reduced: np.ndarray) -> np.ndarray:
+        np.multiply(reduced, self.world, out=self.scaled)
+        np.rint(self.scaled, out=self.scaled)  # (each within 2**-8 of its integer)
+        np.copyto(self.pieces, self.scaled, casting="unsafe")
+        # (rows added in rank order: the same float64 sum on every member)
+        return self.votes.sum(axis=0)
+
+
 def decode(reduced: np.ndarray, world: int, size: int) -> np.ndarray:
-    """The float64 sum over members of the votes in ``reduced``, the box's gradient as DDP
-    left it (the ballots summed, divided by ``world``)."""
-    exact = np.rint(reduced * np.float32(world)).astype("<u2")  # (each within 2**-8)
-    # (rows added in rank order: the same float64 sum on every member)
-    return exact.view("<f8").reshape(world, size).sum(axis=0)
+    """The float64 sum over members of the votes in ``reduced`` (see :class:`Decoder`)."""
+    return Decoder(world, size)(reduced)

@@ -18,7 +18,7 @@ from phalanx.devices import torch_device
 from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
 from phalanx.ledger import EMPTY
-from phalanx.loop import VOTE_FIELDS, Vote, pack_vote, unpack_vote
+from phalanx.loop import VOTE_FIELDS, Vote, unpack_vote, vote_values
 from phalanx.plan import Plan
 from phalanx.replica import Cast, Identity, LocalResult, Replica
 from phalanx.spec import FitConfig, TrainSpec
@@ -68,7 +68,7 @@ class DdpEngine:
     """Rank ``group.rank`` of ``group.size`` in one generation: its slice of each global
     batch, under a DDP module built over this generation's group.
 
-    The vote (:func:`phalanx.loop.pack_vote`) is cast by :meth:`launch` right before the
+    The vote (:func:`phalanx.loop.vote_values`) is cast by :meth:`launch` right before the
     synchronised backward, as a gradient DDP reduces with the model's
     (:class:`~phalanx.strategies.ddp.ballot.Ballot`), and counted after it: no
     collective of its own; a failed step costs nothing extra and metrics need none either.
@@ -158,7 +158,7 @@ class DdpEngine:
         The stop and regroup requests are read here (flags: nothing here waits or fails on
         a peer, so the vote needs no failure path of its own)."""
         self._pending = member_vote(result, self._stop(), self.hooks.regroup_requested())
-        return self.ballot.cast(pack_vote(self._pending))
+        return self.ballot.cast(vote_values(self._pending))
 
     def commit(self, skip: bool = False) -> None:
         """Buffers first (a collective that can still fail with nothing changed), then the

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import os
+import pickle
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -156,12 +158,18 @@ class Outbox:
             os.set_blocking(self.bell.fileno(), False)
 
     def send(self, message: object) -> None:
-        self.pipe.send(message)
+        event = message.event if isinstance(message, Relay) else None
+        stepped = isinstance(event, StepEnded)
+        if stepped:  # (its fields as a tuple: a tenth of a dataclass's pickle, see received)
+            values = _step_values(event)
+            self.pipe.send_bytes(pickle.dumps(values, pickle.HIGHEST_PROTOCOL))
+        else:
+            self.pipe.send(message)
         if self.bell is None:
             return
         now = time.monotonic()
         ring = URGENT
-        if isinstance(message, Relay) and isinstance(message.event, StepEnded):
+        if stepped:
             self.unrung, ring = self.unrung + 1, LATER
             if self.unrung < RING_EVERY and now - self.rung_at < RING_AFTER:
                 return
@@ -174,6 +182,19 @@ class Outbox:
         self.pipe.close()
         if self.bell is not None:
             self.bell.close()
+
+
+# A committed step's event crosses the pipe as the tuple of its fields (in this order):
+# every message but this one is a dataclass.
+_STEP_FIELDS = tuple(f.name for f in fields(StepEnded))
+_step_values = operator.attrgetter(*_STEP_FIELDS)
+
+
+def received(message: object) -> object:
+    """A message as read from a worker's pipe, as the worker sent it (see :class:`Outbox`)."""
+    if isinstance(message, tuple):
+        return Relay(StepEnded(**dict(zip(_STEP_FIELDS, message, strict=True))))
+    return message
 
 
 @dataclass
