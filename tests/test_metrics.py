@@ -33,6 +33,7 @@ from phalanx.metrics import (
     TopKAccuracy,
     compute_all,
     pack_states,
+    state_values,
     total_size,
 )
 from phalanx.step import StepOutput
@@ -421,3 +422,32 @@ def test_a_metric_that_raises_is_named_with_its_method_and_the_original_error() 
     with pytest.raises(MetricError, match=r"metric 'broken' \(_Broken.compute\) raised") as info:
         compute_all(metrics, pack_states(metrics, output, 2))
     assert "check 'broken''s compute() against the summed state" in info.value.message
+
+
+def test_a_steps_states_as_floats_are_pack_states_values_with_the_loss_read_once() -> None:
+    """What a step sums (:func:`state_values`): the packed states' values; given the loss
+    the step read, the built-in Loss metric's state is made from it, the same floats, and
+    a subclass of Loss still has its own ``state`` called."""
+
+    class HalfLoss(Loss):
+        name = "half_loss"
+
+        def state(self, output: StepOutput, samples: int) -> torch.Tensor:
+            return super().state(output, samples) / 2
+
+    g = torch.Generator().manual_seed(3)
+    logits, targets = torch.randn(7, C, generator=g), torch.randint(0, C, (7,), generator=g)
+    loss = torch.nn.functional.cross_entropy(logits, targets)
+    output = StepOutput(loss=loss, outputs=logits, targets=targets)
+    metrics = [Loss(), Accuracy(), HalfLoss()]
+    packed = pack_states(metrics, output, 7).tolist()
+    assert state_values(metrics, output, 7) == packed
+    assert state_values(metrics, output, 7, loss=loss.item()) == packed
+    got = state_values(metrics, output, 7, loss=123.0)  # (proof that the float is used)
+    assert got[:2] == [123.0 * 7, 7.0] and got[2:] == packed[2:]
+    # compute_all on floats and on the tensor: the same values (Loss's own, no tensor)
+    assert compute_all(metrics, packed) == compute_all(
+        metrics, torch.tensor(packed, dtype=torch.float64)
+    )
+    none = compute_all(metrics, [0.0] * total_size(metrics))
+    assert math.isnan(none["loss"]) and math.isnan(Loss().compute(torch.zeros(2)))

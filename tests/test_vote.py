@@ -1,10 +1,8 @@
-"""The vote's one layout: a member packs its vote into one tensor, the members' packed
+"""The vote's one layout: a member packs its vote into one float64 vector, the members' packed
 votes are summed (an all-reduce under ddp, a sum over threads), and the sum unpacks to the
 step's vote. Threads and ddp both go through :func:`pack_vote` / :func:`unpack_vote`."""
 
 from __future__ import annotations
-
-import torch
 
 from phalanx.failures import WorkerFailure
 from phalanx.loop import VOTE_FIELDS, Vote, pack_vote, unpack_vote
@@ -20,7 +18,7 @@ def a_vote(**kw: object) -> Vote:
         splittable=1,
         contract=0,
         ledger=(3.0, 10.0, 40.0, 7.0),
-        sums=torch.tensor([2.5, 4.0, 1.0], dtype=torch.float64),
+        sums=[2.5, 4.0, 1.0],
     )
     base.update(kw)
     return Vote(**base)  # type: ignore[arg-type]
@@ -32,8 +30,8 @@ def test_one_vote_round_trips() -> None:
     for name in VOTE_FIELDS:
         assert getattr(back, name) == getattr(vote, name), name
     assert back.ledger == vote.ledger
-    assert torch.equal(back.sums, vote.sums)
-    assert back.sums.dtype == torch.float64
+    assert back.sums == vote.sums
+    assert all(type(x) is float for x in back.sums)
 
 
 def test_a_sum_of_packed_votes_is_the_steps_vote() -> None:
@@ -44,7 +42,7 @@ def test_a_sum_of_packed_votes_is_the_steps_vote() -> None:
     assert (total.failed, total.splittable, total.contract) == (1, 1, 1)
     assert total.stop is False and total.regroup is True  # flags: any member's
     assert total.ledger == (4.0, 12.0, 44.0, 8.0)
-    assert torch.equal(total.sums, a.sums + b.sums)
+    assert total.sums == [x + y for x, y in zip(a.sums, b.sums, strict=True)]
     assert total.failures == [failure]
 
 
@@ -53,8 +51,8 @@ def test_a_members_result_is_its_vote() -> None:
         worker=0, rank=0, device="cpu", kind="exception", message="bad",
         exception_type="NonFiniteLossError",
     )  # fmt: skip
-    ok = member_vote(LocalResult(torch.ones(2, dtype=torch.float64), ledger=(1.0, 1, 1, 1)), True)
+    ok = member_vote(LocalResult([1.0, 1.0], ledger=(1.0, 1, 1, 1)), True)
     assert (ok.failed, ok.stop, ok.contract, ok.failures) == (0, True, 0, [])
-    bad = member_vote(LocalResult(torch.zeros(2, dtype=torch.float64), failure), False, True)
+    bad = member_vote(LocalResult([0.0, 0.0], failure), False, True)
     assert (bad.failed, bad.contract, bad.regroup, bad.failures) == (1, 1, True, [failure])
     assert unpack_vote(pack_vote(ok) + pack_vote(bad)).failed == 1

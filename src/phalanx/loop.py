@@ -52,7 +52,7 @@ class Vote:
 
     failed: int
     stop: bool
-    sums: torch.Tensor
+    sums: list[float]  # the members' metric states summed (float64)
     failures: list[WorkerFailure] = field(default_factory=list)  # the ones seen locally
     splittable: int = 0  # failed members that ran out of memory and can split further
     regroup: bool = False  # a new generation waits: leave the group after this step
@@ -78,7 +78,7 @@ def vote_values(vote: Vote) -> list[float]:
     """One member's vote as the float64 values of its packed layout (see
     :data:`VOTE_FIELDS`; Python floats hold every float64 exactly)."""
     head = [float(getattr(vote, name)) for name in VOTE_FIELDS]
-    return [*head, *vote.ledger, *vote.sums.tolist()]
+    return [*head, *vote.ledger, *vote.sums]
 
 
 def pack_vote(vote: Vote) -> np.ndarray:
@@ -97,7 +97,7 @@ def unpack_vote(
     fields: dict[str, Any] = {k: v > 0 if k in _FLAGS else round(v) for k, v in head}
     fingerprint = cast(Fingerprint, tuple(flat[n:m]))
     return Vote(
-        sums=torch.tensor(flat[m:], dtype=torch.float64),
+        sums=flat[m:],
         failures=list(failures or []),
         ledger=fingerprint,
         **fields,
@@ -144,7 +144,7 @@ class TrainState:
     step: int = 0  # next step within ``epoch``
     global_step: int = 0  # committed optimizer steps
     history: list[dict[str, Any]] = field(default_factory=list)
-    epoch_sums: torch.Tensor | None = None  # train metric sums of the epoch so far
+    epoch_sums: list[float] | None = None  # train metric sums of the epoch so far
     epoch_samples: int = 0
     # One entry per committed step: [epoch, step, global_step, *ledger.fingerprint]
     ledger: list[list[float]] = field(default_factory=list)
@@ -155,13 +155,20 @@ class TrainState:
             "step": self.step,
             "global_step": self.global_step,
             "history": [dict(h) for h in self.history],
-            "epoch_sums": self.epoch_sums,
+            "epoch_sums": (  # (a float64 tensor in a checkpoint)
+                None
+                if self.epoch_sums is None
+                else torch.tensor(self.epoch_sums, dtype=torch.float64)
+            ),
             "epoch_samples": self.epoch_samples,
             "ledger": [list(e) for e in self.ledger],
         }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> TrainState:
+        sums = state.get("epoch_sums")
+        if isinstance(sums, torch.Tensor):
+            state = {**state, "epoch_sums": sums.tolist()}
         return cls(**state)
 
 
@@ -303,7 +310,7 @@ class TrainLoop:
         self.window = (time.time(), st.epoch_samples)
         self.engine.begin_epoch(st.epoch, st.step)
         if st.epoch_sums is None:
-            st.epoch_sums = torch.zeros(_size(self.s.metrics), dtype=torch.float64)
+            st.epoch_sums = [0.0] * _size(self.s.metrics)
         while st.step < steps and not self._reached_max_steps():
             self._step()
 
@@ -355,9 +362,8 @@ class TrainLoop:
             failure.recovery_seconds = max(0.0, time.time() - failure.time)
         st.ledger.append([st.epoch, st.step, st.global_step, *vote.ledger])
         assert st.epoch_sums is not None
-        st.epoch_sums += vote.sums
-        loss_sum, samples_sum = vote.sums[:2].tolist()  # (the Loss metric's state comes first)
-        samples = int(samples_sum)
+        st.epoch_sums = [a + b for a, b in zip(st.epoch_sums, vote.sums, strict=True)]
+        loss_sum, samples = vote.sums[0], int(vote.sums[1])  # (the Loss metric's state first)
         st.epoch_samples += samples
         st.step += 1
         st.global_step += 1

@@ -28,7 +28,7 @@ from phalanx.errors import NonFiniteLossError
 from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
 from phalanx.ledger import EMPTY, Fingerprint, fingerprint
-from phalanx.metrics import Metric, pack_states, total_size
+from phalanx.metrics import Metric, pack_states, state_values, total_size
 from phalanx.plan import bounds
 from phalanx.precision import LossScaler
 from phalanx.report import is_secondary
@@ -144,7 +144,7 @@ class Identity:
 
 @dataclass
 class LocalResult:
-    sums: torch.Tensor  # packed metric states (loss first), float64 CPU
+    sums: list[float]  # packed metric states (loss first), float64
     failure: WorkerFailure | None = None
     splittable: bool = False  # out of memory, and the share can be cut smaller: try again
     ledger: Fingerprint = EMPTY  # of the samples computed
@@ -240,7 +240,7 @@ class Replica:
         """
         # (the fingerprint once: the vote carries the very result this call returns)
         ledger = fingerprint(samples) if ledger is None else ledger
-        done = LocalResult(torch.zeros(self.size, dtype=torch.float64), ledger=ledger)
+        done = LocalResult([0.0] * self.size, ledger=ledger)
         self.step = step
         self.unvoted, self.unvoted_splittable = None, False
         tracker = _PhaseTracker(step, self.on_phase)
@@ -268,8 +268,7 @@ class Replica:
             # A broken collective (DDP's gradient all-reduce, or the bucket rebuild in its
             # second forward) is not followed by the zero pass's collectives.
             broken = self.forward is not self.module and is_secondary(failure)
-            zeros = torch.zeros(self.size, dtype=torch.float64)
-            result = LocalResult(zeros, failure, splittable, broken=broken)
+            result = LocalResult([0.0] * self.size, failure, splittable, broken=broken)
             if tracker.launched:  # the vote said "ok": only leaving the group can undo it
                 result.after_vote = not broken
             elif not tracker.synced and not broken:
@@ -336,7 +335,7 @@ class Replica:
                     loss, outputs, targets = self.forward(
                         data if whole else slice_batch(data, a, b)
                     )
-                    value = float(loss.detach())
+                    value = loss.item()
                     if not math.isfinite(value):
                         raise NonFiniteLossError(
                             f"the loss is {value} at step {step + 1} on samples "
@@ -345,9 +344,9 @@ class Replica:
                         )
                 with tracker.enter("metrics"):
                     self.faults.check(step, "metrics")
-                    result.sums += pack_states(
-                        self.metrics, StepOutput(loss.detach(), outputs, targets), b - a
-                    )
+                    output = StepOutput(loss.detach(), outputs, targets)
+                    states = state_values(self.metrics, output, b - a, loss=value)
+                    result.sums = [x + y for x, y in zip(result.sums, states, strict=True)]
                 ballot = None
                 if last and vote is not None:
                     with tracker.enter("sync"):

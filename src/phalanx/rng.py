@@ -46,12 +46,18 @@ def reseed(seed: int) -> None:
     generator is seeded, and CUDA's once CUDA is initialised (a CUDA replica's is, from its
     first step; a process that initialises it later gets it seeded at the next call); other
     accelerators (mps, xpu) through ``torch.manual_seed`` itself."""
-    if torch.cuda.is_available() or not _other_accelerator():
+    if _cuda_available() or not _other_accelerator():
         torch.default_generator.manual_seed(seed)
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(seed)
     else:
         torch.manual_seed(seed)
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    """Whether this process sees a CUDA device (asked once: the answer does not change)."""
+    return torch.cuda.is_available()
 
 
 @functools.cache

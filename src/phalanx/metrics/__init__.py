@@ -47,8 +47,21 @@ def pack_states(metrics: list[Metric], output: StepOutput, samples: int) -> torc
 
     Raises InvalidSettingError if a metric returns a state whose length is not its ``size()``.
     """
-    parts: list[torch.Tensor] = []
+    return torch.tensor(state_values(metrics, output, samples), dtype=torch.float64)
+
+
+def state_values(
+    metrics: list[Metric], output: StepOutput, samples: int, loss: float | None = None
+) -> list[float]:
+    """:func:`pack_states` as Python floats (float64, exactly), what a step sums and votes
+    with. ``loss``: the step's loss as a float, when the caller has read it already: the
+    built-in :class:`Loss` metric's state is then made from it (the same values), with no
+    tensor at all."""
+    values: list[float] = []
     for m in metrics:
+        if loss is not None and type(m) is Loss:
+            values += (loss * samples, float(samples))  # (what Loss.state returns)
+            continue
         try:
             s = m.state(output, samples)
         except Exception as exc:
@@ -58,16 +71,13 @@ def pack_states(metrics: list[Metric], output: StepOutput, samples: int) -> torc
                 f"metric {m.name!r} returned a state of shape {tuple(s.shape)}; its state() "
                 f"must return a 1-D tensor of length size()={m.size()}"
             )
-        if s.requires_grad or s.dtype != torch.float64 or s.device.type != "cpu":
-            s = s.detach().cpu().to(torch.float64)  # (skipped when it is that already)
-        parts.append(s)
-    if len(parts) == 1:
-        return parts[0].clone()  # (never the metric's own tensor)
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        values += map(float, s.tolist())  # (float64 holds every state dtype's values)
+    return values
 
 
-def compute_all(metrics: list[Metric], state: torch.Tensor) -> dict[str, float]:
-    """Map each metric's ``name`` to its value, reading its slice of the summed ``state``.
+def compute_all(metrics: list[Metric], state: torch.Tensor | list[float]) -> dict[str, float]:
+    """Map each metric's ``name`` to its value, reading its slice of the summed ``state``
+    (a tensor, or its values as floats).
 
     Raises InvalidSettingError if two metrics share a name or ``state`` has the wrong length.
     """
@@ -77,19 +87,25 @@ def compute_all(metrics: list[Metric], state: torch.Tensor) -> dict[str, float]:
         raise InvalidSettingError(
             f"several metrics are named {duplicates}; give each metric a distinct name"
         )
-    if state.ndim != 1 or state.numel() != total_size(metrics):
+    flat = state if isinstance(state, list) else state.tolist()
+    if (isinstance(state, torch.Tensor) and state.ndim != 1) or len(flat) != total_size(metrics):
+        shape = tuple(state.shape) if isinstance(state, torch.Tensor) else (len(flat),)
         raise InvalidSettingError(
-            f"the metric state has shape {tuple(state.shape)} but the metrics need "
+            f"the metric state has shape {shape} but the metrics need "
             f"{total_size(metrics)} values; pass the sum of pack_states() vectors"
         )
     values: dict[str, float] = {}
     start = 0
     for m in metrics:
+        part = flat[start : start + m.size()]
+        start += m.size()
+        if type(m) is Loss:  # (Loss.compute, without a tensor)
+            values[m.name] = part[0] / part[1] if part[1] > 0 else float("nan")
+            continue
         try:
-            values[m.name] = m.compute(state[start : start + m.size()])
+            values[m.name] = m.compute(torch.tensor(part, dtype=torch.float64))
         except Exception as exc:
             _raise_named(m, "compute", exc)
-        start += m.size()
     return values
 
 

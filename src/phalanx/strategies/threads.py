@@ -193,7 +193,8 @@ class ThreadsEngine:
                 overflow = self.main.overflowed()  # of the summed gradients
             except Exception as exc:
                 failure = self._failure(exc, 0, "sync", global_step, epoch, None)
-                votes.append(member_vote(LocalResult(votes[0].sums * 0, failure), False))
+                zeros = [0.0] * len(votes[0].sums)
+                votes.append(member_vote(LocalResult(zeros, failure), False))
         total = np.stack([pack_vote(v) for v in votes]).sum(axis=0)
         vote = unpack_vote(total, [f for v in votes for f in v.failures])
         vote.stop, vote.overflow = stop(), int(overflow)
@@ -208,8 +209,7 @@ class ThreadsEngine:
             return member_vote(outcome, False)
         samples = self.batches[i].indices(step)
         failure = self._failure(outcome, i, self.phases[i], global_step, self.epoch, samples)
-        empty = torch.zeros(self.replicas[i].size, dtype=torch.float64)
-        return member_vote(LocalResult(empty, failure), False)
+        return member_vote(LocalResult([0.0] * self.replicas[i].size, failure), False)
 
     def _task(
         self, i: int, step: int, global_step: int, epoch: int, seed: int
@@ -230,7 +230,7 @@ class ThreadsEngine:
                     failure = self._failure(
                         exc, i, "sync", global_step, epoch, batches.indices(step)
                     )
-                    return LocalResult(torch.zeros_like(result.sums), failure)
+                    return LocalResult([0.0] * len(result.sums), failure)
             return result
 
         return run
