@@ -65,8 +65,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
             packed.tolist()
         elif way == "ballot":
             box = ddps[way].module
-            backward(loss, box.cast(packed))
-            box.count().tolist()
+            backward(loss, box.cast(packed.tolist()))  # (a list, as the engine casts)
+            box.count()
         else:
             loss.backward()
         opts[way].step()

@@ -127,7 +127,7 @@ def test_the_vote_rides_the_gradients_and_leaves_them_as_plain_ddp_has_them(worl
             x, y = _data(step)
             rows = slice(group.rank * 12 // world, (group.rank + 1) * 12 // world)
             loss, _, _ = ddp((x[rows], y[rows]))
-            backward(loss, ballot.cast(_vote(group.rank, step)))
+            backward(loss, ballot.cast(_vote(group.rank, step).tolist()))
             grads = [p.grad.clone() for p in module.parameters()]  # type: ignore[union-attr]
             seen.append((ballot.count(), grads))
             for p in module.parameters():

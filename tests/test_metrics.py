@@ -446,6 +446,8 @@ def test_a_steps_states_as_floats_are_pack_states_values_with_the_loss_read_once
     got = state_values(metrics, output, 7, loss=123.0)  # (proof that the float is used)
     assert got[:2] == [123.0 * 7, 7.0] and got[2:] == packed[2:]
     # compute_all on floats and on the tensor: the same values (Loss's own, no tensor)
+    loss_of = Loss().compute(torch.tensor(packed[:2], dtype=torch.float64))
+    assert compute_all(metrics, packed)["loss"] == loss_of  # (the fast path is Loss's own)
     assert compute_all(metrics, packed) == compute_all(
         metrics, torch.tensor(packed, dtype=torch.float64)
     )

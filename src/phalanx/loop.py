@@ -87,7 +87,7 @@ def pack_vote(vote: Vote) -> np.ndarray:
 
 
 def unpack_vote(
-    packed: list[float] | np.ndarray | torch.Tensor, failures: list[WorkerFailure] | None = None
+    packed: list[float] | np.ndarray, failures: list[WorkerFailure] | None = None
 ) -> Vote:
     """The vote of a packed sum over members (float64 values, on the CPU); ``failures`` are
     the ones seen locally."""

@@ -1,9 +1,9 @@
 """Metrics, and helpers that carry every metric's state in one flat float64 vector.
 
-The training loop calls :func:`pack_states` once per batch, adds the vectors (over batches
-and, in one all-reduce, over workers), then :func:`compute_all` turns the total into values.
-The layout of the flat vector is each metric's state in list order; its length is
-:func:`total_size`.
+A step takes each batch's states as floats (:func:`state_values`, the values of
+:func:`pack_states`' vector), adds them (over batches and, in the step's vote, over
+workers), then :func:`compute_all` turns the total into values. The layout of the flat
+vector is each metric's state in list order; its length is :func:`total_size`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def state_values(
 
 def compute_all(metrics: list[Metric], state: torch.Tensor | list[float]) -> dict[str, float]:
     """Map each metric's ``name`` to its value, reading its slice of the summed ``state``
-    (a tensor, or its values as floats).
+    (a tensor, or its values as floats). A metric's ``compute`` gets its slice as a new
+    float64 CPU tensor (never a view of ``state``).
 
     Raises InvalidSettingError if two metrics share a name or ``state`` has the wrong length.
     """
