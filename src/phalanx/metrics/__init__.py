@@ -60,7 +60,7 @@ def state_values(
     values: list[float] = []
     for m in metrics:
         if loss is not None and type(m) is Loss:
-            values += (loss * samples, float(samples))  # (what Loss.state returns)
+            values += Loss.state_of(loss, samples)  # (what Loss.state returns)
             continue
         try:
             s = m.state(output, samples)
@@ -101,7 +101,7 @@ def compute_all(metrics: list[Metric], state: torch.Tensor | list[float]) -> dic
         part = flat[start : start + m.size()]
         start += m.size()
         if type(m) is Loss:  # (Loss.compute, without a tensor)
-            values[m.name] = part[0] / part[1] if part[1] > 0 else float("nan")
+            values[m.name] = Loss.value_of(part)
             continue
         try:
             values[m.name] = m.compute(torch.tensor(part, dtype=torch.float64))

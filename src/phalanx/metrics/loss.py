@@ -24,8 +24,17 @@ class Loss(Metric):
 
     def state(self, output: StepOutput, samples: int) -> torch.Tensor:
         loss = output.loss.item()  # (a Python float: float64, the value exactly)
-        return torch.tensor([loss * samples, float(samples)], dtype=torch.float64)
+        return torch.tensor(self.state_of(loss, samples), dtype=torch.float64)
 
     def compute(self, state: torch.Tensor) -> float:
-        count = float(state[1])
-        return float(state[0]) / count if count > 0 else float("nan")
+        return self.value_of(state.tolist())
+
+    # The same two as plain floats: what a step's bookkeeping uses (no tensor).
+    @staticmethod
+    def state_of(loss: float, samples: int) -> list[float]:
+        return [loss * samples, float(samples)]
+
+    @staticmethod
+    def value_of(state: list[float]) -> float:
+        total, count = state
+        return total / count if count > 0 else float("nan")
