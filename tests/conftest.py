@@ -1,5 +1,5 @@
-"""Every test leaves no process behind: a child of the test process that a test started
-and did not end (or reap) fails that test."""
+"""Every test leaves no process behind: a process the test process started (directly, or
+through multiprocessing's fork server) that a test did not end (or reap) fails that test."""
 
 from __future__ import annotations
 
@@ -10,20 +10,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from procs import children, is_resource_tracker
+from procs import started_by
 
 
 def _left_behind(baseline: set[int]) -> dict[int, str]:
-    return {
-        pid: state
-        for pid, state in children(os.getpid()).items()
-        if pid not in baseline and not is_resource_tracker(pid)
-    }
+    return {pid: state for pid, state in started_by(os.getpid()).items() if pid not in baseline}
 
 
 @pytest.fixture(autouse=True)
 def no_process_left_behind() -> Iterator[None]:
-    baseline = set(children(os.getpid()))
+    baseline = set(started_by(os.getpid()))
     yield
     deadline = time.time() + 2.0
     left = _left_behind(baseline)

@@ -5,7 +5,9 @@ it (``PHALANX_NNODES``, ``PHALANX_NODE_RANK``, ``PHALANX_HEAD`` set by the test)
 
 Writes the final state dict to OUT and prints one JSON line: steps, ledger, failures.
 ``PHALANX_TEST_NODE_TIMEOUT`` (seconds) sets ``fit(node_timeout=)``; ``PHALANX_TEST_RESUME=1``
-passes ``resume=True``.
+passes ``resume=True``; ``PHALANX_TEST_FAULTS`` (``kill:0@15,kill:1@15``, every node the same)
+passes ``faults=``; ``PHALANX_TEST_STEPS=1`` adds each committed step's (global step, time) to
+the result (``steps_at``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,22 @@ from recovery_helpers import env_recording_slow_step, linear, make_data, sgd, sl
 DATA = make_data(240)
 
 
+class Stamps:
+    """Each committed step's event: [global step, time]."""
+
+    def __init__(self) -> None:
+        self.at: list[list[float]] = []
+
+    def handle(self, event: object) -> None:
+        from phalanx.events import StepEnded
+
+        if isinstance(event, StepEnded):
+            self.at.append([event.global_step, event.time])
+
+    def close(self) -> None:
+        pass
+
+
 def main() -> None:
     out, devices, epochs, run_dir = (
         sys.argv[1],
@@ -35,6 +53,12 @@ def main() -> None:
     record = os.environ.get("PHALANX_TEST_ENV_DIR")  # where workers write torchrun's variables
     step = functools.partial(env_recording_slow_step, record) if record else slow_step
     learner = px.Learner(linear, sgd, step)
+    stamps = Stamps()
+    sinks = None
+    if os.environ.get("PHALANX_TEST_STEPS") == "1":
+        from phalanx.sinks import default_sinks
+
+        sinks = [*default_sinks(None if run_dir == "-" else run_dir), stamps]
     result = learner.fit(
         DATA,
         epochs=epochs,
@@ -47,12 +71,17 @@ def main() -> None:
         node_timeout=float(os.environ.get("PHALANX_TEST_NODE_TIMEOUT", "10")),
         on_failure=px.Recovery(mode="shrink") if shrink else None,
         resume=os.environ.get("PHALANX_TEST_RESUME") == "1",
+        faults=[
+            px.Fault.parse(t) for t in os.environ.get("PHALANX_TEST_FAULTS", "").split(",") if t
+        ],
+        sinks=sinks,
     )
     torch.save(result.model.state_dict(), out)
     doc = {
         "steps": result.steps,
         "ledger_ok": result.ledger_ok,
         "failures": [f.to_dict() for f in result.failures],
+        "steps_at": stamps.at,
     }
     print("RESULT " + json.dumps(doc), flush=True)
 

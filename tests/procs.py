@@ -45,6 +45,30 @@ def is_resource_tracker(pid: int) -> bool:
     return "resource_tracker" in cmdline(pid)
 
 
+def is_forkserver(pid: int) -> bool:
+    """multiprocessing's fork server: phalanx's workers are forked by it (started with the
+    first worker and kept for the process's lifetime by design, like the resource tracker)."""
+    return "forkserver" in cmdline(pid)
+
+
+def started_by(pid: int) -> dict[int, str]:
+    """The processes ``pid`` started and that are not its lifetime helpers: its direct
+    children but the resource tracker and the fork server, and the fork server's children
+    (the workers it forked for ``pid``), as {pid: state letter}."""
+    found: dict[int, str] = {}
+    for child, state in children(pid).items():
+        if is_forkserver(child):
+            found.update(children(child))
+        elif not is_resource_tracker(child):
+            found[child] = state
+    return found
+
+
+def workers_of(pid: int) -> list[int]:
+    """The live (not zombie) worker processes under a supervisor process ``pid``."""
+    return [p for p, state in started_by(pid).items() if state != "Z"]
+
+
 def alive(pid: int) -> bool:
     info = proc_stat(pid)
     return info is not None and info[0] != "Z"

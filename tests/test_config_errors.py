@@ -42,6 +42,7 @@ from phalanx.errors import (
 )
 from phalanx.events import Notice, StepEnded, ValidationStarted
 from phalanx.plan import Plan
+from phalanx.strategies.ddp.agent import START_METHOD
 from recorder import Recorder
 
 N = 40
@@ -125,8 +126,8 @@ def local_class_dataset() -> torch.utils.data.Dataset[Any]:
 
 @pytest.fixture
 def process_starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """The names of the processes fit() tried to start (through the spawn context ddp
-    uses); a start is refused, so a check that comes too late fails the test at once."""
+    """The names of the processes fit() tried to start (through the context ddp starts
+    workers in); a start is refused, so a check that comes too late fails the test at once."""
     started: list[str] = []
     before = multiprocessing.active_children()
 
@@ -134,7 +135,7 @@ def process_starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         started.append(self.name)
         raise RuntimeError(f"process {self.name} started before the configuration error")
 
-    monkeypatch.setattr(torch.multiprocessing.get_context("spawn").Process, "start", start)
+    monkeypatch.setattr(multiprocessing.get_context(START_METHOD).Process, "start", start)
     yield started
     assert multiprocessing.active_children() == before
 

@@ -5,11 +5,12 @@ actions that come back."""
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 import phalanx as px
-from phalanx.events import GenerationStarted, StepEnded, WorkerState
+from phalanx.events import GenerationStarted, Notice, StepEnded, WorkerState
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
 from phalanx.sinks.summary import lost_seconds
@@ -40,6 +41,7 @@ from phalanx.strategies.ddp.protocol import (
     Progress,
     Ready,
     Relay,
+    Snapshotted,
 )
 from phalanx.strategies.ddp.roster import Now, Setup, SlotStatus, Timeouts
 
@@ -93,9 +95,8 @@ class Run:
         """The decisions a tick at ``t`` brings (the panel's heartbeat events left out)."""
         return [a for a in self.at(t).feed(Tick()) if not isinstance(a, Emit)]
 
-    def form(self, members: list[int], gen: int, step: int = 0) -> None:
-        for slot in members:
-            self.say(slot, Joined(slot, gen, step))
+    def form(self, members: list[int], gen: int, step: int = 0) -> list[Action]:
+        return [a for slot in members for a in self.say(slot, Joined(slot, gen, step))]
 
     def start_training(self) -> None:
         for slot in range(self.c.world):
@@ -305,7 +306,10 @@ def test_an_announcement_gives_members_a_moment_to_leave_their_group() -> None:
 # -- poison, and faults that arrive together ------------------------------------------------
 
 
-def test_a_sample_that_kills_its_reader_in_two_generations_is_a_poison_batch() -> None:
+def test_a_sample_that_kills_its_reader_in_three_attempts_is_a_poison_batch() -> None:
+    """A death carries no message: the second death on overlapping shares may be a second
+    one-off fault, so it is retried; the third attempt that dies on a sample common to all
+    three shares stops the run (the first death the root cause)."""
     run = Run()
     run.start_training()
     run.at_step(1, 4, "data")
@@ -317,7 +321,12 @@ def test_a_sample_that_kills_its_reader_in_two_generations_is_a_poison_batch() -
     share1 = set(PLAN.local_batch(0, 4, 1, 3))
     reader = next(s for s, r in ((0, 0), (2, 1)) if share1 & set(PLAN.local_batch(0, 4, r, 2)))
     actions = run.at(2).feed(Exited(reader, SIGKILL))
-    assert recorded(actions) == [(reader, "crash", 4, "aborted")]
+    assert recorded(actions) == [(reader, "crash", 4, "respawned")]  # not evidence enough
+    last = 2 if reader == 0 else 0
+    run.form([last], 2, 4)
+    run.at_step(last, 4, "data", attempt=2)  # alone: the whole batch, the bad sample too
+    actions = run.at(3).feed(Exited(last, SIGKILL))
+    assert recorded(actions) == [(last, "crash", 4, "aborted")]
     assert any(isinstance(a, SetAbort) for a in actions)
     assert run.c.book.poison
 
@@ -347,6 +356,36 @@ def test_the_fourth_failed_attempt_of_a_step_stops_the_run_as_keeps_failing() ->
     assert [f.action for f in run.c.book.failures] == ["retried"] * 3 + ["aborted"]
 
 
+@pytest.mark.parametrize(
+    ("kills", "says"),
+    [
+        (0, "(sent by another process: the kernel's out-of-memory killer killed no process"),
+        (2, "the kernel's out-of-memory killer killed 2 process(es) on this machine"),
+        (None, "(sent by another process or by the kernel's out-of-memory killer: dmesg tells"),
+    ],
+)
+def test_a_sigkill_is_told_as_the_kernels_count_of_oom_kills_says_without_a_guess(
+    kills: int | None, says: str
+) -> None:
+    run = Run()
+    run.start_training()
+    actions = run.at(1).feed(Exited(1, SIGKILL, kills))
+    [failure] = [a.failure for a in actions if isinstance(a, Record)]
+    assert failure.message.startswith("worker process died from signal SIGKILL")
+    assert says in failure.message and "possibly" not in failure.message
+
+
+def test_the_kernels_count_of_oom_kills_is_read_from_vmstat(tmp_path: Path) -> None:
+    from phalanx.strategies.ddp.agent import oom_kill_count
+
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 12\noom_kill 7\npgfault 3\n")
+    assert oom_kill_count(str(vmstat)) == 7
+    vmstat.write_text("nr_free_pages 12\n")  # (a kernel before 4.13)
+    assert oom_kill_count(str(vmstat)) is None
+    assert oom_kill_count(str(tmp_path / "none")) is None
+
+
 # -- every member fell ---------------------------------------------------------------------------
 
 
@@ -361,17 +400,49 @@ def test_every_member_fallen_with_a_run_dir_restarts_all_from_the_checkpoint() -
     assert spawns == [(0, 1), (1, 1)]
     assert not any(isinstance(a, SetAbort) for a in actions)
     run.at(4).say(0, Ready(0))
-    assert announced(run.say(1, Ready(1))) == [([0, 1], "restart from the newest checkpoint")]
+    restart = "restart from the newest snapshot or checkpoint"
+    assert announced(run.say(1, Ready(1))) == [([0, 1], restart)]
 
 
-def test_without_a_run_dir_the_run_stops_and_says_a_run_dir_would_have_allowed_a_restart() -> None:
+def step_ended(global_step: int) -> Relay:
+    """The main worker's event for committed step ``global_step`` (1-based count)."""
+    event = StepEnded(0, global_step - 1, global_step, 10, 0.5, 0.1, 12, 100.0)
+    return Relay(event)
+
+
+def test_every_member_fallen_restarts_from_a_snapshot_without_a_run_dir() -> None:
+    """A snapshot in shared memory keeps the state: the run restarts without a run_dir, and
+    the fall's record says how many committed steps were computed again."""
+    run = Run(world=2, run_dir=False)
+    run.start_training()
+    run.say(0, Snapshotted(0, 4))
+    for step in range(1, 8):
+        run.say(0, step_ended(step))
+    run.at(1).feed(Exited(1, SIGKILL))
+    actions = run.at(1.5).feed(Exited(0, SIGKILL))
+    assert recorded(actions) == [(0, "crash", 0, "restarted")]
+    assert [(a.slot, a.restart_after) for a in actions if isinstance(a, Spawn)] == [(0, 1), (1, 1)]
+    run.at(2).say(0, Ready(0))
+    run.say(1, Ready(1))
+    notices = [
+        a.event.text
+        for a in run.form([0, 1], 2, step=4)
+        if isinstance(a, Emit) and isinstance(a.event, Notice)
+    ]
+    assert "restarted from committed step 4: 3 committed step(s) to compute again" in notices
+    restarted = [f for f in run.c.book.failures if f.action == "restarted"]
+    assert [f.replayed_steps for f in restarted] == [3]
+
+
+def test_without_a_snapshot_or_a_run_dir_the_run_stops_and_says_what_would_have_kept_it() -> None:
     run = Run(world=2, run_dir=False)
     run.start_training()
     run.at(1).feed(Exited(1, SIGKILL))
     actions = run.at(1.5).feed(Exited(0, SIGKILL))
     assert recorded(actions) == [(0, "crash", 0, "aborted")]
     assert any(isinstance(a, SetAbort) for a in actions)
-    assert run.c.book.notes and "run_dir" in run.c.book.notes[0]
+    assert run.c.book.notes and "snapshots" in run.c.book.notes[0]
+    assert "run_dir" in run.c.book.notes[0]
 
 
 def test_exits_the_coordinator_asked_for_are_no_failures() -> None:

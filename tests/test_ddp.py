@@ -40,7 +40,7 @@ from ddp_helpers import (
 from phalanx.events import CheckpointSkipped, Event, Resumed
 from phalanx.plan import Plan
 from phalanx.report import is_secondary
-from procs import alive, child_env, children, is_resource_tracker
+from procs import alive, child_env, started_by, workers_of
 
 TWO = "cpu:0,cpu:1"
 THREE = "cpu:0,cpu:1,cpu:2"
@@ -508,9 +508,8 @@ def test_workers_exit_when_the_supervisor_is_killed(tmp_path: Path) -> None:
     try:
         _wait_for_step(run_dir / "events.jsonl", proc, timeout=90)
         _wait_for_checkpoint(run_dir / "checkpoints", proc, timeout=30)
-        workers = {pid: st for pid, st in children(proc.pid).items() if st != "Z"}
-        named = [pid for pid in workers if not is_resource_tracker(pid)]
-        assert len(named) >= 2, f"expected two workers under {proc.pid}: {workers}"
+        workers = dict.fromkeys(workers_of(proc.pid), "")
+        assert len(workers) >= 2, f"expected two workers under {proc.pid}: {workers}"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.time() + 5.0
@@ -600,13 +599,13 @@ CONFIG_ERRORS = {
 @pytest.mark.parametrize("case", list(CONFIG_ERRORS))
 def test_config_errors_before_any_process(case: str) -> None:
     make, overrides, code, hint = CONFIG_ERRORS[case]
-    before = set(children(os.getpid()))
+    before = set(started_by(os.getpid()))
     kwargs: dict[str, Any] = {"batch_size": 20, "devices": TWO, **overrides}
     with pytest.raises(px.ConfigError) as info:
         make().fit(make_data(100), strategy="ddp", sinks=[], **kwargs)
     assert info.value.code == code
     assert hint in str(info.value)
-    assert set(children(os.getpid())) == before
+    assert set(started_by(os.getpid())) == before
     assert multiprocessing.active_children() == []
 
 

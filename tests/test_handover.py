@@ -1,6 +1,6 @@
 """The state hand-over's packing, without processes: a snapshot taken apart into its
 structure and its tensors and put back together is the same snapshot. The structure travels
-as JSON (:mod:`phalanx.strategies.ddp.wire`), never pickled."""
+as JSON (:mod:`phalanx.skeleton.wire`), never pickled."""
 
 from __future__ import annotations
 
@@ -16,9 +16,16 @@ from torch import nn
 
 from phalanx import rng
 from phalanx.precision import Precision
+from phalanx.skeleton import (
+    TensorSlot,
+    WireError,
+    decode,
+    encode,
+    fill_tensors,
+    split_tensors,
+    tensor_slots,
+)
 from phalanx.spec import TrainSpec
-from phalanx.strategies.ddp.handover import TensorSlot, fill_tensors, split_tensors, tensor_slots
-from phalanx.strategies.ddp.wire import WireError, decode, encode
 from phalanx.trainable import Trainable
 
 

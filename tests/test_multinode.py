@@ -176,9 +176,11 @@ def two_nodes(
     run_dir: Path | None = None,
     resume: bool = False,
     name: str = "node",
+    faults: str = "",
 ) -> tuple[int, list[subprocess.Popen[bytes]], list[Path]]:
     """``env_dirs``: where each node's workers write torchrun's variables at each step;
-    ``run_dir``: shared by both nodes; each node's log and model are ``{name}{rank}``."""
+    ``run_dir``: shared by both nodes; each node's log and model are ``{name}{rank}``;
+    ``faults``: the run's ``px.Fault``s as text (every node passes the same)."""
     port = free_port()
     procs, logs = [], []
     for rank in (0, 1):
@@ -188,6 +190,8 @@ def two_nodes(
         env = env_for(rank, port, tokens[rank])
         if resume:
             env["PHALANX_TEST_RESUME"] = "1"
+        if faults:
+            env["PHALANX_TEST_FAULTS"] = faults
         if node_timeout is not None:
             env["PHALANX_TEST_NODE_TIMEOUT"] = str(node_timeout)
         if env_dirs is not None:
@@ -245,6 +249,26 @@ def test_a_killed_node_is_named_and_the_survivors_finish_without_it(tmp_path: Pa
     assert failure["attempt"] is None  # a node's loss is not an attempt of its step
     assert failure["time"] - killed_at < 5.0  # named within seconds, not a collective timeout
     assert "Final world size: 1 of 2" in logs[0].read_text()
+
+
+@pytest.mark.timeout(300)
+def test_every_worker_of_both_nodes_killed_at_once_goes_on_from_the_snapshots(
+    tmp_path: Path,
+) -> None:
+    """Both nodes' workers SIGKILLed in the same step, no run_dir (the nodes' agents live):
+    each node's shared memory still holds its snapshot, every slot starts again on its node
+    from it, and the run ends with the model of a run that lost nothing."""
+    _, procs, logs = two_nodes(tmp_path, epochs=4, faults="kill:0@15,kill:1@15")
+    finish_all(procs, logs)
+    head, node = result_of(logs[0]), result_of(logs[1])
+    assert head["steps"] == node["steps"] == 40
+    assert head["ledger_ok"] and node["ledger_ok"]
+    [fall] = [f for f in head["failures"] if f["action"] == "restarted"]
+    assert fall["replayed_steps"] is not None and 0 <= fall["replayed_steps"] <= 15
+    assert "resumed from shared memory (snapshot of step" in logs[0].read_text()
+    clean = one_node_run(tmp_path, epochs=4)
+    assert same(weights(tmp_path / "node0.pt"), clean)
+    assert same(weights(tmp_path / "node1.pt"), clean)
 
 
 def torchrun_nodes(

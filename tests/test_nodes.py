@@ -20,8 +20,9 @@ from phalanx.errors import NoTokenError
 from phalanx.events import Notice, StepEnded
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
-from phalanx.strategies.ddp.actions import Announce, Record, SetAbort
+from phalanx.strategies.ddp.actions import Announce, Record, SetAbort, Spawn
 from phalanx.strategies.ddp.coordinator import (
+    Exited,
     NodeCoordinator,
     NodeLost,
     Received,
@@ -39,6 +40,7 @@ from phalanx.strategies.ddp.protocol import (
     Ready,
     Rejected,
     Relay,
+    Snapshotted,
     from_wire,
     to_wire,
 )
@@ -162,6 +164,7 @@ FAILURE = WorkerFailure(1, 1, "cpu:1", "exception", "boom", sample_indices=[3, 4
         Ready(1),
         Joined(1, 2, 30),
         Rejected(1, "gen/1", "a bad MAC", "abcd"),
+        Snapshotted(2, 40, 1_000_000, 0.004),
     ],
     ids=lambda m: type(m).__name__,
 )
@@ -279,7 +282,6 @@ def test_nodes_that_differ_are_named_setting_by_setting() -> None:
 
 
 def test_a_lost_node_that_registers_again_starts_replacements_of_its_slots() -> None:
-    from phalanx.strategies.ddp.actions import Spawn
     from phalanx.strategies.ddp.coordinator import NodeJoined
 
     c = coordinator((0, 1, 1))
@@ -298,6 +300,40 @@ def test_a_lost_node_that_registers_again_starts_replacements_of_its_slots() -> 
     training(c)
     c.handle(NodeLost(1, "h1", "its link closed"), Now(2.0, 1002.0))
     assert not c.admits(1)  # the run stopped at the fall
+
+
+def test_a_lost_nodes_snapshot_is_lost_with_it() -> None:
+    """Only the snapshot of a node that is lost: when the last members fall, no copy of
+    the state lives (without a run_dir the run stops); one on a live node restarts the live
+    nodes' slots, and the lost node's slots wait for it to register again."""
+    c = coordinator((0, 1, 1))
+    training(c)
+    c.handle(Received(2, Snapshotted(1, 3)), Now(1.5, 1001.5))  # node 1 writes a snapshot
+    c.handle(NodeLost(1, "h1", "its link closed"), Now(2.0, 1002.0))
+    actions = c.handle(Exited(0, -9), Now(2.5, 1002.5))
+    assert [a.failure.action for a in actions if isinstance(a, Record)] == ["aborted"]
+    assert any(isinstance(a, SetAbort) for a in actions)
+
+    c = coordinator((0, 1, 1))
+    training(c)
+    c.handle(Received(0, Snapshotted(0, 3)), Now(1.5, 1001.5))  # node 0's survives
+    c.handle(NodeLost(1, "h1", "its link closed"), Now(2.0, 1002.0))
+    actions = c.handle(Exited(0, -9), Now(2.5, 1002.5))
+    assert [a.failure.action for a in actions if isinstance(a, Record)] == ["restarted"]
+    assert [(a.slot, a.restart_after) for a in actions if isinstance(a, Spawn)] == [(0, 1)]
+    actions = c.handle(Received(0, Ready(0)), Now(3.0, 1003.0))
+    [announce] = [a.announcement for a in actions if isinstance(a, Announce)]
+    assert announce.members == (0,)
+
+
+def test_a_node_lost_with_the_last_members_restarts_from_a_live_snapshot() -> None:
+    c = coordinator((0, 1))
+    training(c)
+    c.handle(Received(0, Snapshotted(0, 3)), Now(1.5, 1001.5))
+    c.handle(Exited(0, -9), Now(1.8, 1001.8))  # generation 1: [1]
+    actions = c.handle(NodeLost(1, "h1", "its link closed"), Now(2.0, 1002.0))
+    assert [a.failure.action for a in actions if isinstance(a, Record)] == ["restarted"]
+    assert [a.slot for a in actions if isinstance(a, Spawn)] == [0]
 
 
 def test_workers_count_their_local_rank_on_their_own_node() -> None:
@@ -336,6 +372,9 @@ def test_a_nodes_spawner_gives_its_workers_that_nodes_slots() -> None:
         tmp = "/tmp"
         signer = SimpleNamespace(token=b"t")
 
+        def snapshot_folder(self) -> str:
+            return "/dev/shm/phalanx-snap-node"
+
         def spawn(self, slot: int, name: str, target: object, make_args: Any) -> int:
             self.args = make_args(None, "stacks", None)
             return 1
@@ -349,6 +388,7 @@ def test_a_nodes_spawner_gives_its_workers_that_nodes_slots() -> None:
     assert (args.slot, args.local_slots, args.here) == (3, (2, 3), (2, 3))
     assert (args.store_host, args.store_port) == ("10.0.0.1", 29400)
     assert args.store_prefix == "phalanx/r1"  # (the run's keys in a launcher's store)
+    assert args.snapshot_dir == "/dev/shm/phalanx-snap-node"  # (its node agent's folder)
     one_host = Spawner(learner.spec, config, Plan(16, 8), (None, None, 0), agent, 4)  # type: ignore[arg-type]
     one_host.spawn(SpawnOrder(slot=1))
     assert agent.args.here == (0, 1, 2, 3)

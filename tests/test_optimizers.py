@@ -16,6 +16,7 @@ from amp_helpers import decay_groups, halve_each, mlp, mse_step, norm_mlp, sgd
 from ddp_helpers import make_data
 from phalanx.errors import InvalidSettingError, OptimizerInstanceError
 from phalanx.spec import factory_takes_model
+from phalanx.strategies.ddp.agent import START_METHOD
 
 DATA = make_data(192, seed=6)
 BATCH, EPOCHS = 32, 3  # 6 steps an epoch
@@ -94,11 +95,11 @@ def test_an_optimizer_object_is_refused_before_anything_starts(
 ) -> None:
     started: list[str] = []
 
-    def start(self: Any) -> None:  # ddp's spawn context: a start fails the test at once
+    def start(self: Any) -> None:  # ddp's worker context: a start fails the test at once
         started.append(self.name)
         raise RuntimeError("a worker process was started")
 
-    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", start)
+    monkeypatch.setattr(multiprocessing.get_context(START_METHOD).Process, "start", start)
     model = mlp()
     learner = px.Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), mse_step)
     devices = "cpu:0,cpu:1" if strategy == "ddp" else "cpu"

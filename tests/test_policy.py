@@ -138,8 +138,8 @@ def test_a_death_in_the_retry_is_the_second_failed_attempt_in_either_order() -> 
     died = at(1, sample_indices=share)
     for history in ([(voted, False), (died, False)], [(died, False), (voted, False)]):
         assert failed_attempts(history) == {4: 2}
-    # the same worker on exactly the same share, whatever the kinds: evidence
-    assert judge_step(died, [voted]) == "poison"
+    # an exception, then a death on the same share: two faults (issue 23), retried
+    assert judge_step(died, [voted]) == "retry"
 
 
 def test_failures_outside_the_step_or_caused_by_others_fail_no_attempt() -> None:
@@ -200,8 +200,10 @@ SAME_FAILURE = [
     (f(1, "hang", [1, 2], phase="data"), f(2, "hang", [2, 3], 1, phase="data"), True),
     # a hang, then a one-off exception on another worker in the retry (the issue's case)
     (f(0, "hang", [0, 1, 2]), f(2, "exception", [2, 5], 1), False),
-    (f(1, "exception", [1, 2]), f(1, "crash", [1, 2], 1), True),  # same worker, same share
-    (f(1, "exception", [1, 2]), f(1, "crash", [1, 2, 3], 1), False),  # another share
+    # a one-off exception, then a one-off kill on the same worker and share (issue 23):
+    # two kinds of failure are two faults, whoever had the samples
+    (f(1, "exception", [1, 2]), f(1, "crash", [1, 2], 1), False),
+    (f(1, "exception", [1, 2]), f(1, "crash", [1, 2, 3], 1), False),
     (f(1, "exception", None), f(1, "exception", None, 1), True),  # unknown shares: same worker
     (f(1, "exception", None), f(2, "exception", None, 1), False),
 ]
@@ -213,7 +215,35 @@ def test_same_failure_needs_the_same_kind_on_the_same_samples(
 ) -> None:
     assert same_failure(first, second) is same
     assert same_failure(second, first) is same
-    assert judge_step(second, [first]) == ("poison" if same else "retry")
+    # (an exception repeated is evidence; a death or a hang needs more, see below)
+    evidence = same and first.kind in ("exception", "oom")
+    assert judge_step(second, [first]) == ("poison" if evidence else "retry")
+
+
+SILENT = [
+    # (the attempts' deaths or hangs in order, poison at the last?)
+    # a sample that kills whichever worker reads it: the third death on it stops the run
+    ([f(0, "crash", [1, 2, 3]), f(1, "crash", [3, 4], 1), f(2, "crash", [3], 2)], True),
+    ([f(0, "hang", [1, 2]), f(1, "hang", [2, 5], 1), f(0, "hang", [0, 2], 2)], True),
+    # two one-off kills whose shares overlap (issue 23's soak): retried, not poison
+    ([f(0, "crash", [1, 2, 3]), f(1, "crash", [3, 4], 1)], False),
+    # three kills, each pair overlapping, but no sample common to all three: three faults
+    ([f(0, "crash", [1, 2]), f(1, "crash", [2, 3], 1), f(2, "crash", [1, 3], 2)], False),
+    # in another phase, or of another kind, they do not add up
+    ([f(0, "crash", [1, 2]), f(1, "crash", [2], 1), f(2, "crash", [2], 2, phase="data")], False),
+    ([f(0, "crash", [1, 2]), f(1, "hang", [2], 1), f(2, "crash", [2], 2)], False),
+    # two workers killed in one attempt count as one attempt
+    ([f(0, "crash", [1, 2]), f(1, "crash", [2, 3]), f(2, "crash", [2], 1)], False),
+]
+
+
+@pytest.mark.parametrize(("failures", "poison"), SILENT)
+def test_deaths_and_hangs_are_poison_only_in_three_attempts_on_a_common_sample(
+    failures: list[WorkerFailure], poison: bool
+) -> None:
+    *earlier, last = failures
+    assert all(judge_step(g, failures[:i]) == "retry" for i, g in enumerate(earlier))
+    assert judge_step(last, earlier) == ("poison" if poison else "retry")
 
 
 def test_only_an_earlier_attempt_of_the_same_step_is_evidence() -> None:
@@ -252,21 +282,21 @@ def test_a_preflight_failure_gets_one_more_preflight_unless_it_repeats() -> None
 
 
 RESTART = [
-    # (mode, max_restarts, restarts so far, run_dir, decision)
+    # (mode, max_restarts, restarts so far, state kept (a snapshot or a run_dir), decision)
     ("respawn", 3, 0, True, "restart"),
-    ("respawn", 3, 0, False, "abort"),  # the report says a run_dir would have allowed it
+    ("respawn", 3, 0, False, "abort"),  # the report says a snapshot or run_dir would have
     ("respawn", 3, 3, True, "abort"),  # no respawn left
     ("shrink", 3, 0, True, "abort"),
     ("abort", 3, 0, True, "abort"),
 ]
 
 
-@pytest.mark.parametrize(("mode", "limit", "used", "run_dir", "decision"), RESTART)
-def test_when_every_member_fell_a_run_dir_restarts_the_run_from_its_checkpoint(
-    mode: str, limit: int, used: int, run_dir: bool, decision: str
+@pytest.mark.parametrize(("mode", "limit", "used", "kept", "decision"), RESTART)
+def test_when_every_member_fell_a_kept_state_restarts_the_run_from_it(
+    mode: str, limit: int, used: int, kept: bool, decision: str
 ) -> None:
     policy = px.Recovery(mode=mode, max_restarts=limit)
     history = [failure(action="respawned")] * used
-    assert recover(policy, failure(), history, survivors=0, run_dir=run_dir) == decision
+    assert recover(policy, failure(), history, survivors=0, kept=kept) == decision
     possible = decision == "restart" or (mode == "respawn" and used < limit)
     assert restart_was_possible(policy, history) is possible

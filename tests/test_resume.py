@@ -21,6 +21,7 @@ from torch.utils.data import TensorDataset
 import phalanx as px
 from phalanx.errors import CheckpointError
 from phalanx.events import CheckpointSkipped, Event, Notice, Resumed, RunStarted, StepEnded
+from phalanx.strategies.ddp.agent import START_METHOD
 from recorder import Recorder
 
 SAMPLES, BATCH, EPOCHS = 32, 8, 3
@@ -428,7 +429,7 @@ def test_another_dataset_is_refused_under_ddp_before_any_process_starts(
         started.append(self.name)
         raise RuntimeError("a process was started")
 
-    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", start)
+    monkeypatch.setattr(multiprocessing.get_context(START_METHOD).Process, "start", start)
     train, valid = datasets()
     swapped = TensorDataset(train.tensors[0].flip(0), train.tensors[1].flip(0))
     with pytest.raises(CheckpointError, match="another training dataset of the same size"):

@@ -44,7 +44,7 @@ from phalanx.strategies.ddp.protocol import (
     STOP_KEY,
     Announcement,
 )
-from procs import alive, children, is_resource_tracker
+from procs import alive, started_by
 from recorder import Recorder
 from recovery_helpers import linear, make_data, sgd, slow_step
 
@@ -295,7 +295,7 @@ def test_a_rogue_client_of_the_store_changes_nothing(
 
     deadline = time.monotonic() + 10  # no worker left behind
     while True:
-        left = [p for p in children(os.getpid()) if alive(p) and not is_resource_tracker(p)]
+        left = [p for p in started_by(os.getpid()) if alive(p)]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.1)

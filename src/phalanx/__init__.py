@@ -16,6 +16,7 @@ from phalanx.interrupt import FitTerminated
 from phalanx.learner import FitResult, Learner
 from phalanx.policy import Recovery
 from phalanx.runinfo import start_over
+from phalanx.snapshot import Snapshots
 from phalanx.step import StepOutput, cross_entropy_step, mse_step
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Learner",
     "PhalanxError",
     "Recovery",
+    "Snapshots",
     "StepOutput",
     "TrainingFailed",
     "WorkerFailure",

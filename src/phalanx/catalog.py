@@ -551,15 +551,17 @@ _ENTRIES = [
     Explanation(
         code="PX204",
         title="poison batch",
-        meaning="The same step failed twice in the same way: a failure that repeats on the "
-        "same samples is evidence that the batch (or the code it triggers) is the cause, not "
-        "chance, so phalanx stops rather than kill healthy workers one by one. The first "
-        "failure is the root cause. The evidence: the same kind of failure on samples in "
-        "common (for an exception the same type and message; for a death or a hang, shares "
-        "that overlap, in the same phase, whichever worker the new split gives the bad "
-        "samples to), or the same "
-        "worker failing again on exactly the same share. Different failures in successive "
-        "attempts (a hang, then a one-off exception elsewhere) are retried (see PX206).",
+        meaning="The same step failed again and again in the same way: a failure that "
+        "repeats on the same samples is evidence that the batch (or the code it triggers) is "
+        "the cause, not chance, so phalanx stops rather than kill healthy workers one by "
+        "one. The first failure is the root cause. The evidence: for an exception (or an "
+        "out-of-memory error that splitting cannot absorb), the same type and message again "
+        "in a later attempt, on samples in common; for a death or a hang, which carry no "
+        "message (two one-off kills can strike overlapping shares by chance), three attempts "
+        "of the step failing the same way in the same phase, with a sample common to all "
+        "three shares, whichever worker each new split gives it to. Different failures in "
+        "successive attempts (an exception, then a crash; a hang, then a one-off exception "
+        "elsewhere) are retried (see PX206).",
         when="During training, when an attempt of a failed step fails again the same way "
         "(under ddp also when the retry runs in a new generation, after a worker fell).",
         causes=[

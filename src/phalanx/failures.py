@@ -85,6 +85,9 @@ class WorkerFailure:
     attempt: int | None = None
     # A hang: when the worker last made progress (wall clock), so its cost counts from there.
     last_progress: float | None = None
+    # The fall that left no member (action "restarted"): how many committed steps the run
+    # computed again from the snapshot or checkpoint it restarted from (set once it has).
+    replayed_steps: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -29,6 +29,7 @@ from phalanx.precision import Precision
 from phalanx.run import FitResult, RunEnd, RunInputs, finish, stopped
 from phalanx.runlock import RunLock
 from phalanx.runner import check_resume_plan
+from phalanx.snapshot import Snapshots, settings_of
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
 from phalanx.validate import check_launch, dataset_size, validate_fit, validate_run_dir
 
@@ -110,6 +111,7 @@ class Learner:
         val_every_steps: int | None = None,
         min_free_memory: int | None = None,
         on_failure: Recovery | None = None,
+        snapshots: Snapshots | bool = True,
         sinks: Sequence[Sink] | None = None,
     ) -> FitResult:
         """Train for ``epochs`` over ``train``, validating on ``valid`` after each epoch.
@@ -154,11 +156,18 @@ class Learner:
             pin_memory=pin_memory,
             max_steps=max_steps,
             val_every_steps=val_every_steps,
+            snapshots=settings_of(snapshots),
         )
         train_size = dataset_size(train, "training")
         valid_size = dataset_size(valid, "validation") if valid is not None else 0
         validate_fit(
-            self.spec, config, train_size, has_valid=valid is not None, train=train, valid=valid
+            self.spec,
+            config,
+            train_size,
+            has_valid=valid is not None,
+            train=train,
+            valid=valid,
+            nodes=launch.nnodes,
         )
         check_free_memory(labels, min_free_memory)
         remote = launch.remote

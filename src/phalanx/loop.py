@@ -20,7 +20,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from phalanx.ledger import EMPTY, Fingerprint
 from phalanx.metrics import LoopMetric, LoopStats, Metric, compute_all
 from phalanx.plan import Plan
 from phalanx.policy import decide, repeats
+
+if TYPE_CHECKING:
+    from phalanx.snapshot import Snapshotting
 
 
 @dataclass
@@ -247,6 +250,9 @@ class TrainLoop:
         # epoch's throughput (a resume or a regroup begins a new window)
         self.window = (time.time(), 0)
         self.saved_step = -1  # the global step of the last checkpoint this member saved
+        # ddp: the member that writes its machine's snapshots of the committed state (see
+        # phalanx.snapshot); None elsewhere.
+        self.snapshots: Snapshotting | None = None
 
     def emit(self, event: Event) -> None:
         """Only the main member (rank 0 of the current group) speaks."""
@@ -267,14 +273,27 @@ class TrainLoop:
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
+        self.fence()
         self.engine.load_state_dict(snap)
         self.state = TrainState.from_state_dict(snap["loop"])
         if self.early_stopping and snap.get("early_stopping"):
             self.early_stopping.load_state_dict(snap["early_stopping"])
         rng.restore(snap["rng"])
 
+    def fence(self) -> None:
+        """Wait for a snapshot's copy in flight (it reads the state the caller is about to
+        change: the next optimizer step, a restore) or that must be whole (the loop ends)."""
+        if self.snapshots is not None:
+            self.snapshots.fence()
+
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> LoopResult:
+        try:
+            return self._run()
+        finally:
+            self.fence()
+
+    def _run(self) -> LoopResult:
         try:
             while self.state.epoch < self.s.epochs and not self._reached_max_steps():
                 self._epoch()
@@ -357,6 +376,7 @@ class TrainLoop:
             if action == "retry":
                 attempt += 1
         skipped = action == "skip"
+        self.fence()
         self.engine.commit(skip=skipped)
         for failure in absorbed:  # (ddp: the supervisor sets its own copy's, the same way)
             failure.recovery_seconds = max(0.0, time.time() - failure.time)
@@ -371,6 +391,9 @@ class TrainLoop:
         metrics = self._validate_mid_epoch() if self._validating_now(vote) else None
         if self.checkpointer and should_save(st.global_step, False, self.checkpointer.config):
             self._checkpoint(epoch_end=False, metrics=metrics)
+        if self.snapshots is not None and not vote.stop:
+            # (at a regroup, whole before the member leaves: a replacement may take it)
+            self.snapshots.after_commit(self.snapshot, st.global_step, force=vote.regroup)
         if vote.stop:
             raise Interrupted(self.stop_requested() or "stop requested by another worker")
         if vote.regroup:

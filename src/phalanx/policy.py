@@ -1,12 +1,14 @@
 """Decisions as pure functions, testable without processes.
 
 :func:`recover` is the run's rule when a worker falls: respawn, shrink, restart from the
-checkpoint (every member fell) or abort (:class:`Recovery` is the user's policy).
+newest snapshot or checkpoint (every member fell) or abort (:class:`Recovery` is the user's policy).
 
 :func:`decide` is the step's commit rule: all voted ok -> commit; a failed attempt ->
 retry the same global batch, unless a failure repeats one of an earlier attempt
 (:func:`same_failure`: the evidence that the batch is the cause, a poison batch) or the
-step has used its ``MAX_ATTEMPTS`` (the run stops: "step keeps failing").
+step has used its ``MAX_ATTEMPTS`` (the run stops: "step keeps failing"). Deaths and hangs
+carry no message, so they need more evidence (:data:`SILENT_EVIDENCE` attempts, see
+:func:`repeats`).
 
 :func:`judge_step` is the same rule for failures no vote carried (deaths, hangs, broken
 groups: the ddp supervisor judges them), :func:`failed_attempts` carries the attempt count
@@ -16,6 +18,7 @@ one more preflight.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -102,38 +105,65 @@ def same_samples(a: WorkerFailure, b: WorkerFailure) -> bool:
 
 
 def same_failure(a: WorkerFailure, b: WorkerFailure) -> bool:
-    """Evidence that the batch, not chance, caused both failures: the same kind on samples
-    in common (for exceptions and out-of-memory errors also the same type and message; for
-    deaths and hangs, overlapping shares in the same phase: a sample that kills its reader
-    does it while loading, or in forward, every time), or the same worker failing again on
-    exactly the same share, whatever the kind (a sample that first raises in the data
-    loader, then crashes the decoder)."""
-    if not same_samples(a, b):
+    """Whether two failures are alike enough to have one cause in the batch: the same kind
+    on samples in common, and for exceptions and out-of-memory errors the same type and
+    message, for deaths and hangs the same phase (a sample that kills its reader does it
+    while loading, or in forward, every time). Two failures of different kinds (an
+    exception, then a crash) are two faults, whoever had the samples."""
+    if a.kind != b.kind or not same_samples(a, b):
         return False
-    if a.kind == b.kind:
-        if a.kind in ("exception", "oom"):
-            return (a.exception_type, a.message) == (b.exception_type, b.message)
-        return a.phase == b.phase
-    return (
-        a.worker == b.worker
-        and a.sample_indices is not None
-        and a.sample_indices == b.sample_indices
-    )
+    if a.kind in ("exception", "oom"):
+        return (a.exception_type, a.message) == (b.exception_type, b.message)
+    return a.phase == b.phase
+
+
+# Deaths and hangs carry no message to compare: two one-off kills on shares that happen to
+# overlap look exactly like a sample that kills its reader. A poison batch by deaths or hangs
+# needs this many attempts of the step to fail alike, with a sample common to all of them.
+SILENT_EVIDENCE = 3
 
 
 def repeats(failure: WorkerFailure, earlier: list[WorkerFailure]) -> bool:
-    """Whether ``failure`` repeats a failure of the same step in an earlier attempt
-    (:func:`same_failure`): the evidence that makes a poison batch."""
+    """Whether ``failure`` repeats failures of the same step in earlier attempts: the
+    evidence that makes a poison batch. An exception or out-of-memory error: one earlier
+    attempt's failure like it (:func:`same_failure`: same type and message, samples in
+    common). A death or a hang: :data:`SILENT_EVIDENCE` attempts in all (this one
+    included) that failed alike, with a sample every one of those shares held."""
     if failure.step is None or failure.attempt is None:
         return False
-    return any(
-        e.step == failure.step
+    before = [
+        e
+        for e in earlier
+        if e.step == failure.step
         and e.attempt is not None
         and e.attempt < failure.attempt
         and e.action not in ("split", "ignored")
         and same_failure(failure, e)
-        for e in earlier
-    )
+    ]
+    if failure.kind in ("exception", "oom"):
+        return bool(before)
+    by_attempt: dict[int, list[WorkerFailure]] = {}
+    for e in before:
+        assert e.attempt is not None
+        by_attempt.setdefault(e.attempt, []).append(e)
+    needed = SILENT_EVIDENCE - 1
+    for attempts in itertools.combinations(sorted(by_attempt), needed):
+        for chosen in itertools.product(*(by_attempt[a] for a in attempts)):
+            if _common_sample([failure, *chosen]):
+                return True
+    return False
+
+
+def _common_sample(failures: list[WorkerFailure] | tuple[WorkerFailure, ...]) -> bool:
+    """A sample every one of ``failures`` was computing (where a share is unknown: all of
+    them the same worker's)."""
+    shares = [f.sample_indices for f in failures]
+    if any(share is None for share in shares):
+        return len({f.worker for f in failures}) == 1
+    common = set(shares[0] or [])
+    for share in shares[1:]:
+        common &= set(share or [])
+    return bool(common)
 
 
 StepVerdict = Literal["retry", "poison", "keeps_failing"]
@@ -198,8 +228,9 @@ class Recovery:
     - ``shrink``: the survivors go on without it, down to ``min_workers``.
     - ``abort``: the run stops with one report.
 
-    When every member has fallen and respawns are left, a run with a ``run_dir`` starts
-    every slot again from its newest intact checkpoint. A poison batch (a failure that
+    When every member has fallen and respawns are left, every slot starts again from the
+    newest snapshot in shared memory (``fit(snapshots=...)``, on by default) or intact
+    checkpoint in ``run_dir``, and computes the steps since it again. A poison batch (a failure that
     repeats on the same samples), a step that keeps failing, a preflight failure that
     repeats and an exception in validation, metrics or checkpoint (``RUN_LEVEL_PHASES``)
     stop the run in every mode.
@@ -230,13 +261,14 @@ def recover(
     failure: WorkerFailure,
     history: list[WorkerFailure],
     survivors: int,
-    run_dir: bool = False,
+    kept: bool = False,
 ) -> RecoveryAction:
     """The decision for a fallen worker: a pure function of the policy, the failure, the
     failures before it (with the actions taken), how many members are left and whether the
-    run has a ``run_dir``. When none is left but respawns are, the run is not lost: with a
-    ``run_dir`` every slot is started again from its newest intact checkpoint ("restart";
-    the steps after it are computed again with the same batches)."""
+    committed state is ``kept`` outside the workers (a snapshot in a live node's shared
+    memory, or checkpoints in a ``run_dir``). When none is left but respawns are, the run is
+    not lost while it is: every slot is started again from the newest snapshot or intact
+    checkpoint ("restart"; the steps after it are computed again with the same batches)."""
     run_level = failure.phase == "preflight" or (
         failure.kind in RUN_LEVEL_KINDS and failure.phase in RUN_LEVEL_PHASES
     )
@@ -244,7 +276,7 @@ def recover(
         return "abort"
     respawns_left = restart_was_possible(policy, history)
     if survivors < 1:
-        return "restart" if respawns_left and run_dir else "abort"
+        return "restart" if respawns_left and kept else "abort"
     if respawns_left:
         return "respawn"
     return "shrink" if survivors >= policy.min_workers else "abort"
@@ -256,6 +288,6 @@ def restarts(history: list[WorkerFailure]) -> int:
 
 
 def restart_was_possible(policy: Recovery, history: list[WorkerFailure]) -> bool:
-    """Respawns are left: when every member has fallen, a ``run_dir`` lets the run start
-    again from its checkpoint (without one, the report says one would have)."""
+    """Respawns are left: when every member has fallen, a snapshot or a ``run_dir`` lets the
+    run start again from it (without either, the report says one would have)."""
     return policy.mode == "respawn" and restarts(history) < policy.max_restarts

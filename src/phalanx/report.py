@@ -56,7 +56,7 @@ def is_secondary(f: WorkerFailure) -> bool:
 def root_cause(failures: list[WorkerFailure], poison: bool = False) -> WorkerFailure:
     """The failure that stopped the run: the earliest primary one among those the run did
     not recover from (failures it retried, shrank or respawned past are context). For a
-    poison batch, the first failure of the step that failed twice; for a step that keeps
+    poison batch, the first failure of the step that failed again; for a step that keeps
     failing, that step's first failure."""
     primary = [f for f in failures if not is_secondary(f)] or failures
     stuck = None if poison else keeps_failing(primary)
@@ -101,7 +101,7 @@ def build(
     lines = [headline(root)]
     if poison:
         lines.append(
-            f"The same step failed on both attempts: a poison batch "
+            f"The same step failed the same way in its attempts: a poison batch "
             f"(samples {_short(root.sample_indices)} on worker {root.worker})."
         )
     elif code == "PX206" and stuck is not None:

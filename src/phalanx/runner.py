@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.checkpoint import Checkpointer, Checkpoints
 from phalanx.errors import CheckpointError, CheckpointMismatchError
@@ -20,6 +20,9 @@ from phalanx.failures import WorkerFailure
 from phalanx.loop import Engine, LoopResult, LoopSettings, TrainLoop
 from phalanx.plan import Plan
 from phalanx.spec import FitConfig, TrainSpec
+
+if TYPE_CHECKING:
+    from phalanx.snapshot import SnapshotStore
 
 
 @dataclass
@@ -200,11 +203,50 @@ def _lost_settings(before: list[set[str]] | None, after: list[set[str]] | None) 
     return None
 
 
-def start_run(
-    loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit, train_size: int, valid_size: int
+def restore_newest(
+    loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit, snapshots: SnapshotStore | None
 ) -> None:
-    """Resume if asked; announce the run."""
-    if config.resume:
+    """A member restarted after every member fell: the newest state it can find, its
+    machine's snapshot in shared memory (``snapshots``) or the newest intact checkpoint in
+    ``run_dir``, whichever is further; nothing found: it starts from scratch, and the
+    generation's hand-over gives it a peer's state if one found more."""
+    header = snapshots.newest() if snapshots is not None else None
+    resumed = False
+    if config.run_dir:
+        from phalanx.checkpoint.io import list_checkpoints
+
+        listed = list_checkpoints(checkpoint_dir(config.run_dir))
+        if listed and (header is None or listed[-1][1] > header.step):
+            resume(loop, plan, config, emit)
+            resumed = True
+            if header is None or loop.state.global_step >= header.step:
+                return  # (else the newest files did not verify: the snapshot is further)
+    snap = snapshots.read() if snapshots is not None else None
+    if snap is None or (resumed and snap.step <= loop.state.global_step):
+        if not resumed and config.run_dir:
+            resume(loop, plan, config, emit)
+        return
+    loop.restore(snap.state)
+    st = loop.state
+    where = f"shared memory (snapshot of step {snap.step}, {snap.nbytes / 1e6:.1f} MB)"
+    emit(Resumed(where, st.epoch, st.step, st.global_step))
+
+
+def start_run(
+    loop: TrainLoop,
+    plan: Plan,
+    config: FitConfig,
+    emit: Emit,
+    train_size: int,
+    valid_size: int,
+    restart: bool = False,
+    snapshots: SnapshotStore | None = None,
+) -> None:
+    """Resume if asked (``restart``: from the newest state, see :func:`restore_newest`);
+    announce the run."""
+    if restart:
+        restore_newest(loop, plan, config, emit, snapshots)
+    elif config.resume:
         resume(loop, plan, config, emit)
     emit(
         RunStarted(

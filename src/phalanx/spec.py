@@ -23,6 +23,7 @@ from phalanx.faults import Fault
 from phalanx.metrics import LoopMetric, Metric
 from phalanx.policy import Recovery
 from phalanx.precision import Precision
+from phalanx.snapshot.config import Snapshots
 
 ModelSource = Callable[[], nn.Module] | nn.Module
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -100,6 +101,8 @@ class FitConfig:
     pin_memory: bool = False
     max_steps: int | None = None  # stop after this many committed steps (global step count)
     val_every_steps: int | None = None  # validate every N committed steps too
+    # ddp: snapshots of the committed state in each machine's shared memory (None: none)
+    snapshots: Snapshots | None = field(default_factory=Snapshots)
 
     def loading(self) -> Loading:
         """What every DataLoader of the run is built with."""

@@ -124,16 +124,18 @@ def validate_fit(
     has_valid: bool = False,
     train: Any = None,
     valid: Any = None,
+    nodes: int = 1,
 ) -> None:
     """Every check before launch. ``train`` and ``valid`` (the datasets) are checked for
-    pickling under ddp when given."""
+    pickling under ddp when given. ``nodes``: the job's node count (across nodes a fault's
+    worker counts every node's devices, which no node knows before they join)."""
     _validate_numbers(spec, config)
     _validate_schedule(config, has_valid)
     _validate_factories(spec)
     _validate_precision(spec, config.devices)
     _validate_data(config, train_size)
     _validate_strategy(config)
-    _validate_faults(config)
+    _validate_faults(config, nodes)
     _validate_early_stopping(spec, config, has_valid)
     _validate_keep_best(spec, config, has_valid)
     if config.strategy == "ddp":
@@ -309,9 +311,9 @@ def _validate_strategy(config: FitConfig) -> None:
         )
 
 
-def _validate_faults(config: FitConfig) -> None:
+def _validate_faults(config: FitConfig, nodes: int = 1) -> None:
     for fault in config.faults:
-        if fault.worker >= len(config.devices):
+        if fault.worker >= len(config.devices) and nodes == 1:
             raise InvalidSettingError(
                 f"{fault} targets worker {fault.worker} but there are only "
                 f"{len(config.devices)} devices (workers 0..{len(config.devices) - 1})"

@@ -7,6 +7,7 @@ writes what it is told to, and reports what it sees (a message, an exit). The co
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import socket
@@ -37,6 +38,15 @@ from phalanx.strategies.ddp.protocol import (
 )
 
 STACK_WAIT = timedelta(seconds=0.5)
+# What multiprocessing says of a fork server's child when the fork server is gone.
+FORK_SERVER_LOST = 255
+# How worker processes start: forked by multiprocessing's fork server, which imported torch
+# and the worker's code once, so a worker (a replacement, every slot of a restart) starts in
+# milliseconds instead of the seconds an import of torch takes; the fork server itself never
+# touches a device (CUDA is initialised in each worker, after the fork).
+START_METHOD = "forkserver"
+# (torch._dynamo: a torch optimizer imports it lazily when it is first built, 1.1 s here)
+PRELOAD = ["torch", "torch._dynamo", "phalanx.strategies.ddp.worker"]
 STORE_TIMEOUT = timedelta(seconds=30)  # of the head's client of a launcher's store
 
 
@@ -50,6 +60,30 @@ class SlotState:
     heartbeat: Heartbeat | None = None  # shared with the process: its phase entries
     # The read end of its bell (see Outbox): what the agent sleeps on. None: on ``conn``.
     bell: Connection | None = None
+    # The kernel's count of out-of-memory kills when it started (None: not readable here)
+    oom_at_start: int | None = None
+    # The process itself, through a pidfd (Linux): how the agent still sees it once the fork
+    # server that started it is gone (multiprocessing then says every child of it exited
+    # with code 255, though they run on).
+    pidfd: int | None = None
+    orphan: bool = False  # its fork server is gone: watched through the pidfd
+
+    def sentinel(self) -> Any:
+        return self.pidfd if self.orphan and self.pidfd is not None else self.process.sentinel
+
+    def exitcode(self) -> int | None:
+        """The process's exit code once it exited, else None. When the fork server is gone,
+        the exit code is lost with it: 255 once the process itself has exited."""
+        code = self.process.exitcode
+        if code is None or code != FORK_SERVER_LOST or self.pidfd is None:
+            return code
+        if _pidfd_exited(self.pidfd):
+            return code
+        self.orphan = True  # (it runs on: watch the process itself)
+        return None
+
+    def alive(self) -> bool:
+        return self.exitcode() is None
 
     def waker(self) -> Connection | None:
         """What wakes the agent when this process writes: its bell, else its pipe."""
@@ -61,6 +95,9 @@ class SlotState:
         self.conn.close()
         if self.bell is not None:
             self.bell.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 @dataclass
@@ -72,13 +109,15 @@ class Seen:
     code: int | None = None
     exited: bool = False
     stale: bool = False  # from the process the slot's new one replaced
+    # An exit: the processes the kernel's OOM killer killed on this machine while it ran
+    oom_kills: int | None = None
 
 
 @dataclass
 class Agent:
     """Worker processes of one machine, and the store they read their orders from."""
 
-    ctx: Any = field(default_factory=lambda: mp.get_context("spawn"))
+    ctx: Any = field(default_factory=lambda: worker_context())
     tmp: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="phalanx-"))
     slots: dict[int, SlotState] = field(default_factory=dict)
     retired: list[Any] = field(default_factory=list)  # replaced processes, joined at close
@@ -98,6 +137,9 @@ class Agent:
     prefix: str = ""
     # The head's agent writing to a store it does not host (``store_at``, torchrun's).
     client: bool = False
+    # This machine's snapshot folder in shared memory (see phalanx.snapshot): made by the
+    # first worker that needs it, removed with the agent. It outlives every worker.
+    snapshots: str | None = None
 
     def __post_init__(self) -> None:
         self.store: dist.Store | None = None
@@ -110,6 +152,15 @@ class Agent:
             self.store = dist.TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT)
         if self.store is not None and self.prefix:
             self.store = dist.PrefixStore(self.prefix, self.store)
+
+    def snapshot_folder(self) -> str:
+        """This machine's snapshot folder (made on first use; stale ones of agents that
+        were killed are swept then)."""
+        if self.snapshots is None:
+            from phalanx.snapshot import folder_for
+
+            self.snapshots = folder_for(new_run_id()[:12])
+        return self.snapshots
 
     # -- processes -------------------------------------------------------------------------
     def spawn(
@@ -133,7 +184,14 @@ class Agent:
         proc = self.ctx.Process(target=target, args=(args,), name=name, daemon=False)
         proc.start()
         outbox.close()  # the worker holds the only write ends: EOF means it is gone
-        self.slots[slot] = SlotState(proc, reader, heartbeat=heartbeat, bell=bell)
+        self.slots[slot] = SlotState(
+            proc,
+            reader,
+            heartbeat=heartbeat,
+            bell=bell,
+            oom_at_start=oom_kill_count(),
+            pidfd=_pidfd(proc.pid),
+        )
         return proc.pid
 
     def poll(self, timeout: timedelta) -> list[Seen]:
@@ -143,7 +201,7 @@ class Agent:
         heartbeat, read after its pipe, comes first: a beat written before a message is
         never handled after it (one written after it is the newer state)."""
         wakers = [w for w in (s.waker() for s in self.slots.values()) if w is not None]
-        sentinels = [s.process.sentinel for s in self.slots.values()]
+        sentinels = [s.sentinel() for s in self.slots.values() if not s.exit_seen]
         ready = wait([*wakers, *sentinels], timeout=timeout.total_seconds())
         urgent = {
             slot
@@ -156,12 +214,13 @@ class Agent:
             if not state.conn.closed:
                 self._read(slot, state.conn)
         for slot, state in list(self.slots.items()):
-            code = state.process.exitcode
+            code = state.exitcode()
             if code is not None and not state.exit_seen:
                 state.exit_seen = True
                 if not state.conn.closed:
                     self._read(slot, state.conn)
-                self.queue.append(Seen(slot, code=code, exited=True))
+                kills = _since(state.oom_at_start, oom_kill_count())
+                self.queue.append(Seen(slot, code=code, exited=True, oom_kills=kills))
         beats = [Seen(slot, beat) for slot, beat in self._beats()]
         seen, self.queue = [*beats, *self.queue], []
         return seen
@@ -184,11 +243,11 @@ class Agent:
             conn.close()
 
     def all_exited(self) -> bool:
-        return all(not s.process.is_alive() for s in self.slots.values())
+        return all(not s.alive() for s in self.slots.values())
 
     def kill(self, slot: int) -> None:
         state = self.slots.get(slot)
-        if state is not None and state.process.is_alive():
+        if state is not None and state.alive():
             state.process.kill()
 
     def kill_all(self) -> None:
@@ -206,6 +265,8 @@ class Agent:
                 proc.kill()
             proc.join(timeout=5)
         shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.snapshots is not None:
+            shutil.rmtree(self.snapshots, ignore_errors=True)
 
     # -- stacks ----------------------------------------------------------------------------
     def stack_file(self, slot: int) -> str:
@@ -258,6 +319,74 @@ class Agent:
     def _bump(self) -> None:
         assert self.store is not None
         self.store.add(CONTROL_KEY, 1)
+
+
+def oom_kill_count(path: str = "/proc/vmstat") -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed on this machine since
+    it booted (``oom_kill`` in /proc/vmstat, Linux 4.13 and later); None where unknown."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _since(before: int | None, now: int | None) -> int | None:
+    return None if before is None or now is None else max(0, now - before)
+
+
+def _pidfd(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # (no pidfd here, or the process is gone already)
+        return None
+
+
+def _pidfd_exited(fd: int) -> bool:
+    readable, _, _ = select.select([fd], [], [], 0)
+    return bool(readable)
+
+
+def start_fork_server() -> None:
+    """Start this process's fork server now, if it is not running, and wait until it has
+    imported what workers need, so that no later start of a worker waits for it (a node's
+    agent must keep talking to the head meanwhile). SIGTERM and SIGHUP are blocked while it
+    starts: the fork server then never acts on them (a batch system's SIGTERM to the job's
+    process group reaches it too, and the agent decides what the workers do; were the fork
+    server killed, multiprocessing would take every worker it forked for dead)."""
+    ctx = worker_context()
+    if START_METHOD != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    held = {signal.SIGTERM, signal.SIGHUP}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    proc = ctx.Process(target=_started, name="phalanx-fork-server-check", daemon=False)
+    proc.start()  # (answered once the fork server has imported torch and phalanx's worker)
+    proc.join()
+
+
+def _started() -> None:
+    """A process that does nothing: that it ran says the fork server is ready."""
+
+
+def worker_context() -> Any:
+    """The multiprocessing context workers start in (see :data:`START_METHOD`): the fork
+    server is this process's (the standard library keeps one per process), started with
+    the first worker and kept until the process exits."""
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _hush(bell: Connection) -> bool:

@@ -29,8 +29,9 @@ from phalanx.strategies.ddp.protocol import Broke, Done
 
 ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted", "restart": "restarted"}
 NO_RUN_DIR = (
-    "Every worker had fallen while respawns were left: with a run_dir (checkpoints) the run "
-    "would have started again from its newest checkpoint."
+    "Every worker had fallen while respawns were left, and no copy of the state outlived "
+    "them: with snapshots in shared memory (fit(snapshots=...), on by default) or a run_dir "
+    "(checkpoints), the run would have started again from the newest of them."
 )
 Fall = Literal["respawn", "shrink", "restart", "preflight", "stopped"]
 
@@ -132,8 +133,12 @@ class FailureBook:
         self.recovering = waiting
 
     # -- a fallen worker -----------------------------------------------------------------
-    def fall(self, failure: WorkerFailure, survivors: int, out: list[Action]) -> Fall:
-        """Judge a fallen worker's failure and choose what the run does."""
+    def fall(
+        self, failure: WorkerFailure, survivors: int, out: list[Action], kept: bool = False
+    ) -> Fall:
+        """Judge a fallen worker's failure and choose what the run does; ``kept``: a
+        snapshot of the committed state lives outside the workers (see
+        :func:`phalanx.policy.recover`)."""
         if self.done is not None or self.decided:
             self.record(failure, "ignored" if self.done is not None else "aborted", out)
             return "stopped"
@@ -142,7 +147,7 @@ class FailureBook:
         if self._judged(failure, out):
             return "stopped"
         history = [*self.failures, *self.held_preflight]
-        action = recover(self.recovery, failure, history, survivors, self.run_dir)
+        action = recover(self.recovery, failure, history, survivors, self.run_dir or kept)
         if action == "abort" and not survivors and restart_was_possible(self.recovery, history):
             self.notes.append(NO_RUN_DIR)
         self.record(failure, ACTIONS[action], out, recovers=action != "abort")
@@ -187,12 +192,17 @@ class FailureBook:
 
     # -- records of what the coordinator saw itself ----------------------------------------
     @staticmethod
-    def death(where: WorkerFailure, code: int, wall: float) -> WorkerFailure:
+    def death(
+        where: WorkerFailure, code: int, wall: float, oom_kills: int | None = None
+    ) -> WorkerFailure:
+        """A worker's death as its exit told it; for a SIGKILL, what the kernel says of its
+        out-of-memory killer (``oom_kills``: how many processes it killed on the worker's
+        machine while the worker ran, None where that is unknown). No guess."""
         sig = -code if code < 0 else None
         if sig is not None:
             message = f"worker process died from signal {signal.Signals(sig).name}"
             if sig == signal.SIGKILL:
-                message += " (SIGKILL: possibly the kernel's out-of-memory killer; check dmesg)"
+                message += sigkill_cause(oom_kills)
         else:
             message = f"worker process exited with code {code} without a report"
         exit_code = code if sig is None else None
@@ -206,3 +216,20 @@ class FailureBook:
             f"(hang_timeout {limit:g}s)"
         )
         return replace(where, kind="hang", message=message, stacks=stacks)
+
+
+def sigkill_cause(oom_kills: int | None) -> str:
+    """Who sent a SIGKILL, as far as the kernel's count of out-of-memory kills tells."""
+    if oom_kills is None:
+        return (
+            " (sent by another process or by the kernel's out-of-memory killer: dmesg tells which)"
+        )
+    if oom_kills == 0:
+        return (
+            " (sent by another process: the kernel's out-of-memory killer killed no process "
+            "on this machine while the worker ran)"
+        )
+    return (
+        f"; the kernel's out-of-memory killer killed {oom_kills} process(es) on this machine "
+        "while the worker ran (oom_kill in /proc/vmstat): check dmesg for 'Killed process'"
+    )

@@ -36,8 +36,9 @@ from phalanx.strategies.ddp.protocol import (
     Progress,
     Ready,
     Relay,
+    Snapshotted,
 )
-from phalanx.strategies.ddp.roster import Now, Roster, Setup, Slot, SlotStatus
+from phalanx.strategies.ddp.roster import Now, Restart, Roster, Setup, Slot, SlotStatus
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,13 @@ class Received:
 
 @dataclass(frozen=True)
 class Exited:
-    """The process of ``slot`` ended (after its pipe was read to the end)."""
+    """The process of ``slot`` ended (after its pipe was read to the end); ``oom_kills``:
+    the processes the kernel's out-of-memory killer killed on its machine while it ran
+    (None: unknown)."""
 
     slot: int
     code: int
+    oom_kills: int | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class Coordinator(Roster):
         self.killed_all = False
         self.quiet_until = float("-inf")  # no hang check before (a stalled one regroups)
         self.pending_hang: list[int] = []  # asked for their stacks
+        self.starting: list[int] = []  # the slots the next first generation (or restart) has
 
     # -- the one entry point -------------------------------------------------------------
     def start(self, now: Now) -> list[Action]:
@@ -139,7 +144,8 @@ class Coordinator(Roster):
                 "(each imports torch first: a few seconds)"
             )
         )
-        for slot in range(self.world):
+        self.starting = list(range(self.world))
+        for slot in self.starting:
             self.spawn(Spawn(slot))
             self.unready.add(slot)
         return self._flush()
@@ -150,7 +156,7 @@ class Coordinator(Roster):
             if _counts(event):
                 self._received(event.slot, event.message)
         elif isinstance(event, Exited):
-            self._exited(event.slot, event.code)
+            self._exited(event.slot, event.code, event.oom_kills)
         elif isinstance(event, Spawned):
             self.spawned(event.slot, event.pid)
         elif isinstance(event, StacksTaken):
@@ -175,8 +181,14 @@ class Coordinator(Roster):
         if isinstance(message, Relay):
             if isinstance(message.event, StepEnded):
                 self.book.recovered(message.event.time, message.event.global_step)
+                self.state.committed = max(self.state.committed, message.event.global_step)
             self.out.append(Emit(message.event))  # (as the worker stamped it)
+        elif isinstance(message, Snapshotted):
+            node = self.setup.node_of(slot)
+            self.state.snapshot(node, message.step, message.nbytes, message.seconds)
         elif isinstance(message, Progress | Joined):
+            if isinstance(message, Joined):
+                self._restarted(message)
             self.slots[slot].progress(message, self.now.mono)
             beat = isinstance(message, Progress)  # (a heartbeat; else Joined)
             phase = message.phase if isinstance(message, Progress) else "joined"
@@ -221,12 +233,14 @@ class Coordinator(Roster):
         self.unready.discard(slot)
         self.book.preflight_passed(slot, self.out)
         if not self.unready and not self.decided:
-            restart = self.gens.latest >= 0
-            cause = "restart from the newest checkpoint" if restart else "start"
-            self.announce(list(range(self.world)), cause)
+            restart = self.state.restart
+            cause = "restart from the newest snapshot or checkpoint" if restart else "start"
+            if restart is not None:
+                restart.generation = self.state.timeline = self.gens.latest + 1
+            self.announce(sorted(self.starting), cause)
 
     # -- what the coordinator sees for itself ----------------------------------------------
-    def _exited(self, slot: int, code: int) -> None:
+    def _exited(self, slot: int, code: int, oom_kills: int | None = None) -> None:
         """A worker that exited without having ended (sent Done, Aborted or a fatal
         Failed) has fallen, whatever its exit code: user code that calls ``sys.exit(0)``
         outside a step ends the process with code 0. Only two exits are expected of it: 0
@@ -240,7 +254,8 @@ class Coordinator(Roster):
             self.decided or (code == EXIT_TOLD and slot not in self.gens.current)
         )
         if not expected:
-            self.fallen(self.book.death(self._where(slot), code, self.now.wall))
+            death = self.book.death(self._where(slot), code, self.now.wall, oom_kills)
+            self.fallen(death)
 
     def _tick(self) -> None:
         self.settle()
@@ -303,7 +318,7 @@ class Coordinator(Roster):
         if slot in self.waiting:
             self.waiting.remove(slot)
         survivors = [m for m in self.gens.current if m != slot and not self.slots[m].ended]
-        action = self.book.fall(failure, len(survivors), self.out)
+        action = self.book.fall(failure, len(survivors), self.out, self.state.kept)
         if action == "preflight":
             self.unready.add(slot)
             self.spawn(Spawn(slot))
@@ -330,19 +345,47 @@ class Coordinator(Roster):
                 self.announce(self.gens.current, cause, rebuild=True)
 
     def _restart(self) -> None:
-        """Every member fell and respawns are left: start every slot again, each resuming
-        from the newest intact checkpoint in run_dir (replacements still starting are
-        dropped: they would wait for state nobody holds). The faults up to the last fall
-        fired already; the steps after the checkpoint are computed again."""
+        """Every member fell and respawns are left: start every slot again, each restoring
+        the newest state it finds, its machine's snapshot in shared memory or the newest
+        intact checkpoint in run_dir (replacements still starting are dropped: they would
+        wait for state nobody holds); the generation's hand-over gives every member the
+        furthest of them. The faults up to the last fall fired already; the steps after
+        that state are computed again."""
         for slot, state in self.slots.items():
             if not state.ended:
                 self.kill(slot)
         self.waiting = []
         last = max((f.step for f in self.book.failures if f.step is not None), default=-1)
-        for slot in range(self.world):
+        self.starting = self.restartable()
+        for slot in self.starting:
             self.spawn(Spawn(slot, faults_after=last, restart_after=self.gens.latest))
             self.unready.add(slot)
-        self.emit(Notice("every worker fell: restarting all from the newest checkpoint"))
+        self.state.restart = Restart(self.state.committed, len(self.book.failures) - 1)
+        where = "the newest snapshot in shared memory or checkpoint"
+        self.emit(
+            Notice(f"every worker fell at step {self.state.committed + 1}: restarting from {where}")
+        )
+
+    def restartable(self) -> list[int]:
+        """The slots a restart starts again: every one (a lost node's cannot be, see
+        :class:`NodeCoordinator`)."""
+        return list(range(self.world))
+
+    def _restarted(self, joined: Joined) -> None:
+        """The first member of a restart's generation has the state it restarted from:
+        the steps between it and the fall are computed again (recorded on the fall)."""
+        restart = self.state.restart
+        if restart is None or restart.generation is None or joined.generation < restart.generation:
+            return
+        self.state.restart = None
+        replayed = max(0, restart.committed - joined.step)
+        self.book.failures[restart.record].replayed_steps = replayed
+        self.emit(
+            Notice(
+                f"restarted from committed step {joined.step}: {replayed} committed step(s) "
+                "to compute again"
+            )
+        )
 
     def _dismiss_waiting(self) -> None:
         """The run is over: workers that have not joined the last generation (replacements
@@ -398,6 +441,7 @@ class NodeCoordinator(Coordinator):
             return
         failure = node_failure(self._where(lost[0]), event, lost)
         self.lost_nodes[event.node] = failure
+        self.state.lost(event.node)
         self.settle(before=max(self.slots[s].generation for s in lost))
         for slot in lost:
             self.move(slot, SlotStatus.ENDED)
@@ -409,6 +453,10 @@ class NodeCoordinator(Coordinator):
         book = self.book
         if book.done is not None or self.decided:
             book.record(failure, "ignored" if book.done is not None else "aborted", self.out)
+            return
+        if not survivors and self.gens.latest >= 0:  # (the last members: a restart, if kept)
+            if book.fall(failure, 0, self.out, self.state.kept) == "restart":
+                self._restart()
             return
         why = node_loss_stops(self.setup.recovery, len(survivors), self.gens.latest < 0)
         if why is None:
@@ -442,10 +490,17 @@ class NodeCoordinator(Coordinator):
         )
         self.emit(Notice(f"{who}: workers {slots} start and join at a step boundary"))
 
+    def restartable(self) -> list[int]:
+        """Every slot of the nodes that are not lost (a lost node's slots start again when
+        it registers, as replacements let in at a step boundary)."""
+        return [s for s in range(self.world) if self.setup.node_of(s) not in self.lost_nodes]
+
     def _restart(self) -> None:
-        if self.lost_nodes:  # (a lost node's slots cannot be started again)
+        if len(self.restartable()) < max(1, self.setup.recovery.min_workers):
             self.book.fatal = True
-            self.book.notes.append("Every worker fell after a node was lost: nothing to restart.")
+            self.book.notes.append(
+                "Every worker fell after a node was lost: too few workers left to restart."
+            )
             return
         super()._restart()
 
@@ -488,7 +543,8 @@ def respawn_fates(replacements: list[Slot], failures: list[WorkerFailure]) -> li
         at = "?" if fell.step is None else fell.step + 1  # steps 1-based, as people read them
         what = f"worker {fell.worker}'s replacement (after its {fell.kind} at step {at})"
         if state.joined_at is not None:
-            lines.append(f"{what} joined before step {state.joined_at + 1}")
+            source = " (its state from this machine's snapshot)" if state.joined_local else ""
+            lines.append(f"{what} joined before step {state.joined_at + 1}{source}")
         elif state.pid in fallen:
             lines.append(f"{what} fell before it joined")
         else:

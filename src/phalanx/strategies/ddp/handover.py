@@ -7,107 +7,54 @@ Members at the furthest position hold the same state already (every member appli
 same reduced gradients), so a shrink or a rebuild moves nothing.
 
 The snapshot travels as a skeleton: the snapshot with each tensor replaced by a
-:class:`TensorSlot` (index, shape, dtype, device; torch's pytree maps the leaves), as one
-JSON document (:mod:`.wire`: data that cannot run code, never a pickle), then each tensor in
-its own broadcast; a
-barrier of all members ends it, so nobody enters a step's collectives while a peer still
-receives. No process ever holds a serialized copy of the whole state.
+:class:`~phalanx.skeleton.TensorSlot` (index, shape, dtype, device; torch's pytree maps the
+leaves), as one JSON document (:mod:`phalanx.skeleton`: data that cannot run code, never a
+pickle), then each tensor in its own broadcast; a barrier of all members ends it, so nobody
+enters a step's collectives while a peer still receives. No process ever holds a serialized
+copy of the whole state.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from phalanx.loop import TrainLoop
+from phalanx.skeleton import decode, encode, fill_tensors, split_tensors, tensor_slots
 from phalanx.strategies.ddp.group import GenerationGroup
-from phalanx.strategies.ddp.wire import TensorSlot, decode, encode
 
-__all__ = ["TensorSlot", "fill_tensors", "hand_over", "split_tensors", "tensor_slots"]
+__all__ = ["hand_over"]
 
 # Builds the group of the source and the members behind it (sorted ranks): its rank is
 # this member's index among them.
 SubgroupFactory = Callable[[list[int]], GenerationGroup]
 
 
-class _ModuleState(OrderedDict[str, Any]):
-    """A module's state dict in flight: pytree rebuilds an OrderedDict without the
-    ``_metadata`` (module versions) that ``load_state_dict`` reads; this node keeps it."""
+# A member behind tries its machine's snapshot of the agreed position: whether it now holds
+# that state (see :func:`hand_over`).
+LocalState = Callable[[tuple[float, float]], bool]
 
 
-def _flatten_module_state(node: _ModuleState) -> tuple[list[Any], Any]:
-    return list(node.values()), (list(node.keys()), getattr(node, "_metadata", None))
-
-
-def _unflatten_module_state(values: Any, context: Any) -> OrderedDict[str, Any]:
-    keys, metadata = context
-    state: OrderedDict[str, Any] = OrderedDict(zip(keys, values, strict=True))
-    if metadata is not None:
-        state._metadata = metadata  # type: ignore[attr-defined]
-    return state
-
-
-pytree.register_pytree_node(
-    _ModuleState,
-    _flatten_module_state,
-    _unflatten_module_state,
-    serialized_type_name="phalanx.ModuleState",
-)
-
-
-def _keep_metadata(state: Any) -> Any:
-    """``state`` with each module state dict marked as a :class:`_ModuleState`."""
-
-    def has_metadata(node: Any) -> bool:
-        return isinstance(node, OrderedDict) and hasattr(node, "_metadata")
-
-    def mark(node: Any) -> Any:
-        if not has_metadata(node):
-            return node
-        marked = _ModuleState(node)
-        marked._metadata = node._metadata  # type: ignore[attr-defined]
-        return marked
-
-    return pytree.tree_map(mark, state, is_leaf=has_metadata)
-
-
-def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
-    """``state`` as (skeleton, tensors): the skeleton is ``state`` with each tensor replaced
-    by a :class:`TensorSlot`, so it travels as data (:func:`.wire.encode`) without any
-    tensor in it."""
-    tensors: list[torch.Tensor] = []
-
-    def take(tensor: torch.Tensor) -> TensorSlot:
-        tensors.append(tensor)
-        return TensorSlot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, str(tensor.device))
-
-    return pytree.tree_map_only(torch.Tensor, take, _keep_metadata(state)), tensors
-
-
-def tensor_slots(skeleton: Any) -> list[TensorSlot]:
-    """The tensors a skeleton stands for, in the order they travel."""
-    found = [leaf for leaf in pytree.tree_leaves(skeleton) if isinstance(leaf, TensorSlot)]
-    return sorted(found, key=lambda slot: slot.index)
-
-
-def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """The inverse of :func:`split_tensors`."""
-    return pytree.tree_map_only(
-        TensorSlot, lambda slot: tensors[slot.index], _keep_metadata(skeleton)
-    )
-
-
-def hand_over(loop: TrainLoop, group: GenerationGroup, subgroup: SubgroupFactory) -> int:
+def hand_over(
+    loop: TrainLoop,
+    group: GenerationGroup,
+    subgroup: SubgroupFactory,
+    local: LocalState | None = None,
+) -> int:
     """Agree on the furthest position and give the members behind it the state of the
-    lowest rank there; returns that rank. Every member calls it, over the new group."""
+    lowest rank there; returns that rank. Every member calls it, over the new group.
+
+    With ``local``, a member behind first looks for that very state in its machine's
+    shared memory (a snapshot its generation's writer took at the regroup): one more small
+    all-reduce says who found it, and only the others receive it from the source, so the
+    members ahead are not kept waiting while it travels."""
     position = _positions(loop, group)
     top = max(position)
     src = min(r for r in range(group.size) if position[r] == top)
     behind = [r for r in range(group.size) if position[r] < top]
+    if behind and local is not None:
+        behind = _still_behind(group, behind, local(top) if group.rank in behind else False)
     if not behind:
         return src
     ranks = sorted([src, *behind])
@@ -118,6 +65,14 @@ def hand_over(loop: TrainLoop, group: GenerationGroup, subgroup: SubgroupFactory
             moving.leave()
     group.barrier()
     return src
+
+
+def _still_behind(group: GenerationGroup, behind: list[int], found: bool) -> list[int]:
+    """The members behind that did not find the agreed state on their own machine."""
+    flags = torch.zeros(group.size, dtype=torch.float64, device=group.device)
+    flags[group.rank] = 1.0 if found else 0.0
+    group.all_reduce(flags)
+    return [r for r in behind if flags[r].item() == 0.0]
 
 
 def _positions(loop: TrainLoop, group: GenerationGroup) -> list[tuple[float, float]]:

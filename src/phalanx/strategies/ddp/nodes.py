@@ -46,7 +46,7 @@ from phalanx.launch import SPARE, Launch, interface_problem, is_loopback
 from phalanx.plan import Plan
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.spec import FitConfig
-from phalanx.strategies.ddp.agent import Agent
+from phalanx.strategies.ddp.agent import Agent, start_fork_server
 from phalanx.strategies.ddp.control import TOKEN_ENV, Signer, new_run_id
 from phalanx.strategies.ddp.emergency import head_lost_message, save_on_head_loss
 from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
@@ -526,6 +526,7 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     started = time.time()
     config = run.config
     check_interface(launch, config)
+    start_fork_server()  # (before joining: a worker's start never holds up the node's loop)
     token = node_token(config.run_dir, JOIN_TIMEOUT.total_seconds())
     link, answer = _join(run, launch, token, emit)
     if answer.kind == "end":  # a spare that never had to take a place
@@ -696,6 +697,7 @@ def _forward(agent: Agent, link: Link) -> bool:
             "code": seen.code,
             "stale": seen.stale,
             "message": message,
+            "oom_kills": seen.oom_kills,
         }
         link.send("seen", doc)
         sent = True

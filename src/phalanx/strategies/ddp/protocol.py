@@ -43,6 +43,7 @@ class Generation:
     cause: str = ""
     failed: dict[int, int] = field(default_factory=dict)
     known: list[WorkerFailure] = field(default_factory=list)
+    timeline: int = -1  # the latest restart's generation (see Announcement)
 
     def rank_of(self, slot: int) -> int:
         return self.members.index(slot)
@@ -69,7 +70,10 @@ class Announcement:
     """Generation ``number`` as the supervisor writes it to ``gen/<n>``: the members in rank
     order, why it was formed, ``rebuild`` (the same members form a new group because the
     old one broke), ``replacing`` (the slot whose replacement process was started, joining
-    later), and the failed attempts of unfinished steps with their failures."""
+    later), the failed attempts of unfinished steps with their failures, and ``timeline``:
+    the generation of the latest restart (every member fell; -1: none), from which the
+    committed steps after the restored state were computed again (a snapshot written before
+    it may hold a step computed another way, within float tolerance)."""
 
     number: int
     members: tuple[int, ...]
@@ -78,6 +82,7 @@ class Announcement:
     replacing: int | None = None
     failed: tuple[tuple[int, int], ...] = ()
     known: tuple[WorkerFailure, ...] = ()
+    timeline: int = -1
 
     def to_json(self) -> str:
         return json.dumps(
@@ -88,6 +93,7 @@ class Announcement:
                 "replacing": self.replacing,
                 "failed": {str(k): v for k, v in self.failed},
                 "known": [{k: getattr(f, k) for k in _EVIDENCE} for f in self.known],
+                "timeline": self.timeline,
             }
         )
 
@@ -102,11 +108,17 @@ class Announcement:
             replacing=doc.get("replacing"),
             failed=tuple((int(k), int(v)) for k, v in doc.get("failed", {}).items()),
             known=tuple(WorkerFailure(**f) for f in doc.get("known", [])),
+            timeline=int(doc.get("timeline", -1)),
         )
 
     def generation(self) -> Generation:
         return Generation(
-            self.number, list(self.members), self.cause, dict(self.failed), list(self.known)
+            self.number,
+            list(self.members),
+            self.cause,
+            dict(self.failed),
+            list(self.known),
+            self.timeline,
         )
 
 
@@ -332,11 +344,24 @@ class Ready:
 
 @dataclass
 class Joined:
-    """A worker formed ``generation`` with its peers and holds the agreed state."""
+    """A worker formed ``generation`` with its peers and holds the agreed state
+    (``local``: it took that state from its machine's shared memory, not from a peer)."""
 
     slot: int
     generation: int
     step: int
+    local: bool = False
+
+
+@dataclass
+class Snapshotted:
+    """This worker wrote its machine's snapshot of committed step ``step`` into shared memory
+    (``nbytes``; ``seconds`` it took): the state outlives the workers there."""
+
+    slot: int
+    step: int
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -357,7 +382,18 @@ class Rejected:
 # failure as its fields.
 _WIRE_TYPES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (Relay, Progress, Failed, Broke, Aborted, Done, Ready, Joined, Rejected)
+    for cls in (
+        Relay,
+        Progress,
+        Failed,
+        Broke,
+        Aborted,
+        Done,
+        Ready,
+        Joined,
+        Rejected,
+        Snapshotted,
+    )
 }
 
 

@@ -69,6 +69,7 @@ class Slot:
     pid: int | None = None
     replaces: WorkerFailure | None = None  # a replacement: the fall it answers
     joined_at: int | None = None  # a replacement: the step at which it joined
+    joined_local: bool = False  # a replacement: it took the state from shared memory
 
     @property
     def ended(self) -> bool:
@@ -80,7 +81,7 @@ class Slot:
         if isinstance(message, Joined):
             self.generation = message.generation
             if self.replaces is not None and self.joined_at is None:
-                self.joined_at = message.step
+                self.joined_at, self.joined_local = message.step, message.local
         else:
             self.step, self.phase, self.attempt = message.step, message.phase, message.attempt
 
@@ -98,6 +99,58 @@ class Setup:
 
     def node_of(self, slot: int) -> int:
         return self.nodes[slot] if self.nodes else 0
+
+
+@dataclass
+class StateCopies:
+    """Where the run's committed state lives outside the members: the furthest step
+    committed, each node's newest snapshot in shared memory, and a restart under way (every
+    member fell: the step it fell at, to count the steps computed again)."""
+
+    committed: int = 0  # committed steps, from the main worker's step events
+    snapshots: dict[int, int] = field(default_factory=dict)  # node -> step of its newest
+    restart: Restart | None = None
+    timeline: int = -1  # the generation of the latest restart (see Announcement)
+
+    taken: int = 0  # snapshots written, on every node
+    seconds: float = 0.0  # their time, summed (the loop's share and the background copy)
+    nbytes: int = 0  # the size of the last one
+
+    def snapshot(self, node: int, step: int, nbytes: int = 0, seconds: float = 0.0) -> None:
+        self.snapshots[node] = max(step, self.snapshots.get(node, -1))
+        self.taken += 1
+        self.seconds += seconds
+        self.nbytes = nbytes or self.nbytes
+
+    def summary(self, nodes: int) -> str | None:
+        """What the snapshots cost, for the run's end (None when none was taken)."""
+        if not self.taken:
+            return None
+        every = self.committed * nodes / self.taken
+        return (
+            f"snapshots in shared memory: {self.taken} taken, about every {every:.0f} "
+            f"step(s) on each machine, {self.seconds / self.taken * 1e3:.1f} ms each, "
+            f"{self.nbytes / 1e6:.1f} MB each (two buffers of that size per machine)"
+        )
+
+    def lost(self, node: int) -> None:
+        """A node is gone with its machine: its shared memory too."""
+        self.snapshots.pop(node, None)
+
+    @property
+    def kept(self) -> bool:
+        """Whether a snapshot lives on a node that is not lost."""
+        return bool(self.snapshots)
+
+
+@dataclass
+class Restart:
+    """Every member fell at ``committed`` steps; ``record`` is the index of the fall's
+    record in the book; ``generation`` the restart's, once announced."""
+
+    committed: int
+    record: int
+    generation: int | None = None
 
 
 @dataclass
@@ -137,6 +190,7 @@ class Roster:
         self.now = Now(0.0, 0.0)
         self.out: list[Action] = []
         self.panel = Panel(list(setup.devices))
+        self.state = StateCopies()
 
     def _flush(self) -> list[Action]:
         actions, self.out = self.out, []
@@ -198,7 +252,9 @@ class Roster:
             if not self.slots[slot].ended:
                 self.move(slot, SlotStatus.MEMBER)
         failed, known = self.book.evidence()
-        doc = Announcement(g.latest, tuple(members), cause, rebuild, replacing, failed, known)
+        doc = Announcement(
+            g.latest, tuple(members), cause, rebuild, replacing, failed, known, self.state.timeline
+        )
         self.out.append(Announce(doc))
         devices = [self.setup.devices[m] for m in members]
         self.emit(GenerationStarted(g.latest, list(members), devices, cause))

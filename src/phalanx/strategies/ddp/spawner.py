@@ -49,10 +49,12 @@ class Spawner:
 
     def spawn(self, order: SpawnOrder) -> int | None:
         config = self.config
-        if order.restart_after is not None:  # (it passed preflight before)
-            config = dataclasses.replace(config, resume=True, preflight=False)
-        train, valid, valid_size = self.data
+        restart = order.restart_after is not None
+        if restart:  # (it passed preflight before)
+            config = dataclasses.replace(config, preflight=False)
         agent = self.agent
+        folder = agent.snapshot_folder() if config.snapshots is not None else None
+        train, valid, valid_size = self.data
         assert agent.store_at is not None
 
         def make_args(conn: Any, stack_file: str, heartbeat: Any) -> worker_mod.WorkerArgs:
@@ -78,6 +80,9 @@ class Spawner:
                 replacement=order.replacement,
                 faults_after=order.faults_after,
                 after_generation=-1 if order.restart_after is None else order.restart_after,
+                restart=restart,
+                snapshot_dir=folder,
+                environ=dict(os.environ),
                 heartbeat=heartbeat,
             )
 

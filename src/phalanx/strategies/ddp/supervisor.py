@@ -37,7 +37,7 @@ from phalanx.strategies.ddp.actions import (
     SetStop,
     Spawn,
 )
-from phalanx.strategies.ddp.agent import STACK_WAIT, Agent, SlotState
+from phalanx.strategies.ddp.agent import STACK_WAIT, Agent, SlotState, start_fork_server
 from phalanx.strategies.ddp.book import FailureBook
 from phalanx.strategies.ddp.control import rejected_notice
 from phalanx.strategies.ddp.coordinator import (
@@ -139,16 +139,22 @@ class Supervisor:
 
     def _see(self, timeout: timedelta) -> None:
         for seen in self.agent.poll(timeout):
-            self._seen(seen.slot, seen.message, seen.code, seen.exited, seen.stale)
+            self._seen(seen.slot, seen.message, seen.code, seen.exited, seen.stale, seen.oom_kills)
         if self.hub is not None:
             self._hear()
 
     def _seen(
-        self, slot: int, message: object, code: int | None, exited: bool, stale: bool
+        self,
+        slot: int,
+        message: object,
+        code: int | None,
+        exited: bool,
+        stale: bool,
+        oom_kills: int | None = None,
     ) -> None:
         if exited:
             assert code is not None
-            self._feed(Exited(slot, code))
+            self._feed(Exited(slot, code, oom_kills))
         elif isinstance(message, Rejected):
             self._rejected(message)
         else:
@@ -186,7 +192,8 @@ class Supervisor:
                 node.alive.discard(slot)
             if isinstance(message, Done) and message.weights_path:
                 message = dataclasses.replace(message, weights_path=self._weights(slot))
-            self._seen(slot, message, code, exited, stale)
+            kills = doc.get("oom_kills")
+            self._seen(slot, message, code, exited, stale, None if kills is None else int(kills))
         elif frame.kind == "weights" and int(doc["slot"]) in node.slots:
             with open(self._weights(int(doc["slot"])), "wb") as fh:
                 fh.write(frame.payload)
@@ -327,6 +334,7 @@ def run_ddp(
     if launch is not None and launch.remote:
         return run_node(run, launch, emit, interrupter)
     started = time.time()
+    start_fork_server()  # (before any node's clock runs: see start_fork_server)
     nodes = None
     if launch is not None and launch.nnodes > 1:
         nodes = start_head(run, launch, emit)
@@ -336,7 +344,9 @@ def run_ddp(
         sup.start()
         outcome = sup.watch()
         fates = sup.coord.respawn_fates()
-        for note in [Notice(line) for line in fates] + sup.rejected_links():
+        cost = sup.coord.state.summary(max(sup.coord.setup.nodes, default=0) + 1)
+        notes = [Notice(line) for line in fates] + ([Notice(cost)] if cost else [])
+        for note in notes + sup.rejected_links():
             emit(note)  # (the run's end says what became of every respawn)
         end = _run_end(sup, outcome, fates, interrupter.reason)
     finally:

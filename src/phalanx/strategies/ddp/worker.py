@@ -19,6 +19,7 @@ import faulthandler
 import gc
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -40,12 +41,14 @@ from phalanx.loop import Regroup, StepAborted, TrainLoop
 from phalanx.plan import Plan
 from phalanx.report import is_secondary
 from phalanx.runner import build_loop, make_checkpointer, start_run
+from phalanx.snapshot import SnapshotStore, Snapshotter, Taken, stable_tensors
+from phalanx.snapshot.store import Header
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.control import SignedStore, Signer, latest_generation
 from phalanx.strategies.ddp.emergency import await_verdict, keep_committed
 from phalanx.strategies.ddp.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
-from phalanx.strategies.ddp.handover import hand_over
+from phalanx.strategies.ddp.handover import LocalState, hand_over
 from phalanx.strategies.ddp.identity import announce
 from phalanx.strategies.ddp.preflight import preflight
 from phalanx.strategies.ddp.protocol import (
@@ -69,6 +72,7 @@ from phalanx.strategies.ddp.protocol import (
     Ready,
     Rejected,
     Relay,
+    Snapshotted,
 )
 
 T = TypeVar("T")
@@ -153,9 +157,17 @@ class WorkerArgs:
     # fell at: those up to it were the predecessor's.
     faults_after: int = -1
     # The first generation this worker may take part in comes after this one: a worker
-    # restarted from the checkpoint once every member fell ignores the generations its
-    # fallen predecessors formed.
+    # restarted once every member fell ignores the generations its fallen predecessors
+    # formed.
     after_generation: int = -1
+    # Restarted once every member fell: it restores the newest state it finds, its machine's
+    # snapshot or the newest checkpoint in run_dir (see runner.restore_newest).
+    restart: bool = False
+    # This machine's snapshot folder in shared memory (the agent's), or None: no snapshots.
+    snapshot_dir: str | None = None
+    # The agent's environment when it started this worker: a worker forked by the fork
+    # server (started once, earlier) takes it, as a spawned process would have.
+    environ: dict[str, str] | None = None
     # The heartbeat in memory shared with the supervisor (None: beats go through the pipe)
     heartbeat: Heartbeat | None = None
     # The host of the store: the head's address across machines
@@ -202,6 +214,38 @@ class WorkerArgs:
         return SignedStore(store, Signer(self.token), report)
 
 
+class Lifeline:
+    """Whether the agent that started this worker still lives. Workers are forked by
+    multiprocessing's fork server, not by the agent, so the parent process says nothing;
+    a pidfd names the agent's very process (its pid may be reused once it is gone)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd: int | None = None
+        self.gone = False
+        try:
+            self.fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.gone = True
+        except (AttributeError, OSError):  # (no pidfd here: ask for the pid)
+            self.fd = None
+
+    def alive(self) -> bool:
+        if self.gone:
+            return False
+        if self.fd is not None:
+            readable, _, _ = select.select([self.fd], [], [], 0)  # (readable once it exited)
+            self.gone = bool(readable)
+        else:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.gone = True
+            except PermissionError:
+                pass
+        return not self.gone
+
+
 class Watcher:
     """The watch thread: exits the process when the parent is gone, the store unreachable
     or the run aborted; keeps the stop reason and the newest generation announced; aborts the
@@ -218,6 +262,7 @@ class Watcher:
         self.group: GenerationGroup | None = None  # its group, while this worker is in it
         self.aborted_for = -1  # the generation for which this group was aborted
         self.head_lost = False  # across machines: this node's agent said the head is lost
+        self.agent = Lifeline(args.parent_pid)  # the process that started this one
 
     def start(self) -> None:
         store = self.a.signed(self.a.connect(), self.send)
@@ -245,7 +290,7 @@ class Watcher:
         seen = 0
         while True:
             time.sleep(WATCH_INTERVAL.total_seconds())
-            if os.getppid() != self.a.parent_pid:
+            if not self.agent.alive():
                 os._exit(1)  # the supervisor died: no orphans
             try:
                 version = int(store.store.add(CONTROL_KEY, 0))
@@ -323,6 +368,9 @@ class Worker:
         # loop's repeat rule in the next generation, whenever the supervisor reads them.
         self.unvoted: list[WorkerFailure] = []
         self.abandoned: list[GenerationGroup] = []  # groups left with work still in flight
+        # This worker's snapshot taker, made when it first writes its machine's snapshots.
+        self.snapshotter: Snapshotter | None = None
+        self.took_local = False  # its last hand-over's state came from shared memory
 
     # -- messages ----------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -549,11 +597,73 @@ class Worker:
             raise GroupBroken("the head was lost")
         loop = self.loop_in(member, group, gen)
         if gen.number > 0:
-            hand_over(loop, group, lambda ranks: self.subgroup(rendezvous, gen, ranks))
+            subgroup = lambda ranks: self.subgroup(rendezvous, gen, ranks)  # noqa: E731
+            hand_over(loop, group, subgroup, self.local_state(loop, gen))
         if loop.engine.is_main and loop.checkpointer is None and cfg.run_dir:
             loop.checkpointer = make_checkpointer(cfg, self.emit)
-        self.send(Joined(self.a.slot, gen.number, loop.state.global_step))
+        loop.snapshots = self.snapshot_writer(member, gen)
+        local, self.took_local = self.took_local, False
+        self.send(Joined(self.a.slot, gen.number, loop.state.global_step, local))
         self.interrupted = loop.run().interrupted
+
+    def local_state(self, loop: TrainLoop, gen: Generation) -> LocalState | None:
+        """How a member behind takes the agreed state from its machine's shared memory
+        instead of from a peer (see :func:`.handover.hand_over`): a snapshot of exactly that
+        position, written since the latest restart (one from before it may hold a step
+        computed another way); None without snapshots."""
+        folder = self.a.snapshot_dir
+        if folder is None or self.a.config.snapshots is None:
+            return None
+
+        def take(top: tuple[float, float]) -> bool:
+            def wanted(h: Header) -> bool:
+                return (h.step, h.epoch) == (round(top[0]), round(top[1])) and (
+                    h.tag >= gen.timeline
+                )
+
+            snap = SnapshotStore(folder).read(wanted)
+            if snap is None:
+                return False
+            loop.restore(snap.state)
+            self.took_local = True
+            return True
+
+        return take
+
+    def snapshot_writer(self, member: Member, gen: Generation) -> Snapshotter | None:
+        """This worker's snapshot taker when it writes its machine's snapshots in ``gen``:
+        the first member in rank order on this machine (survivors keep their order and
+        newcomers go last, so a writer stays one while it lives)."""
+        settings, folder = self.a.config.snapshots, self.a.snapshot_dir
+        local = [slot for slot in gen.members if slot in self.a.here]
+        if settings is None or folder is None or not local or local[0] != self.a.slot:
+            return None
+        if self.snapshotter is None:
+            trainable = member.trainable
+            self.snapshotter = Snapshotter(
+                SnapshotStore(folder),
+                settings,
+                lambda: stable_tensors(trainable.model, trainable.optimizer),
+                self.snapshot_taken,
+                self.snapshot_failed,
+            )
+        self.snapshotter.tag = gen.number
+        return self.snapshotter
+
+    def snapshot_taken(self, taken: Taken) -> None:
+        self.send(Snapshotted(self.a.slot, taken.step, taken.nbytes, taken.seconds))
+
+    def snapshot_failed(self, exc: BaseException) -> None:
+        from phalanx.events import Notice
+
+        self.emit(
+            Notice(
+                f"worker {self.a.slot}: a snapshot in shared memory failed ({type(exc).__name__}:"
+                f" {exc}); this worker takes no more, the run goes on (snapshots of other "
+                "machines, and checkpoints, still hold the state)",
+                level="warning",
+            )
+        )
 
     def subgroup(self, store: dist.Store, gen: Generation, ranks: list[int]) -> GenerationGroup:
         """The hand-over's group of the source and the members behind it."""
@@ -594,7 +704,17 @@ class Worker:
         self.loop.failed_before = dict(gen.failed)
         self.loop.known_failures = [*gen.known, *self.unvoted]
         if first and not a.replacement:
-            start_run(self.loop, a.plan, a.config, self.loop.emit, a.plan.samples, a.valid_size)
+            store = SnapshotStore(a.snapshot_dir) if a.restart and a.snapshot_dir else None
+            start_run(
+                self.loop,
+                a.plan,
+                a.config,
+                self.loop.emit,
+                a.plan.samples,
+                a.valid_size,
+                restart=a.restart,
+                snapshots=store,
+            )
         return self.loop
 
     def finish(self) -> int:
@@ -673,6 +793,11 @@ def main(args: WorkerArgs) -> None:
     orphaned: the watch thread exits a worker whose parent is gone.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # (the fork server runs with these blocked, see agent.start_fork_server: not its workers)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP})
+    if args.environ is not None:
+        os.environ.clear()
+        os.environ.update(args.environ)
     listen_for_stack_dumps(args.stack_file)
     code = Worker(args).run()
     args.conn.close()
