@@ -115,6 +115,29 @@ class DeadlySample(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.data[i]
 
 
+class OneOffKills(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``make_data(n)``, except that the first read of each sample in ``kills`` (in any
+    worker process) SIGKILLs the reader: a one-off fault (a marker file in ``markers``
+    makes it once per run across processes), so whoever reads it again reads it fine."""
+
+    def __init__(self, n: int, kills: list[int], markers: str) -> None:
+        self.data = make_data(n)
+        self.kills, self.markers = set(kills), markers
+        self.owner = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i in self.kills and os.getpid() != self.owner:
+            try:
+                os.close(os.open(os.path.join(self.markers, f"fired-{i}"), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return self.data[i]
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.data[i]
+
+
 def linear_except_in_a_replacement() -> nn.Module:
     """The model factory fails in a replacement process (the device that just lost a
     worker is in a bad state, say): a replacement that cannot even build its model."""

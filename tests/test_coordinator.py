@@ -402,6 +402,10 @@ def test_every_member_fallen_with_a_run_dir_restarts_all_from_the_checkpoint() -
     run.at(4).say(0, Ready(0))
     restart = "restart from the newest snapshot or checkpoint"
     assert announced(run.say(1, Ready(1))) == [([0, 1], restart)]
+    assert run.c.respawn_fates() == [
+        "worker 1's replacement (after its crash at step 1) was still starting when every "
+        "worker fell: dropped"
+    ]
 
 
 def step_ended(global_step: int) -> Relay:
@@ -432,6 +436,25 @@ def test_every_member_fallen_restarts_from_a_snapshot_without_a_run_dir() -> Non
     assert "restarted from committed step 4: 3 committed step(s) to compute again" in notices
     restarted = [f for f in run.c.book.failures if f.action == "restarted"]
     assert [f.replayed_steps for f in restarted] == [3]
+
+
+def test_a_replacement_let_in_but_not_joined_holds_no_state_so_the_last_holders_fall_restarts() -> (
+    None
+):
+    """Worker 1 falls; its replacement is ready and let in (generation 2: [0, 1]), but
+    before it has joined (taken the state) worker 0 falls: nobody holds the state, so the
+    run restarts from the snapshot (not a generation of the replacement alone, which would
+    start from its fresh model)."""
+    run = Run(world=2, run_dir=False)
+    run.start_training()
+    run.say(0, Snapshotted(0, 4))
+    run.at(1).feed(Exited(1, SIGKILL))  # generation 1: [0]; a replacement for 1 starts
+    run.form([0], 1, 5)
+    run.at(1.2).say(1, Ready(1))
+    assert announced(run.tick(1.3)) == [([0, 1], "workers [1] rejoin")]
+    actions = run.at(1.5).feed(Exited(0, SIGKILL))
+    assert recorded(actions) == [(0, "crash", 0, "restarted")]
+    assert Kill(1) in actions
 
 
 def test_without_a_snapshot_or_a_run_dir_the_run_stops_and_says_what_would_have_kept_it() -> None:

@@ -432,3 +432,21 @@ def test_under_torchrun_without_a_shared_store_the_head_hosts_one_on_master_port
         assert agent.store_at == ("127.0.0.1", port)  # the port torchrun set aside
     finally:
         agent.close()
+
+
+def test_a_node_lost_while_a_restart_starts_leaves_the_others_to_restart() -> None:
+    """Every worker fell and the restart's workers are starting when node 1 is lost: its
+    slots leave the restart, which goes on with node 0's (not one more restart, nor an
+    abort)."""
+    c = coordinator((0, 1, 1))
+    training(c)
+    c.handle(Received(0, Snapshotted(0, 3)), Now(1.5, 1001.5))
+    for slot in (1, 2, 0):
+        actions = c.handle(Exited(slot, -9), Now(2.0, 1002.0))
+    assert [a.failure.action for a in actions if isinstance(a, Record)] == ["restarted"]
+    actions = c.handle(NodeLost(1, "h1", "its link closed"), Now(2.2, 1002.2))
+    assert [a.failure.action for a in actions if isinstance(a, Record)] == ["shrunk"]
+    assert not any(isinstance(a, Spawn | SetAbort) for a in actions)
+    actions = c.handle(Received(0, Ready(0)), Now(3.0, 1003.0))
+    [announce] = [a.announcement for a in actions if isinstance(a, Announce)]
+    assert announce.members == (0,) and announce.timeline == announce.number

@@ -37,6 +37,7 @@ from procs import alive, child_env, workers_of
 from recorder import Recorder as BaseRecorder
 from recovery_helpers import (
     DeadlySample,
+    OneOffKills,
     SecondReadFails,
     linear,
     linear_except_in_a_replacement,
@@ -1135,6 +1136,38 @@ def test_every_worker_killed_at_once_goes_on_from_the_snapshot_without_a_run_dir
     # the next committed step after the fall: soon (its measure is bench/snapshots.py's)
     after = [e.time for e in rec.steps() if e.time > fall.time]
     assert after and after[0] - fall.time < 30, time.time() - started
+
+
+@pytest.mark.timeout(120)
+def test_two_one_off_kills_in_one_steps_retry_chain_go_on_from_the_snapshot(
+    clean: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Issue 23's soak: two samples of one global batch each kill their first reader, once.
+    On two workers, worker A dies on the first; the survivor recomputes the step alone and
+    dies on the second: no member is left, and the two deaths' shares overlap. Two deaths
+    are no evidence of a poison batch (either could be a one-off, as they are here), and
+    the snapshot outlives both: the run restarts from it, the third attempt goes through,
+    and the run ends with the clean run's weights, without a run_dir."""
+    plan = Plan(len(DATA), FIT["batch_size"], FIT["seed"])
+    share = plan.local_batch(0, 6, 0, 2)  # worker 0's: it dies on the first, unread the second
+    rec = Recorder()
+    result = px.Learner(linear, sgd, mse_step).fit(
+        OneOffKills(len(DATA), share[:2], str(tmp_path)),
+        devices=TWO,
+        strategy="ddp",
+        on_failure=px.Recovery(mode="respawn"),
+        hang_timeout=HANG_TIMEOUT,
+        sinks=[rec],
+        **FIT,
+    )
+    assert [(f.kind, f.step, f.action) for f in result.failures] == [
+        ("crash", 6, "respawned"),
+        ("crash", 6, "restarted"),
+    ]
+    assert [f.attempt for f in result.failures] == [0, 1]
+    assert (result.steps, result.epochs) == (STEPS, FIT["epochs"])
+    assert rel_diff(params(result.model), clean) <= TOLERANCE
+    assert result.ledger_ok is True
 
 
 @pytest.mark.timeout(120)

@@ -16,9 +16,16 @@ from torch import nn
 
 import phalanx as px
 from phalanx.errors import InvalidSettingError
-from phalanx.snapshot import SnapshotStore, Snapshotter, Taken, every_for, stable_tensors, sweep
+from phalanx.snapshot import (
+    SnapshotStore,
+    Snapshotter,
+    Taken,
+    every_for,
+    folder_for,
+    stable_tensors,
+    sweep,
+)
 from phalanx.snapshot.config import MAX_EVERY, settings_of
-from phalanx.snapshot.store import PREFIX
 
 
 def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -126,17 +133,23 @@ def test_one_writer_at_a_time_and_a_dead_writers_lock_is_free(tmp_path: Path) ->
     assert other.stdout.strip() == b"False", other.stderr
 
 
-def test_folders_of_agents_that_are_gone_are_swept(tmp_path: Path) -> None:
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
-    )
-    gone = tmp_path / f"{PREFIX}{int(dead.stdout)}-abc"
-    mine = tmp_path / f"{PREFIX}{os.getpid()}-def"
+def test_folders_of_agents_that_are_gone_are_swept_by_their_owner_lock(tmp_path: Path) -> None:
+    """A folder whose agent is gone (its owner lock free) is removed by the next agent; a
+    live agent's is not, whatever its pid says (containers sharing /dev/shm do not see each
+    other's processes)."""
+    script = "import sys; from phalanx.snapshot import folder_for; "
+    script += "print(folder_for('gone', sys.argv[1])[0])"
+    made = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True)
+    gone = Path(made.stdout.decode().strip())
+    assert gone.is_dir(), made.stderr
     other = tmp_path / "someone-elses"
-    for folder in (gone, mine, other):
-        folder.mkdir()
+    other.mkdir()
     assert sweep(str(tmp_path)) == [gone.name]
-    assert not gone.exists() and mine.exists() and other.exists()
+    assert not gone.exists() and other.exists()
+    mine, owner = folder_for("mine", str(tmp_path))
+    assert sweep(str(tmp_path)) == [] and Path(mine).exists()
+    os.close(owner)  # (the agent's end: its folder is free to sweep now)
+    assert sweep(str(tmp_path)) == [Path(mine).name]
 
 
 @pytest.mark.parametrize(

@@ -139,6 +139,9 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+LEDGER_ROW = 3 + len(EMPTY)  # [epoch, step, global_step, *fingerprint]
+
+
 @dataclass
 class TrainState:
     """Where the run is: everything besides model/optimizer/scheduler that resume needs."""
@@ -164,14 +167,19 @@ class TrainState:
                 else torch.tensor(self.epoch_sums, dtype=torch.float64)
             ),
             "epoch_samples": self.epoch_samples,
-            "ledger": [list(e) for e in self.ledger],
+            # (a float64 tensor, a row a step: as nested lists it cost every checkpoint,
+            # hand-over and snapshot time in proportion to the run's length)
+            "ledger": torch.tensor(self.ledger, dtype=torch.float64).reshape(-1, LEDGER_ROW),
         }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> TrainState:
-        sums = state.get("epoch_sums")
+        sums, rows = state.get("epoch_sums"), state.get("ledger")
         if isinstance(sums, torch.Tensor):
             state = {**state, "epoch_sums": sums.tolist()}
+        if isinstance(rows, torch.Tensor):  # (a list of rows in checkpoints before)
+            ledger = [[int(e), int(s), int(g), *f] for e, s, g, *f in rows.tolist()]
+            state = {**state, "ledger": ledger}
         return cls(**state)
 
 

@@ -9,7 +9,7 @@ the same weights as a run without the failure.
 """
 
 from phalanx.snapshot.config import Snapshots, settings_of
-from phalanx.snapshot.store import Snapshot, SnapshotStore, folder_for, remove, sweep
+from phalanx.snapshot.store import Snapshot, SnapshotStore, folder_for, sweep
 from phalanx.snapshot.taker import Snapshotter, Snapshotting, Taken, every_for, stable_tensors
 
 __all__ = [
@@ -21,7 +21,6 @@ __all__ = [
     "Taken",
     "every_for",
     "folder_for",
-    "remove",
     "settings_of",
     "stable_tensors",
     "sweep",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx.errors import InvalidSettingError
+from phalanx.events import Notice
 
 # The cost budget of snapshots chosen by measurement: their time (copying included, as if it
 # were all on the step's critical path) over the training time.
@@ -68,4 +69,13 @@ def settings_of(value: object) -> Snapshots | None:
         return value
     raise InvalidSettingError(
         f"fit(snapshots={value!r}): use px.Snapshots(...), True (the default) or False"
+    )
+
+
+def snapshots_off(why: str | None) -> Notice:
+    """The warning of a machine whose snapshot folder could not be made."""
+    return Notice(
+        f"snapshots in shared memory are off on this machine: its folder could not be made "
+        f"({why}); when every worker falls, only a run_dir's checkpoints can restart the run",
+        level="warning",
     )

@@ -22,7 +22,6 @@ the run ends. Workers find it in their spawn arguments.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import mmap
@@ -54,6 +53,7 @@ HEADER_SIZE = 64
 ALIGN = 64
 BUFFERS = ("state-0", "state-1")
 LOCK = "writer.lock"
+OWNER = "owner.lock"  # held by the agent whose folder it is (see sweep)
 PREFIX = "phalanx-snap-"
 
 
@@ -130,7 +130,7 @@ class SnapshotStore:
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor]] = {}  # fd, mapping, view
 
     # -- reading ---------------------------------------------------------------------------
     def headers(self) -> dict[str, Header]:
@@ -239,44 +239,53 @@ class SnapshotStore:
             serial,
             tag,
         )
-        self._put(target, 0, Header(seq, -1, -1, 0, 0, serial, tag).pack())
+        self._header(target, Header(seq, -1, -1, 0, 0, serial, tag))
         return Writing(self, target, header, raw, list(zip(tensors, offsets, strict=True)), view)
 
     def _map(self, name: str, size: int) -> torch.Tensor:
-        """The buffer ``name`` mapped in this process, at least ``size`` bytes (a larger
-        state grows it), as a uint8 tensor over the mapping."""
+        """The buffer ``name`` mapped in this process, at least ``size`` bytes, as a uint8
+        tensor over the mapping. A buffer is made (or grown) with room to spare: the
+        skeleton grows with the run (the ledger has a row a step), and a buffer remapped at
+        every snapshot would fault its pages in anew each time."""
         held = self._maps.get(name)
-        if held is not None and held[0].size() >= size:
-            return held[1]
-        if held is not None:
-            del held
-            self._unmap(name)
+        if held is not None and len(held[1]) >= size:
+            return held[2]
+        self._unmap(name)
         path = os.path.join(self.folder, name)
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         try:
+            length = max(os.fstat(fd).st_size, size)
             if os.fstat(fd).st_size < size:
+                length = _room(size)
                 # Pages reserved now: a full tmpfs is an OSError here, not a SIGBUS later
                 # when the mapping is written.
-                _reserve(fd, size)
-            mapped = mmap.mmap(fd, max(size, os.fstat(fd).st_size))
-        finally:
+                _reserve(fd, length)
+            mapped = mmap.mmap(fd, length)
+        except BaseException:
             os.close(fd)
+            raise
         view = torch.frombuffer(mapped, dtype=torch.uint8)
-        self._maps[name] = (mapped, view)
+        self._maps[name] = (fd, mapped, view)
         return view
 
     def _put(self, name: str, offset: int, raw: bytes) -> None:
-        mapped = self._maps[name][0]
+        mapped = self._maps[name][1]
         mapped[offset : offset + len(raw)] = raw
 
+    def _header(self, name: str, header: Header) -> None:
+        """Written with a system call, after every store into the mapping: a reader that
+        sees the new header sees what it covers, whatever the processor's memory order."""
+        os.pwrite(self._maps[name][0], header.pack(), 0)
+
     def _unmap(self, name: str) -> None:
+        """Only once no copy into the mapping is in flight (the loop fences first): torch's
+        views of it do not keep it mapped."""
         held = self._maps.pop(name, None)
         if held is None:
             return
-        mapped, view = held
-        del view, held
-        with contextlib.suppress(BufferError):  # (a view still alive: the GC closes it)
-            mapped.close()
+        fd, mapped, _ = held
+        mapped.close()
+        os.close(fd)
 
     def close(self) -> None:
         for name in list(self._maps):
@@ -321,39 +330,61 @@ class Writing:
         self.copy()
         h = self.header
         self.store._put(self.name, h.data_end, self.skeleton)
-        self.store._put(self.name, 0, h.pack())
+        self.store._header(self.name, h)
         self.tensors = []  # (drop the references to the live state)
+        self.view = torch.empty(0, dtype=torch.uint8)  # (and to the mapping)
         return h.data_end + h.skeleton_bytes
 
 
-def folder_for(run_id: str, base: str | None = None) -> str:
-    """A new snapshot folder for the agent of this process: ``/dev/shm`` (memory) where it
-    exists, else the temporary directory. Made empty; stale folders of dead agents are
-    swept first."""
+def folder_for(run_id: str, base: str | None = None) -> tuple[str, int]:
+    """A new snapshot folder for the agent of this process, in ``/dev/shm`` (memory) where
+    it exists, else the temporary directory, and the descriptor of its owner lock (an
+    ``flock`` the agent holds while it lives: closing it, or the agent's death, frees it).
+    Stale folders of agents that are gone are swept first."""
     base = base or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     sweep(base)
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:40]
     folder = os.path.join(base, f"{PREFIX}{os.getpid()}-{safe}")
+    making = tempfile.mkdtemp(prefix=".making-", dir=base)  # (no sweep looks at it)
+    fd = os.open(os.path.join(making, OWNER), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(folder, mode=0o700)
-    return folder
+    os.rename(making, folder)  # (the lock goes with it: it is on the open file)
+    return folder, fd
 
 
 def sweep(base: str) -> list[str]:
-    """Remove the snapshot folders in ``base`` whose agent process is gone (killed before it
-    could remove its own); returns the folders removed."""
+    """Remove the snapshot folders in ``base`` whose agent is gone (killed before it could
+    remove its own): those whose owner lock can be taken. (Not by pid: containers that share
+    ``/dev/shm`` do not see each other's processes.) Returns the folders removed."""
     removed: list[str] = []
     try:
         names = os.listdir(base)
     except OSError:
         return removed
     for name in names:
-        m = re.fullmatch(rf"{re.escape(PREFIX)}(\d+)-.*", name)
-        if m is None or _alive(int(m.group(1))):
+        if not name.startswith(PREFIX):
             continue
-        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        folder = os.path.join(base, name)
+        try:
+            fd = os.open(os.path.join(folder, OWNER), os.O_RDWR)
+        except OSError:
+            continue  # (being made, or not a snapshot folder: left alone)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its agent lives
+        finally:
+            os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
         removed.append(name)
     return removed
+
+
+def _room(size: int) -> int:
+    """A buffer's length for ``size`` bytes: a quarter more, in whole MiB."""
+    mib = 1 << 20
+    return -(-(size + size // 4) // mib) * mib
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -365,20 +396,6 @@ def _reserve(fd: int, size: int) -> None:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)
-
-
-def remove(folder: str) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -6,6 +6,7 @@ writes what it is told to, and reports what it sees (a message, an exit). The co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -85,6 +86,18 @@ class SlotState:
     def alive(self) -> bool:
         return self.exitcode() is None
 
+    def kill(self) -> None:
+        """SIGKILL the process. Once its fork server is gone multiprocessing no longer
+        signals it (it takes it for dead): the pidfd, or the pid, still reaches it."""
+        if not self.orphan:
+            self.process.kill()
+            return
+        with contextlib.suppress(ProcessLookupError, OSError):
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            elif self.process.pid is not None:
+                os.kill(self.process.pid, signal.SIGKILL)
+
     def waker(self) -> Connection | None:
         """What wakes the agent when this process writes: its bell, else its pipe."""
         if self.bell is not None:
@@ -140,6 +153,8 @@ class Agent:
     # This machine's snapshot folder in shared memory (see phalanx.snapshot): made by the
     # first worker that needs it, removed with the agent. It outlives every worker.
     snapshots: str | None = None
+    snapshot_error: str | None = None  # why that folder could not be made
+    snapshot_owner: int | None = None  # the folder's owner lock, held while the agent lives
 
     def __post_init__(self) -> None:
         self.store: dist.Store | None = None
@@ -153,13 +168,17 @@ class Agent:
         if self.store is not None and self.prefix:
             self.store = dist.PrefixStore(self.prefix, self.store)
 
-    def snapshot_folder(self) -> str:
+    def snapshot_folder(self) -> str | None:
         """This machine's snapshot folder (made on first use; stale ones of agents that
-        were killed are swept then)."""
-        if self.snapshots is None:
+        were killed are swept then); None when it cannot be made (``snapshot_error`` says
+        why): the workers then take no snapshots."""
+        if self.snapshots is None and self.snapshot_error is None:
             from phalanx.snapshot import folder_for
 
-            self.snapshots = folder_for(new_run_id()[:12])
+            try:
+                self.snapshots, self.snapshot_owner = folder_for(new_run_id()[:12])
+            except OSError as exc:
+                self.snapshot_error = f"{type(exc).__name__}: {exc}"
         return self.snapshots
 
     # -- processes -------------------------------------------------------------------------
@@ -248,13 +267,16 @@ class Agent:
     def kill(self, slot: int) -> None:
         state = self.slots.get(slot)
         if state is not None and state.alive():
-            state.process.kill()
+            state.kill()
 
     def kill_all(self) -> None:
         for slot in self.slots:
             self.kill(slot)
         for state in self.slots.values():
-            state.process.join(timeout=5)
+            if state.orphan and state.pidfd is not None:  # (not its fork server's to report)
+                select.select([state.pidfd], [], [], 5)
+            else:
+                state.process.join(timeout=5)
 
     def close(self) -> None:
         self.kill_all()
@@ -267,6 +289,9 @@ class Agent:
         shutil.rmtree(self.tmp, ignore_errors=True)
         if self.snapshots is not None:
             shutil.rmtree(self.snapshots, ignore_errors=True)
+        if self.snapshot_owner is not None:
+            os.close(self.snapshot_owner)
+            self.snapshot_owner = None
 
     # -- stacks ----------------------------------------------------------------------------
     def stack_file(self, slot: int) -> str:

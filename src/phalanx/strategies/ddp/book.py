@@ -33,6 +33,10 @@ NO_RUN_DIR = (
     "them: with snapshots in shared memory (fit(snapshots=...), on by default) or a run_dir "
     "(checkpoints), the run would have started again from the newest of them."
 )
+TOO_FEW = (
+    "Every worker had fallen while respawns were left, but too few could start again (a lost "
+    "node's cannot before it registers) for min_workers."
+)
 Fall = Literal["respawn", "shrink", "restart", "preflight", "stopped"]
 
 
@@ -134,11 +138,17 @@ class FailureBook:
 
     # -- a fallen worker -----------------------------------------------------------------
     def fall(
-        self, failure: WorkerFailure, survivors: int, out: list[Action], kept: bool = False
+        self,
+        failure: WorkerFailure,
+        survivors: int,
+        out: list[Action],
+        kept: bool = False,
+        can_restart: bool = True,
     ) -> Fall:
         """Judge a fallen worker's failure and choose what the run does; ``kept``: a
         snapshot of the committed state lives outside the workers (see
-        :func:`phalanx.policy.recover`)."""
+        :func:`phalanx.policy.recover`); ``can_restart``: enough slots could start again
+        (not on lost nodes)."""
         if self.done is not None or self.decided:
             self.record(failure, "ignored" if self.done is not None else "aborted", out)
             return "stopped"
@@ -147,9 +157,11 @@ class FailureBook:
         if self._judged(failure, out):
             return "stopped"
         history = [*self.failures, *self.held_preflight]
-        action = recover(self.recovery, failure, history, survivors, self.run_dir or kept)
+        action = recover(
+            self.recovery, failure, history, survivors, (self.run_dir or kept) and can_restart
+        )
         if action == "abort" and not survivors and restart_was_possible(self.recovery, history):
-            self.notes.append(NO_RUN_DIR)
+            self.notes.append(NO_RUN_DIR if can_restart else TOO_FEW)
         self.record(failure, ACTIONS[action], out, recovers=action != "abort")
         if action == "abort":
             self.fatal = True

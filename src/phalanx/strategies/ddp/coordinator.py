@@ -232,7 +232,11 @@ class Coordinator(Roster):
             return
         self.unready.discard(slot)
         self.book.preflight_passed(slot, self.out)
-        if not self.unready and not self.decided:
+        self._all_ready()
+
+    def _all_ready(self) -> None:
+        """Once every starting slot is ready: the first generation, or a restart's."""
+        if not self.unready and not self.decided and self.starting:
             restart = self.state.restart
             cause = "restart from the newest snapshot or checkpoint" if restart else "start"
             if restart is not None:
@@ -318,7 +322,8 @@ class Coordinator(Roster):
         if slot in self.waiting:
             self.waiting.remove(slot)
         survivors = [m for m in self.gens.current if m != slot and not self.slots[m].ended]
-        action = self.book.fall(failure, len(survivors), self.out, self.state.kept)
+        holders = self.holders(survivors)
+        action = self.book.fall(failure, holders, self.out, self.state.kept, self.can_restart())
         if action == "preflight":
             self.unready.add(slot)
             self.spawn(Spawn(slot))
@@ -353,6 +358,7 @@ class Coordinator(Roster):
         that state are computed again."""
         for slot, state in self.slots.items():
             if not state.ended:
+                state.dropped = state.replaces is not None and state.joined_at is None
                 self.kill(slot)
         self.waiting = []
         last = max((f.step for f in self.book.failures if f.step is not None), default=-1)
@@ -366,10 +372,24 @@ class Coordinator(Roster):
             Notice(f"every worker fell at step {self.state.committed + 1}: restarting from {where}")
         )
 
+    def holders(self, members: list[int]) -> int:
+        """How many of ``members`` hold the committed state: all but replacements let in
+        that have not joined yet (they get it from a holder when their generation forms;
+        once no holder is left, only a restart from a snapshot or checkpoint can go on)."""
+        return sum(
+            1
+            for m in members
+            if self.slots[m].replaces is None or self.slots[m].joined_at is not None
+        )
+
     def restartable(self) -> list[int]:
         """The slots a restart starts again: every one (a lost node's cannot be, see
         :class:`NodeCoordinator`)."""
         return list(range(self.world))
+
+    def can_restart(self) -> bool:
+        """Whether a restart would have the workers it needs (``min_workers``)."""
+        return len(self.restartable()) >= max(1, self.setup.recovery.min_workers)
 
     def _restarted(self, joined: Joined) -> None:
         """The first member of a restart's generation has the state it restarted from:
@@ -454,8 +474,16 @@ class NodeCoordinator(Coordinator):
         if book.done is not None or self.decided:
             book.record(failure, "ignored" if book.done is not None else "aborted", self.out)
             return
-        if not survivors and self.gens.latest >= 0:  # (the last members: a restart, if kept)
-            if book.fall(failure, 0, self.out, self.state.kept) == "restart":
+        restart = self.state.restart
+        if restart is not None and restart.generation is None:  # (a restart is starting)
+            self.starting = [s for s in self.starting if s not in lost]
+            if self.can_restart():
+                book.record(failure, "shrunk", self.out, recovers=True)
+                self._all_ready()
+                return
+        elif not self.holders(survivors) and self.gens.latest >= 0:  # (a restart, if kept)
+            action = book.fall(failure, 0, self.out, self.state.kept, self.can_restart())
+            if action == "restart":
                 self._restart()
             return
         why = node_loss_stops(self.setup.recovery, len(survivors), self.gens.latest < 0)
@@ -490,19 +518,20 @@ class NodeCoordinator(Coordinator):
         )
         self.emit(Notice(f"{who}: workers {slots} start and join at a step boundary"))
 
+    def holders(self, members: list[int]) -> int:
+        """How many of ``members`` hold the committed state: all but replacements let in
+        that have not joined yet (they get it from a holder when their generation forms;
+        once no holder is left, only a restart from a snapshot or checkpoint can go on)."""
+        return sum(
+            1
+            for m in members
+            if self.slots[m].replaces is None or self.slots[m].joined_at is not None
+        )
+
     def restartable(self) -> list[int]:
         """Every slot of the nodes that are not lost (a lost node's slots start again when
         it registers, as replacements let in at a step boundary)."""
         return [s for s in range(self.world) if self.setup.node_of(s) not in self.lost_nodes]
-
-    def _restart(self) -> None:
-        if len(self.restartable()) < max(1, self.setup.recovery.min_workers):
-            self.book.fatal = True
-            self.book.notes.append(
-                "Every worker fell after a node was lost: too few workers left to restart."
-            )
-            return
-        super()._restart()
 
 
 def _counts(event: Received) -> bool:
@@ -545,6 +574,8 @@ def respawn_fates(replacements: list[Slot], failures: list[WorkerFailure]) -> li
         if state.joined_at is not None:
             source = " (its state from this machine's snapshot)" if state.joined_local else ""
             lines.append(f"{what} joined before step {state.joined_at + 1}{source}")
+        elif state.dropped:
+            lines.append(f"{what} was still starting when every worker fell: dropped")
         elif state.pid in fallen:
             lines.append(f"{what} fell before it joined")
         else:

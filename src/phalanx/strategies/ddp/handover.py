@@ -41,20 +41,23 @@ def hand_over(
     group: GenerationGroup,
     subgroup: SubgroupFactory,
     local: LocalState | None = None,
+    everyone: bool = False,
 ) -> int:
     """Agree on the furthest position and give the members behind it the state of the
     lowest rank there; returns that rank. Every member calls it, over the new group.
 
-    With ``local``, a member behind first looks for that very state in its machine's
-    shared memory (a snapshot its generation's writer took at the regroup): one more small
-    all-reduce says who found it, and only the others receive it from the source, so the
-    members ahead are not kept waiting while it travels."""
+    A member behind first looks for that very state in its machine's shared memory with
+    ``local`` (a snapshot its generation's writer took at the regroup; without ``local``
+    it finds nothing): one more small all-reduce says who found it, and only the others
+    receive it from the source, so the members ahead are not kept waiting while it travels.
+    ``everyone``: every member but the source receives it, whatever its position (a
+    restart's members may hold the same step computed two ways: they must end equal)."""
     position = _positions(loop, group)
     top = max(position)
     src = min(r for r in range(group.size) if position[r] == top)
-    behind = [r for r in range(group.size) if position[r] < top]
-    if behind and local is not None:
-        behind = _still_behind(group, behind, local(top) if group.rank in behind else False)
+    behind = [r for r in range(group.size) if position[r] < top or (everyone and r != src)]
+    if behind and not everyone:
+        behind = _still_behind(group, behind, _found(local, top, group.rank in behind))
     if not behind:
         return src
     ranks = sorted([src, *behind])
@@ -65,6 +68,17 @@ def hand_over(
             moving.leave()
     group.barrier()
     return src
+
+
+def _found(local: LocalState | None, top: tuple[float, float], behind: bool) -> bool:
+    """Whether this member, behind, now holds the state at ``top`` from its machine; any
+    error there is "no" (its peers wait in the all-reduce that follows)."""
+    if not behind or local is None:
+        return False
+    try:
+        return local(top)
+    except Exception:
+        return False
 
 
 def _still_behind(group: GenerationGroup, behind: list[int], found: bool) -> list[int]:

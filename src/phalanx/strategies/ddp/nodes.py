@@ -45,6 +45,7 @@ from phalanx.interrupt import Interrupter
 from phalanx.launch import SPARE, Launch, interface_problem, is_loopback
 from phalanx.plan import Plan
 from phalanx.run import RunEnd, RunInputs, stopped
+from phalanx.snapshot.config import snapshots_off
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.agent import Agent, start_fork_server
 from phalanx.strategies.ddp.control import TOKEN_ENV, Signer, new_run_id
@@ -153,6 +154,7 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
         "node_timeout": config.node_timeout.total_seconds(),
         "checkpoint": repr(config.checkpoint),
         "resume": config.resume,
+        "snapshots": repr(config.snapshots),
     }
 
 
@@ -543,6 +545,8 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     global_config = _with_devices(config, labels)
     local = len(config.devices)
     spawner = Spawner(run.spec, global_config, run.plan, data, agent, local, first)
+    if config.snapshots is not None and agent.snapshot_folder() is None:
+        emit(snapshots_off(agent.snapshot_error))
     link.start()
     last = first + len(config.devices) - 1
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))

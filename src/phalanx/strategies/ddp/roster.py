@@ -70,6 +70,7 @@ class Slot:
     replaces: WorkerFailure | None = None  # a replacement: the fall it answers
     joined_at: int | None = None  # a replacement: the step at which it joined
     joined_local: bool = False  # a replacement: it took the state from shared memory
+    dropped: bool = False  # a replacement still starting when every member fell: killed
 
     @property
     def ended(self) -> bool:

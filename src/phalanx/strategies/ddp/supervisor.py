@@ -25,6 +25,7 @@ from phalanx.interrupt import Interrupter
 from phalanx.launch import Launch
 from phalanx.plan import Plan
 from phalanx.run import RunEnd, RunInputs, stopped
+from phalanx.snapshot.config import snapshots_off
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.actions import (
     Action,
@@ -120,6 +121,8 @@ class Supervisor:
         return self.coord.book
 
     def start(self) -> None:
+        if self.config.snapshots is not None and self.agent.snapshot_folder() is None:
+            self.emit(snapshots_off(self.agent.snapshot_error))
         self._act(self.coord.start(now()))
 
     def watch(self) -> FailureBook:

@@ -598,7 +598,8 @@ class Worker:
         loop = self.loop_in(member, group, gen)
         if gen.number > 0:
             subgroup = lambda ranks: self.subgroup(rendezvous, gen, ranks)  # noqa: E731
-            hand_over(loop, group, subgroup, self.local_state(loop, gen))
+            restarted = gen.number == gen.timeline  # (a restart's: see hand_over)
+            hand_over(loop, group, subgroup, self.local_state(loop, gen), everyone=restarted)
         if loop.engine.is_main and loop.checkpointer is None and cfg.run_dir:
             loop.checkpointer = make_checkpointer(cfg, self.emit)
         loop.snapshots = self.snapshot_writer(member, gen)
