@@ -177,6 +177,7 @@ def two_nodes(
     resume: bool = False,
     name: str = "node",
     faults: str = "",
+    devices: tuple[str, str] = ("cpu:0", "cpu:0"),
 ) -> tuple[int, list[subprocess.Popen[bytes]], list[Path]]:
     """``env_dirs``: where each node's workers write torchrun's variables at each step;
     ``run_dir``: shared by both nodes; each node's log and model are ``{name}{rank}``;
@@ -186,7 +187,7 @@ def two_nodes(
     for rank in (0, 1):
         log = tmp_path / f"{name}{rank}.log"
         folder = "-" if run_dir is None else str(run_dir)
-        args = [str(tmp_path / f"{name}{rank}.pt"), "cpu:0", str(epochs), folder, *extra]
+        args = [str(tmp_path / f"{name}{rank}.pt"), devices[rank], str(epochs), folder, *extra]
         env = env_for(rank, port, tokens[rank])
         if resume:
             env["PHALANX_TEST_RESUME"] = "1"
@@ -269,6 +270,28 @@ def test_every_worker_of_both_nodes_killed_at_once_goes_on_from_the_snapshots(
     clean = one_node_run(tmp_path, epochs=4)
     assert same(weights(tmp_path / "node0.pt"), clean)
     assert same(weights(tmp_path / "node1.pt"), clean)
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_takes_the_state_from_its_nodes_snapshot_not_across_the_network(
+    tmp_path: Path,
+) -> None:
+    """Node 1 runs workers 1 and 2; worker 2 is killed and respawned on node 1. The state's
+    source after the regroup is rank 0, on node 0: worker 1, node 1's snapshot writer,
+    takes a snapshot at the regroup and the replacement reads the agreed state from its own
+    machine's shared memory instead of receiving it from node 0. The run ends with the
+    model of a run that lost nothing."""
+    _, procs, logs = two_nodes(
+        tmp_path, epochs=4, faults="kill:2@12", devices=("cpu:0", "cpu:0,cpu:1")
+    )
+    finish_all(procs, logs)
+    head = result_of(logs[0])
+    assert head["steps"] == 40 and head["ledger_ok"]
+    assert [(f["worker"], f["action"]) for f in head["failures"]] == [(2, "respawned")]
+    text = " ".join(logs[0].read_text().split())
+    assert "worker 2's replacement (after its crash at step 13) joined before step" in text
+    assert "(its state from this machine's snapshot)" in text
+    assert same(weights(tmp_path / "node0.pt"), one_node_run(tmp_path, epochs=4))
 
 
 def torchrun_nodes(

@@ -512,21 +512,6 @@ def test_respawn_without_restarts_left_shrinks(
     assert_recovered_quickly(result, record_property)
 
 
-@pytest.mark.timeout(120)
-def test_a_replacement_takes_the_agreed_state_from_its_machines_snapshot(
-    clean: list[torch.Tensor], tmp_path: Path
-) -> None:
-    """Respawn on one machine: the members' snapshot writer takes the state at the step
-    boundary that lets the replacement in, and the replacement reads it from shared memory
-    instead of receiving it from a peer (the hand-over moves nothing); the run ends with
-    the clean run's model."""
-    result, rec = fit(tmp_path, [px.Fault("kill", worker=1, step=5)], px.Recovery("respawn"))
-    assert summary(result) == [(1, "crash", 5, "respawned")]
-    fates = [e.text for e in rec.events if isinstance(e, Notice) and "replacement" in e.text]
-    assert len(fates) == 1 and "its state from this machine's snapshot" in fates[0], fates
-    assert_same_run(result, rec, clean)
-
-
 # -- 4. a poison batch stops the run in every mode ----------------------------------------------
 
 

@@ -202,7 +202,7 @@ def test_the_background_copy_holds_the_committed_values(tmp_path: Path) -> None:
     model, opt = trained()
     taker, seen = snapshotter(str(tmp_path), model, opt, every=2)
     committed = {k: v.clone() for k, v in model.state_dict().items()}
-    taker.after_commit(lambda: state_of(model, opt, 2), 2, force=False)
+    taker.after_commit(lambda: state_of(model, opt, 2), 2, regroup=False)
     model(torch.randn(8, 6))  # the next step's forward: BatchNorm's running stats move
     taker.fence()  # (the loop's fence before the next optimizer step)
     with torch.no_grad():
@@ -211,9 +211,11 @@ def test_the_background_copy_holds_the_committed_values(tmp_path: Path) -> None:
     snap = SnapshotStore(str(tmp_path)).read()
     assert snap is not None and snap.step == 2 and [t.step for t in seen.taken] == [2]
     same(committed, dict(snap.state["model"]))
-    taker.after_commit(lambda: state_of(model, opt, 3), 3, force=False)  # not due
-    taker.after_commit(lambda: state_of(model, opt, 4), 4, force=True)  # forced: whole now
-    assert [t.step for t in seen.taken] == [2, 4] and not seen.errors
+    taker.after_commit(lambda: state_of(model, opt, 3), 3, regroup=False)  # not due
+    taker.after_commit(lambda: state_of(model, opt, 4), 4, regroup=True)  # not for joins
+    taker.for_joins = True
+    taker.after_commit(lambda: state_of(model, opt, 5), 5, regroup=True)  # forced: whole now
+    assert [t.step for t in seen.taken] == [2, 4, 5] and not seen.errors
     taker.close()
 
 
@@ -223,7 +225,7 @@ def test_chosen_by_measurement_the_first_comes_after_one_steps_time_is_known(
     model, opt = trained()
     taker, seen = snapshotter(str(tmp_path), model, opt, every=None)
     for step in range(1, 4):
-        taker.after_commit(lambda s=step: state_of(model, opt, s), step, force=False)
+        taker.after_commit(lambda s=step: state_of(model, opt, s), step, regroup=False)
         taker.fence()
     assert [t.step for t in seen.taken][:1] == [2]  # step 1 only started the clock
     assert taker.cost is not None and taker.cost > 0 and taker.every >= 1
@@ -234,6 +236,6 @@ def test_a_failed_snapshot_is_told_once_and_the_member_takes_no_more(tmp_path: P
     model, opt = trained()
     taker, seen = snapshotter(str(tmp_path / "gone"), model, opt, every=1)  # no such folder
     for step in (1, 2, 3):
-        taker.after_commit(lambda: state_of(model, opt, 1), step, force=False)
+        taker.after_commit(lambda: state_of(model, opt, 1), step, regroup=False)
     assert len(seen.errors) == 1 and not seen.taken and taker.failed
     taker.close()

@@ -400,8 +400,8 @@ class TrainLoop:
         if self.checkpointer and should_save(st.global_step, False, self.checkpointer.config):
             self._checkpoint(epoch_end=False, metrics=metrics)
         if self.snapshots is not None and not vote.stop:
-            # (at a regroup, whole before the member leaves: a replacement may take it)
-            self.snapshots.after_commit(self.snapshot, st.global_step, force=vote.regroup)
+            # (at a regroup, maybe one whole before the member leaves: a replacement may take it)
+            self.snapshots.after_commit(self.snapshot, st.global_step, regroup=vote.regroup)
         if vote.stop:
             raise Interrupted(self.stop_requested() or "stop requested by another worker")
         if vote.regroup:

@@ -24,9 +24,10 @@ class Snapshots:
     buffer the next one is written into).
 
     - ``every_steps``: a snapshot after every N-th committed step (global count); None
-      (default): chosen by measurement, as often as ``budget`` allows: the first after the
-      first committed step, then every K steps where K keeps the measured time of a
-      snapshot under ``budget`` of the step time (at most every :data:`MAX_EVERY` steps).
+      (default): chosen by measurement, as often as ``budget`` allows: the first two after
+      the second and third committed steps (each makes one of the two buffers), then every
+      K steps where K keeps the measured time of a snapshot under ``budget`` of the step
+      time (at most every :data:`MAX_EVERY` steps).
     - ``budget``: the share of training time snapshots may take when ``every_steps`` is
       None (default 0.5%).
 

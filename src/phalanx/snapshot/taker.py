@@ -13,8 +13,9 @@ starts a snapshot into its :class:`~.store.SnapshotStore`:
   either, so the copy always sees the committed values. On CUDA the copy runs on a stream
   of its own that waits for the commit's kernels (never run on a GPU yet).
 
-A snapshot forced at a regroup (a replacement may take its state from it) is written whole
-before the loop goes on. A snapshot that fails (shared memory full, say) is reported once
+At a regroup, when a replacement may take its state from this machine rather than from a
+source on another one (``for_joins``), a snapshot is forced and written whole before the
+loop goes on. A snapshot that fails (shared memory full, say) is reported once
 and this member takes no more; the run goes on.
 """
 
@@ -36,7 +37,9 @@ from phalanx.snapshot.store import SnapshotStore, Writing
 class Snapshotting(Protocol):
     """What the loop needs of a snapshot taker (see :class:`Snapshotter`)."""
 
-    def after_commit(self, state: Callable[[], dict[str, Any]], step: int, force: bool) -> None: ...
+    def after_commit(
+        self, state: Callable[[], dict[str, Any]], step: int, regroup: bool
+    ) -> None: ...
 
     def fence(self) -> None: ...
 
@@ -44,7 +47,7 @@ class Snapshotting(Protocol):
 @dataclass(frozen=True)
 class Taken:
     """A snapshot of committed step ``step`` is whole: ``nbytes`` in shared memory, ``seconds``
-    it took (the loop's share and the background copy together)."""
+    it took (the loop's share, and the background copy's CPU time)."""
 
     step: int
     nbytes: int
@@ -80,6 +83,9 @@ class Snapshotter:
         self.stable, self.on_taken, self.on_error = stable, on_taken, on_error
         self.background = background
         self.tag = -1  # written into each snapshot's header (ddp: the writer's generation)
+        # Force one at a regroup: a replacement on this machine would otherwise take the state
+        # from a source on another machine (on the same one, the source's copy costs as much)
+        self.for_joins = False
         self.every = settings.every_steps or 1
         self.last_step: int | None = None  # of the newest snapshot started
         self.step_time: float | None = None  # a moving mean of the interval between commits
@@ -93,9 +99,11 @@ class Snapshotter:
         self._copy = 0.0
 
     # -- the loop's side -------------------------------------------------------------------
-    def after_commit(self, state: Callable[[], dict[str, Any]], step: int, force: bool) -> None:
+    def after_commit(self, state: Callable[[], dict[str, Any]], step: int, regroup: bool) -> None:
         """Committed step ``step`` (global count) is done: start a snapshot if one is due
-        (``force``: now, and whole before returning). ``state`` makes the loop's snapshot."""
+        (``regroup`` with ``for_joins``: now, and whole before returning, see the module's
+        docstring). ``state`` makes the loop's snapshot."""
+        force = regroup and self.for_joins
         now = time.perf_counter()
         if self._commit_at is not None:
             interval = now - self._commit_at
@@ -163,7 +171,9 @@ class Snapshotter:
         return self._lock is not None
 
     def _copy_rest(self, writing: Writing, event: Any) -> None:
-        started = time.perf_counter()
+        # (its CPU time, not its wall time: while the step runs beside it, the copy waits
+        # for a core, and that wait is not its cost)
+        started = time.thread_time()
         try:
             if event is None:
                 writing.finish()
@@ -175,7 +185,7 @@ class Snapshotter:
                     writing.finish()
         except Exception as exc:
             self._fail(exc)
-        self._copy = time.perf_counter() - started
+        self._copy = time.thread_time() - started
 
     def _finish(self, writing: Writing) -> None:
         try:
@@ -188,7 +198,13 @@ class Snapshotter:
     def _done(self, writing: Writing, seconds: float) -> None:
         self.cost = seconds
         if self.settings.every_steps is None and self.step_time is not None:
-            self.every = every_for(seconds, self.step_time, self.settings.budget)
+            # A buffer's first snapshot also made it and faulted its pages in, once (about
+            # three times a later one's cost): the steps between snapshots are chosen from a
+            # snapshot into a buffer in use, so the first two come one step apart.
+            if writing.first:
+                self.every = 1
+            else:
+                self.every = every_for(seconds, self.step_time, self.settings.budget)
         header = writing.header
         self.on_taken(Taken(header.step, header.data_end + header.skeleton_bytes, seconds))
 

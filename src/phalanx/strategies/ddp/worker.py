@@ -649,6 +649,8 @@ class Worker:
                 self.snapshot_failed,
             )
         self.snapshotter.tag = gen.number
+        # (after a regroup the source is rank 0: all members stand at the same step)
+        self.snapshotter.for_joins = gen.members[0] not in self.a.here
         return self.snapshotter
 
     def snapshot_taken(self, taken: Taken) -> None:
