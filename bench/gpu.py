@@ -38,9 +38,13 @@ row is measured in this run, none is written in. Rows (``--only`` takes their ke
 - ``rebuild``: an exception in the middle of backward (after DDP began reducing): the
   group is aborted and a new one formed with the same member (a second NCCL communicator),
   the step computed again; model matches.
-- ``restart``: the only worker SIGKILLed at step ``KILL_STEP``: every member fell, so the
-  run starts a new process on the device from its newest checkpoint (every 5 steps); model
-  and ledger match.
+- ``restart``: the only worker SIGKILLed at step ``KILL_STEP``, snapshots off: every
+  member fell, so the run starts a new process on the device from its newest checkpoint
+  (every 5 steps); model and ledger match.
+- ``snapshot``: the same kill without a run_dir, snapshots every 2 steps: the new process
+  restores the snapshot in shared memory (on CUDA the parameters and optimizer state were
+  copied device to host on a stream of their own, in a background thread fenced before
+  the next optimizer step); the ``Resumed`` event names it, model and ledger match.
 - ``handover``: two workers, one killed at ``KILL_STEP``, respawned; the survivor goes on
   alone, then hands its state over to the replacement over the group (steps slowed to
   ``SLOW_S`` so that the replacement joins before the end). Needs two devices:
@@ -76,7 +80,7 @@ from torch.utils.data import TensorDataset
 
 import phalanx as px
 from phalanx import demo
-from phalanx.events import Event, GenerationStarted, StepEnded
+from phalanx.events import Event, GenerationStarted, Resumed, StepEnded
 from phalanx.metrics import Accuracy
 from phalanx.plan import Plan, split
 
@@ -90,9 +94,10 @@ ROWS = (
     "oom-split",
     "rebuild",
     "restart",
+    "snapshot",
     "handover",
 )
-NEEDS_REFERENCE = ("vote", "oom-split", "rebuild", "restart", "handover")
+NEEDS_REFERENCE = ("vote", "oom-split", "rebuild", "restart", "snapshot", "handover")
 
 DEMO_BATCH = 64
 # epochs -> the least final validation accuracy that passes (measured on CPU: 0.883 after 2)
@@ -518,11 +523,28 @@ def restart_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) -> None
             run_dir=os.path.join(tmp, "run"),
             checkpoint=px.Checkpoints(every_steps=5),
             on_failure=px.Recovery(mode="respawn"),
+            snapshots=False,
         )
     row.result = "ok"
     expect(row, result, [(0, "crash", KILL_STEP, "restarted")])
-    wanted = [([0], "start"), ([0], "restart from the newest checkpoint")]
+    wanted = [([0], "start"), ([0], "restart from the newest snapshot or checkpoint")]
     row.check(causes(rec) == wanted, f"generations {wanted} (got {causes(rec)})")
+    same_run(row, result, rec, ref)
+
+
+def snapshot_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) -> None:
+    result, rec = fault_fit(
+        device,
+        epochs,
+        [px.Fault("kill", 0, KILL_STEP)],
+        on_failure=px.Recovery(mode="respawn"),
+        snapshots=px.Snapshots(every_steps=2),
+    )
+    row.result = "ok"
+    expect(row, result, [(0, "crash", KILL_STEP, "restarted")])
+    resumed = [e.path for e in rec.events if isinstance(e, Resumed)]
+    from_memory = len(resumed) == 1 and resumed[0].startswith("shared memory")
+    row.check(from_memory, f"restored from a snapshot in shared memory (got {resumed})")
     same_run(row, result, rec, ref)
 
 
@@ -626,6 +648,8 @@ def plan_rows(args: argparse.Namespace) -> list[tuple[Row, Callable[[Row], None]
          lambda r: rebuild_row(r, dev, e_fault, ref)),
         (Row("restart", f"only worker SIGKILLed -> new process on {dev} from checkpoint"),
          lambda r: restart_row(r, dev, e_fault, ref)),
+        (Row("snapshot", f"only worker SIGKILLed, no run_dir -> from its snapshot ({dev})"),
+         lambda r: snapshot_row(r, dev, e_fault, ref)),
         (Row("handover", f"2 workers, one killed -> respawned, state handed over ({b})"),
          lambda r: handover_row(r, dev, e_fault, ref)),
     ]  # fmt: skip

@@ -424,6 +424,10 @@ def startup_table(args: argparse.Namespace) -> None:
     print(
         f"| spawn/fit -> first committed step | {p:.2f} s | {o:.2f} s | {o - p:+.2f} s | {calls[-1]} |"  # noqa: E501
     )
+    # (phalanx's first fit in a process starts the fork server its workers are forked from:
+    # it imports torch once; later fits in the process start their workers from it)
+    rounds = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(plain, ours, strict=True))
+    print(f"\nper round (mp.spawn / phalanx, s; phalanx's first starts its fork server): {rounds}")
 
 
 def plain_single(steps: int, size: str) -> list[float]:

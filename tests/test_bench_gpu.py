@@ -25,6 +25,7 @@ ROWS = [
     "oom-split",
     "rebuild",
     "restart",
+    "snapshot",
     "handover",
 ]
 

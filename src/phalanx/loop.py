@@ -335,6 +335,7 @@ class TrainLoop:
         if st.step == 0:  # not when a regroup or a resume goes on mid-epoch
             self.epoch_started = time.time()
         self.window = (time.time(), st.epoch_samples)
+        self.fence()  # (a DataLoader with workers forks here: not beside a copying thread)
         self.engine.begin_epoch(st.epoch, st.step)
         if st.epoch_sums is None:
             st.epoch_sums = [0.0] * _size(self.s.metrics)
@@ -428,6 +429,7 @@ class TrainLoop:
     def _validate(self) -> dict[str, float]:
         """One pass over the validation set on every member: ``valid/<metric>`` values."""
         self.emit(ValidationStarted(self.state.epoch, self.s.valid_batches))
+        self.fence()  # (as at an epoch's start)
         sums = self.engine.evaluate()
         with self._fails_as("metrics"):
             valid = compute_all(self.s.metrics, sums)

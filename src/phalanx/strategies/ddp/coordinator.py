@@ -141,7 +141,7 @@ class Coordinator(Roster):
         self.emit(
             Notice(
                 f"starting {self.world} worker process(es) on {devices} "
-                "(each imports torch first: a few seconds)"
+                "(forked from a process that imported torch once: fast after the first run)"
             )
         )
         self.starting = list(range(self.world))
