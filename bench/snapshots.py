@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import os
 import re
 import statistics
@@ -43,11 +42,13 @@ from typing import Any
 import torch
 
 import phalanx as px
-from phalanx.events import Event, Notice, StepEnded, WorkerState
+from phalanx.events import Notice, StepEnded, WorkerState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead
 import steps as step_bench
+from gpu import Recorder
+from nodes import _free_port, _result
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "multinode_script.py"
@@ -58,16 +59,7 @@ COST = re.compile(
 )
 
 
-class Events:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def handle(self, event: Event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        pass
-
+class Events(Recorder):
     def steps(self) -> list[StepEnded]:
         return [e for e in self.events if isinstance(e, StepEnded)]
 
@@ -151,21 +143,6 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
         env.pop(name, None)
     env.update(extra)
     return env
-
-
-def _result(log: Path) -> dict[str, Any]:
-    for line in log.read_text().splitlines():
-        if line.startswith("RESULT "):
-            return dict(json.loads(line[len("RESULT ") :]))
-    raise RuntimeError(f"no result in {log}:\n{log.read_text()[-3000:]}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def everyone_trial(folder: Path, nodes: int, at: int, clean: list[torch.Tensor]) -> dict[str, Any]:

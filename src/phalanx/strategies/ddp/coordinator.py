@@ -518,16 +518,6 @@ class NodeCoordinator(Coordinator):
         )
         self.emit(Notice(f"{who}: workers {slots} start and join at a step boundary"))
 
-    def holders(self, members: list[int]) -> int:
-        """How many of ``members`` hold the committed state: all but replacements let in
-        that have not joined yet (they get it from a holder when their generation forms;
-        once no holder is left, only a restart from a snapshot or checkpoint can go on)."""
-        return sum(
-            1
-            for m in members
-            if self.slots[m].replaces is None or self.slots[m].joined_at is not None
-        )
-
     def restartable(self) -> list[int]:
         """Every slot of the nodes that are not lost (a lost node's slots start again when
         it registers, as replacements let in at a step boundary)."""
