@@ -30,7 +30,6 @@ import re
 import shutil
 import struct
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -132,7 +131,6 @@ class SnapshotStore:
     def __init__(self, folder: str) -> None:
         self.folder = folder
         self._maps: dict[str, tuple[int, mmap.mmap, torch.Tensor]] = {}  # fd, mapping, view
-        self.fresh = False  # the last begin() (re)mapped its buffer
 
     # -- reading ---------------------------------------------------------------------------
     def headers(self) -> dict[str, Header]:
@@ -230,9 +228,8 @@ class SnapshotStore:
         old = headers.get(target)
         seq = (old.seq if old is not None else 0) + 1
         seq += seq % 2 == 0  # odd: being written
-        mapping, self.fresh = time.perf_counter(), False
+        first = target not in self._maps or len(self._maps[target][1]) < data_end + len(raw)
         view = self._map(target, data_end + len(raw))
-        mapped = time.perf_counter() - mapping
         loop = state.get("loop") or {}
         header = Header(
             seq + 1,
@@ -246,7 +243,7 @@ class SnapshotStore:
         self._header(target, Header(seq, -1, -1, 0, 0, serial, tag))
         tensor_offsets = list(zip(tensors, offsets, strict=True))
         writing = Writing(self, target, header, raw, tensor_offsets, view)
-        writing.setup, writing.first = mapped, self.fresh
+        writing.first = first
         return writing
 
     def _map(self, name: str, size: int) -> torch.Tensor:
@@ -257,7 +254,6 @@ class SnapshotStore:
         held = self._maps.get(name)
         if held is not None and len(held[1]) >= size:
             return held[2]
-        self.fresh = True
         self._unmap(name)
         path = os.path.join(self.folder, name)
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
@@ -317,7 +313,6 @@ class Writing:
         self.store, self.name, self.header = store, name, header
         self.skeleton, self.tensors, self.view = skeleton, tensors, view
         self.copied = [False] * len(tensors)
-        self.setup = 0.0  # seconds spent making or growing the buffer
         # Into a buffer this process had not mapped before (made, or grown): its first copy
         # faults the pages in, so it costs about three times a later one.
         self.first = False

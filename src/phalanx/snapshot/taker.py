@@ -77,11 +77,9 @@ class Snapshotter:
         stable: Callable[[], set[int]],
         on_taken: Callable[[Taken], None],
         on_error: Callable[[BaseException], None],
-        background: bool = True,
     ) -> None:
         self.store, self.settings = store, settings
         self.stable, self.on_taken, self.on_error = stable, on_taken, on_error
-        self.background = background
         self.tag = -1  # written into each snapshot's header (ddp: the writer's generation)
         # Force one at a regroup: a replacement on this machine would otherwise take the state
         # from a source on another machine (on the same one, the source's copy costs as much)
@@ -118,7 +116,7 @@ class Snapshotter:
             if not self._hold_lock():
                 return
             writing = self.store.begin(state(), self.tag)
-            stable = self.stable() if self.background and not force else set()
+            stable = set() if force else self.stable()
             writing.copy({i for i, (t, _) in enumerate(writing.tensors) if _ptr(t) not in stable})
         except Exception as exc:
             self._fail(exc)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from phalanx.strategies.ddp.control import Signer, new_run_id, run_token
+from phalanx.strategies.ddp.process import exited, pidfd_of
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
@@ -78,7 +79,7 @@ class SlotState:
         code = self.process.exitcode
         if code is None or code != FORK_SERVER_LOST or self.pidfd is None:
             return code
-        if _pidfd_exited(self.pidfd):
+        if exited(self.pidfd):
             return code
         self.orphan = True  # (it runs on: watch the process itself)
         return None
@@ -209,7 +210,7 @@ class Agent:
             heartbeat=heartbeat,
             bell=bell,
             oom_at_start=oom_kill_count(),
-            pidfd=_pidfd(proc.pid),
+            pidfd=pidfd_of(proc.pid),
         )
         return proc.pid
 
@@ -361,20 +362,6 @@ def oom_kill_count(path: str = "/proc/vmstat") -> int | None:
 
 def _since(before: int | None, now: int | None) -> int | None:
     return None if before is None or now is None else max(0, now - before)
-
-
-def _pidfd(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):  # (no pidfd here, or the process is gone already)
-        return None
-
-
-def _pidfd_exited(fd: int) -> bool:
-    readable, _, _ = select.select([fd], [], [], 0)
-    return bool(readable)
 
 
 def start_fork_server() -> None:

@@ -19,7 +19,6 @@ import faulthandler
 import gc
 import os
 import pickle
-import select
 import signal
 import sys
 import threading
@@ -35,7 +34,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from phalanx.devices import torch_device
-from phalanx.events import Event
+from phalanx.events import Event, Notice
 from phalanx.failures import FailedHere, WorkerFailure, from_exception
 from phalanx.loop import Regroup, StepAborted, TrainLoop
 from phalanx.plan import Plan
@@ -51,6 +50,7 @@ from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
 from phalanx.strategies.ddp.handover import LocalState, hand_over
 from phalanx.strategies.ddp.identity import announce
 from phalanx.strategies.ddp.preflight import preflight
+from phalanx.strategies.ddp.process import Lifeline
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     ARRIVED_PREFIX,
@@ -212,38 +212,6 @@ class WorkerArgs:
             send(Rejected(self.slot, key, reason, digest))
 
         return SignedStore(store, Signer(self.token), report)
-
-
-class Lifeline:
-    """Whether the agent that started this worker still lives. Workers are forked by
-    multiprocessing's fork server, not by the agent, so the parent process says nothing;
-    a pidfd names the agent's very process (its pid may be reused once it is gone)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.fd: int | None = None
-        self.gone = False
-        try:
-            self.fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self.gone = True
-        except (AttributeError, OSError):  # (no pidfd here: ask for the pid)
-            self.fd = None
-
-    def alive(self) -> bool:
-        if self.gone:
-            return False
-        if self.fd is not None:
-            readable, _, _ = select.select([self.fd], [], [], 0)  # (readable once it exited)
-            self.gone = bool(readable)
-        else:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self.gone = True
-            except PermissionError:
-                pass
-        return not self.gone
 
 
 class Watcher:
@@ -657,8 +625,6 @@ class Worker:
         self.send(Snapshotted(self.a.slot, taken.step, taken.nbytes, taken.seconds))
 
     def snapshot_failed(self, exc: BaseException) -> None:
-        from phalanx.events import Notice
-
         self.emit(
             Notice(
                 f"worker {self.a.slot}: a snapshot in shared memory failed ({type(exc).__name__}:"
