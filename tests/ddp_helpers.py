@@ -240,3 +240,38 @@ def say_steps_then_exit(args: tuple[Any, int]) -> None:
         outbox.send(Relay(StepEnded(0, step - 1, step, n, 0.5, 0.1, 4, 1.0)))
     time.sleep(0.5)
     outbox.close()
+
+
+def ranks_step(model: nn.Module, batch: Any, folder: str) -> torch.Tensor:
+    """mse, after writing what px.rank()/px.world_size()/px.is_main() say in this member."""
+    import phalanx as px
+
+    with open(os.path.join(folder, f"step-{os.getpid()}-{threading_id()}.txt"), "a") as fh:
+        fh.write(f"{px.rank()} {px.world_size()} {int(px.is_main())}\n")
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def threading_id() -> int:
+    import threading
+
+    return threading.get_ident()
+
+
+def ranks_model(folder: str) -> nn.Module:
+    """mlp(), after writing what px.rank()/px.world_size() say in the model factory."""
+    import phalanx as px
+
+    with open(os.path.join(folder, f"model-{os.getpid()}-{threading_id()}.txt"), "a") as fh:
+        fh.write(f"{px.rank()} {px.world_size()}\n")
+    return mlp()
+
+
+def torch_rank_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """A ported DDP script's step: asks torch for its rank."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        pass
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)

@@ -15,6 +15,7 @@ from phalanx.faults import Fault
 from phalanx.interrupt import FitTerminated
 from phalanx.learner import FitResult, Learner
 from phalanx.policy import Recovery
+from phalanx.ranks import is_main, rank, world_size
 from phalanx.runinfo import start_over
 from phalanx.snapshot import Snapshots
 from phalanx.step import StepOutput, cross_entropy_step, mse_step
@@ -37,9 +38,12 @@ __all__ = [
     "WorkerFailure",
     "cross_entropy_step",
     "faults",
+    "is_main",
     "load_checkpoint",
     "metrics",
     "mse_step",
+    "rank",
     "start_over",
+    "world_size",
 ]
 __version__ = "0.1.0"

@@ -637,6 +637,9 @@ _ENTRIES = [
         "first (tensors in them are not copied for this check).",
         causes=[
             "A Dataset class defined inside a function, a notebook cell or a test.",
+            'A Dataset class defined under `if __name__ == "__main__":`: the workers '
+            "re-import the script without running that block (named before any worker "
+            "starts).",
             "A dataset holding an open file, a database connection, a lock or a generator "
             "(opened in __init__).",
             "A lambda or nested function stored on the dataset (a transform, a filter).",
@@ -674,6 +677,55 @@ _ENTRIES = [
         ],
         example="# before\nlearner.fit(train, strategy='ddp', devices='cpu:0,cuda:0')\n"
         "# after\nlearner.fit(train, strategy='ddp', devices='cuda:0,cuda:1')",
+    ),
+    Explanation(
+        code="PX124",
+        title="torch.distributed called from user code",
+        meaning="Your code (the step, the model factory, a metric) called torch.distributed's "
+        "default process group: dist.get_rank(), get_world_size(), barrier(). phalanx never "
+        "creates that group: each generation of ddp workers forms a group of its own, so that "
+        "a fallen worker can be replaced without torch's global state, and the single and "
+        "threads strategies have no process group at all. torch then raises 'Default process "
+        "group has not been initialized, please make sure to call init_process_group', which "
+        "is not the fix here.",
+        when="At the first call: in preflight under ddp (before any step is trained), else "
+        "in the first step. The run stops at once: a retry would call it again.",
+        causes=[
+            "A ported DDP script that asks `if dist.get_rank() == 0:` before saving or printing.",
+            "dist.get_world_size() used to scale a learning rate or a batch size.",
+            "dist.barrier() left from a hand-written training loop.",
+        ],
+        fixes=[
+            "Replace dist.get_rank() by px.rank(), dist.get_world_size() by px.world_size() "
+            "and `dist.get_rank() == 0` by px.is_main() (the member that writes files).",
+            "Delete dist.barrier() and dist.init_process_group(): phalanx steps every member "
+            "together and forms the groups itself.",
+            "Outside training (the script around fit), px.is_main() is True on the head node, "
+            "and px.world_size(devices) gives the job's device count.",
+        ],
+        example="# before\nif dist.get_rank() == 0:\n    torch.save(model.state_dict(), "
+        "'model.pt')\n# after\nif px.is_main():\n    torch.save(model.state_dict(), "
+        "'model.pt')",
+    ),
+    Explanation(
+        code="PX125",
+        title="argument of the wrong type",
+        meaning="An argument of Learner(...) or fit(...) is not of the type phalanx takes, "
+        "e.g. grad_clip_norm='1.0' (a string) or epochs=2.5. Nothing has started.",
+        when="When Learner(...) is built (its arguments) or when fit() is called (fit's), "
+        "before any check of values and before any process, thread or file.",
+        causes=[
+            "A value read from a config file or the command line and passed as a string.",
+            "A float where a whole number is meant (epochs, batch_size, max_steps).",
+            "An argument given positionally in another library's order.",
+        ],
+        fixes=[
+            "Pass the type the message names (it shows the value and, for a number in a "
+            "string, the number to pass).",
+            "Convert values read from text: int(cfg['epochs']), float(cfg['clip']).",
+        ],
+        example="# before\nLearner(model, opt, step, grad_clip_norm='1.0')\n"
+        "# after\nLearner(model, opt, step, grad_clip_norm=1.0)",
     ),
     Explanation(
         code="PX126",

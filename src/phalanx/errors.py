@@ -180,6 +180,22 @@ class InvalidStepError(TrainingFailed, ConfigError):
     at the first attempt: a retry would compute the same. ``code`` is the inner error's."""
 
 
+class TorchDistributedCallError(ConfigError):
+    """User code called torch.distributed's default process group (``dist.get_rank()``,
+    ``get_world_size()``, ``barrier()``), which phalanx never creates. Recorded as the
+    failure of the step (or preflight) that called it; the run stops at once, since a retry
+    would call it again. The fix: ``px.rank()``, ``px.world_size()``, ``px.is_main()``."""
+
+    code = "PX124"
+
+
+class ArgumentTypeError(ConfigError):
+    """An argument of ``Learner`` or ``fit`` has the wrong type (``grad_clip_norm="1.0"``, a
+    float ``epochs``): named, with the type expected, before anything starts."""
+
+    code = "PX125"
+
+
 class DatasetNotPicklableError(NotPicklableError):
     """Under ``strategy="ddp"`` the training or validation dataset cannot be pickled, so it
     cannot be sent to the worker processes. Raised before any process starts."""

@@ -53,7 +53,12 @@ def phase_rank(phase: str) -> int:
 
 # Errors raised when the step function breaks its contract (a loss that is not one finite
 # number, a wrong return type): a retry computes the same, so the run stops at once.
-STEP_CONTRACT_ERRORS = ("LossNotScalarError", "NonFiniteLossError", "StepOutputError")
+STEP_CONTRACT_ERRORS = (
+    "LossNotScalarError",
+    "NonFiniteLossError",
+    "StepOutputError",
+    "TorchDistributedCallError",  # dist.get_rank() in user code (PX124): a retry calls it again
+)
 
 
 @dataclass
@@ -116,17 +121,25 @@ def from_exception(
     sample_indices: list[int] | None = None,
     pid: int | None = None,
 ) -> WorkerFailure:
-    """Record ``exc`` raised in ``phase`` of ``step`` on this worker, with its traceback."""
+    """Record ``exc`` raised in ``phase`` of ``step`` on this worker, with its traceback. A
+    call on torch's default process group from user code (which phalanx never creates) is
+    recorded as a TorchDistributedCallError (PX124) that says what to call instead."""
+    from phalanx.ranks import TORCH_DEFAULT_GROUP_FIX, torch_default_group_call
+
+    kind, message = type(exc).__name__, str(exc)
+    if torch_default_group_call(exc):
+        kind = "TorchDistributedCallError"
+        message = f"{TORCH_DEFAULT_GROUP_FIX} (torch said: {type(exc).__name__}: {exc})"
     return WorkerFailure(
         worker=worker,
         rank=rank,
         device=device,
         kind="oom" if is_oom(exc) else "exception",
-        message=str(exc),
+        message=message,
         phase=phase,
         step=step,
         epoch=epoch,
-        exception_type=type(exc).__name__,
+        exception_type=kind,
         traceback="".join(tb.format_exception(type(exc), exc, exc.__traceback__)),
         pid=pid,
         sample_indices=sample_indices,

@@ -31,6 +31,7 @@ from phalanx.ledger import EMPTY, Fingerprint, fingerprint
 from phalanx.metrics import Metric, pack_states, state_values, total_size
 from phalanx.plan import bounds
 from phalanx.precision import LossScaler
+from phalanx.ranks import acting_as
 from phalanx.report import is_secondary
 from phalanx.step import StepOutput, as_step_output
 
@@ -191,6 +192,7 @@ class Replica:
         forward: nn.Module | None = None,
         world: int = 1,
         on_phase: Callable[[int, str], None] | None = None,
+        members: int | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -199,6 +201,9 @@ class Replica:
         self.faults = faults
         self.forward = forward if forward is not None else module
         self.world = world
+        # How many members share each step, as px.world_size() tells user code (the threads
+        # strategy sums its replicas' gradients itself: its world above stays 1).
+        self.members = world if members is None else members
         self.size = total_size(metrics)
         self.on_phase = on_phase
         self.step = 0  # the step last run (named by validation heartbeats)
@@ -245,12 +250,17 @@ class Replica:
         self.unvoted, self.unvoted_splittable = None, False
         tracker = _PhaseTracker(step, self.on_phase)
         try:
-            with tracker.enter("data"):
-                self.faults.check(step, "data")
-                data = to_device(batch(), self.device) if batch is not None and samples else None
-            if data is not None:
-                micro = min(len(samples), micro_batches * self.split_factor)
-                self._micro_steps(data, samples, global_samples, step, done, tracker, micro, vote)
+            with acting_as(self.identity.rank, self.members):  # (px.rank() in user code)
+                with tracker.enter("data"):
+                    self.faults.check(step, "data")
+                    data = None
+                    if batch is not None and samples:
+                        data = to_device(batch(), self.device)
+                if data is not None:
+                    micro = min(len(samples), micro_batches * self.split_factor)
+                    self._micro_steps(
+                        data, samples, global_samples, step, done, tracker, micro, vote
+                    )
         except (Exception, SystemExit) as exc:  # sys.exit() in a step fails that step
             failure = from_exception(
                 exc,
@@ -369,7 +379,8 @@ class Replica:
         """Metric sums of one validation batch (no gradients, no collectives)."""
         if self.on_phase is not None:
             self.on_phase(self.step, "validation")  # a heartbeat: long validations are not hangs
-        loss, outputs, targets = self.module(to_device(batch, self.device))
+        with acting_as(self.identity.rank, self.members):
+            loss, outputs, targets = self.module(to_device(batch, self.device))
         return pack_states(self.metrics, StepOutput(loss, outputs, targets), samples)
 
 

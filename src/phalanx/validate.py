@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import ast
 import os
-import pickle
 import sys
+import types
 from collections.abc import Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -368,14 +368,16 @@ def _validate_picklable(spec: TrainSpec) -> None:
 
 
 def _check_pickles(name: str, value: Any) -> None:
+    probe = _ProbePickler(_Discard())
     try:
-        pickle.dumps(value)
+        probe.dump(value)
     except Exception as exc:
         raise NotPicklableError(
             f"the {name} argument ({_describe(value)}) cannot be pickled for "
             f'strategy="ddp" ({type(exc).__name__}: {exc}); use a module-level function '
             "or functools.partial of one instead of a lambda or a nested function"
         ) from None
+    _check_main_definitions(f"the {name} argument", probe.from_main, NotPicklableError)
 
 
 class _Discard:
@@ -391,12 +393,24 @@ class _ProbePickler(ForkingPickler):
     is not copied just to be checked, and its tensors are not moved to shared memory (as
     torch's reducer for spawn would) before the run needs it."""
 
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        # Classes and functions of the main module that the pickle refers to by name: a
+        # worker re-imports that module without running its `if __name__ == "__main__":`
+        # block, so each must be defined outside it (:func:`_check_main_definitions`).
+        self.from_main: dict[str, Any] = {}
+
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor | torch.UntypedStorage | torch.TypedStorage):
             return "tensor"
         if isinstance(obj, np.ndarray) and obj.dtype != object:
             return "array"
         return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type | types.FunctionType) and obj.__module__ == "__main__":
+            self.from_main.setdefault(obj.__qualname__, obj)
+        return NotImplemented  # (pickled as it would be anyway)
 
 
 def _validate_datasets_picklable(datasets: dict[str, Any]) -> None:
@@ -405,8 +419,9 @@ def _validate_datasets_picklable(datasets: dict[str, Any]) -> None:
     for name, dataset in datasets.items():
         if dataset is None:
             continue
+        probe = _ProbePickler(_Discard())
         try:
-            _ProbePickler(_Discard()).dump(dataset)
+            probe.dump(dataset)
         except Exception as exc:
             raise DatasetNotPicklableError(
                 f"the {name} dataset ({type(dataset).__qualname__}) cannot be pickled for "
@@ -415,6 +430,124 @@ def _validate_datasets_picklable(datasets: dict[str, Any]) -> None:
                 "arrays, file paths) in it, and open files or connections in __getitem__, "
                 "not in __init__"
             ) from None
+        _check_main_definitions(f"the {name} dataset", probe.from_main, DatasetNotPicklableError)
+
+
+def _check_main_definitions(
+    what: str, found: dict[str, Any], error: type[NotPicklableError]
+) -> None:
+    """Each class or function of the main module in ``found`` (by qualified name) must be
+    one that a worker re-importing the main module defines: at its top level, outside an
+    ``if __name__ == "__main__":`` block, and the main module must be a file (a notebook
+    cell, ``python -c`` or a REPL has none to re-import). Else PX119 (a dataset) or PX118,
+    naming the class, before anything starts."""
+    if not found:
+        return
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    source = _read(path) if path is not None else None
+    if path is None:
+        top: set[str] | None = set()
+        where = "the interactive session or notebook (no file the workers could import)"
+    else:
+        top = _top_level_names(source) if source is not None else None
+        where = os.path.basename(path)
+    if top is None:  # (unreadable or unparsable: given the benefit of the doubt)
+        return
+    for qualname, obj in found.items():
+        if qualname.split(".")[0] in top:
+            continue
+        kind = "class" if isinstance(obj, type) else "function"
+        guarded = path is not None and qualname.split(".")[0] in _guarded_names(source or "")
+        place = 'under `if __name__ == "__main__":` in ' + where if guarded else "in " + where
+        fix = (
+            f"Define {qualname} at the top level of the script (above `if __name__ == "
+            '"__main__":`), or in a module you import'
+            if path is not None
+            else f"Define {qualname} in a .py module next to it and import it from there"
+        )
+        raise error(
+            f"{what} uses the {kind} {qualname}, defined {place}: ddp workers re-import the "
+            f"main module without running that code, so none of them could find "
+            f"{qualname} and every worker would die at start. {fix}"
+        )
+
+
+def _top_level_names(source: str) -> set[str] | None:
+    """Names a module defines when imported under another name than ``__main__``: its
+    top-level definitions, assignments and imports, also inside top-level ``if``/``try``/
+    ``with`` blocks, but not in the body of ``if __name__ == "__main__":`` (nor the
+    ``else`` of ``if __name__ != "__main__":``). None when the source does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    names: set[str] = set()
+    _collect(tree.body, names, skip_main=True)
+    return names
+
+
+def _guarded_names(source: str) -> set[str]:
+    """Names defined inside the main module's ``if __name__ == "__main__":`` blocks."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and _main_test(node.test) is not None:
+            _collect(node.body if _main_test(node.test) else node.orelse, names, False)
+    return names
+
+
+def _main_test(test: ast.expr) -> bool | None:
+    """True for ``__name__ == "__main__"``, False for ``!=``, None for any other test."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return None
+    sides = [test.left, test.comparators[0]]
+    names = [n.id for n in sides if isinstance(n, ast.Name)]
+    values = [n.value for n in sides if isinstance(n, ast.Constant)]
+    if names != ["__name__"] or values != ["__main__"]:
+        return None
+    if isinstance(test.ops[0], ast.Eq):
+        return True
+    return False if isinstance(test.ops[0], ast.NotEq) else None
+
+
+def _collect(body: list[ast.stmt], names: set[str], skip_main: bool) -> None:
+    for node in body:
+        names.update(_bound(node))
+        for block in _blocks(node, skip_main):
+            _collect(block, names, skip_main)
+
+
+def _bound(node: ast.stmt) -> set[str]:
+    """The names a simple statement binds at its own level."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return {node.name}
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        return {(a.asname or a.name).split(".")[0] for a in node.names}
+    if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return set()
+
+
+def _blocks(node: ast.stmt, skip_main: bool) -> list[list[ast.stmt]]:
+    """The statement blocks inside ``node`` that run at import (``skip_main``: not the
+    main-guarded one)."""
+    if isinstance(node, ast.If):
+        main = _main_test(node.test) if skip_main else None
+        return [
+            b
+            for b, keep in ((node.body, main is not True), (node.orelse, main is not False))
+            if keep
+        ]
+    if isinstance(node, ast.Try):
+        return [node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)]
+    if isinstance(node, ast.With | ast.AsyncWith | ast.For | ast.While):
+        return [node.body]
+    return []
 
 
 def _validate_main_guard() -> None:

@@ -11,6 +11,7 @@ from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.faults import FaultInjector
 from phalanx.loop import Vote
+from phalanx.ranks import acting_as
 from phalanx.replica import Identity, Replica
 from phalanx.run import RunInputs
 from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
@@ -29,7 +30,8 @@ class SingleEngine:
         device = torch_device(label)
         self.config, self.plan = config, run.plan
         self.train, self.valid, self.valid_size = run.train, run.valid, run.valid_size
-        self.trainable = Trainable(spec, device, config.seed)
+        with acting_as(0, 1):  # (px.rank() in the model factory)
+            self.trainable = Trainable(spec, device, config.seed)
         self.identity = Identity(worker=0, rank=0, device=label)
         self.faults = FaultInjector(config.faults, 0)
         self.replica = Replica(

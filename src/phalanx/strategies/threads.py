@@ -56,6 +56,7 @@ from phalanx.devices import torch_device
 from phalanx.failures import FailedHere, WorkerFailure
 from phalanx.faults import FaultInjector
 from phalanx.loop import Vote, pack_vote, unpack_vote
+from phalanx.ranks import acting_as
 from phalanx.replica import Identity, LocalResult, Replica
 from phalanx.run import RunInputs
 from phalanx.strategies.base import evaluate_local, failure_of, guarded_commit, member_vote
@@ -130,7 +131,10 @@ class ThreadsEngine:
         self.devices = [torch_device(label) for label in self.labels]
         self.timeout = config.hang_timeout.total_seconds()
         self.micro = spec.grad_accumulation
-        self.trainables = [Trainable(spec, device, config.seed) for device in self.devices]
+        self.trainables = []
+        for i, device in enumerate(self.devices):
+            with acting_as(i, len(self.devices)):  # (px.rank() in the model factory)
+                self.trainables.append(Trainable(spec, device, config.seed))
         for other in self.trainables[1:]:
             other.share_scaler(self.main)  # one loss scale: the main replica's
         self.identities = [
@@ -148,6 +152,7 @@ class ThreadsEngine:
                 spec.summed_metrics(),
                 faults,
                 on_phase=functools.partial(self._entered, who.worker),
+                members=len(self.labels),
             )
             for t, device, who, faults in zip(
                 self.trainables, self.devices, self.identities, self.faults, strict=True

@@ -20,6 +20,7 @@ from phalanx.faults import FaultInjector
 from phalanx.ledger import EMPTY
 from phalanx.loop import VOTE_FIELDS, Vote, unpack_vote, vote_values
 from phalanx.plan import Plan
+from phalanx.ranks import acting_as
 from phalanx.replica import Cast, Identity, LocalResult, Replica
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
@@ -48,11 +49,20 @@ class Member:
         replacement fires only the faults after ``faults_after``, its predecessor's fall."""
         label = config.devices[slot]
         device = torch_device(label)
-        trainable = Trainable(spec, device, config.seed)
+        with acting_as(slot, len(config.devices)):  # (px.rank() in the model factory)
+            trainable = Trainable(spec, device, config.seed)
         faults = FaultInjector([f for f in config.faults if f.step > faults_after], slot)
         identity = Identity(worker=slot, rank=slot, device=label)
         metrics = spec.summed_metrics()
-        replica = Replica(trainable.module, device, identity, metrics, faults, on_phase=on_phase)
+        replica = Replica(
+            trainable.module,
+            device,
+            identity,
+            metrics,
+            faults,
+            on_phase=on_phase,
+            members=len(config.devices),  # (px.world_size() in preflight: as planned)
+        )
         return cls(slot, trainable, replica, faults, device)
 
 
@@ -98,6 +108,7 @@ class DdpEngine:
         self.ddp: DistributedDataParallel | None = ddp  # None once the group is left
         replica = member.replica
         replica.forward, replica.world, replica.identity.rank = ddp, self.world, self.rank
+        replica.members = self.world
         self.hooks = hooks
         self.micro = member.trainable.micro_batches
         self.has_buffers = any(True for _ in member.trainable.model.buffers())

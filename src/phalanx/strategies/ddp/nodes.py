@@ -44,6 +44,7 @@ from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.launch import SPARE, Launch, interface_problem, is_loopback
 from phalanx.plan import Plan
+from phalanx.ranks import acting_as
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.snapshot.config import snapshots_off
 from phalanx.spec import FitConfig
@@ -767,7 +768,8 @@ def _no_dir(config: FitConfig) -> FitConfig:
 def _load_model(run: RunInputs, payload: bytes) -> torch.nn.Module:
     import io
 
-    model = run.spec.build_model()
+    with acting_as(0, len(run.config.devices)):  # (as the main member sees it)
+        model = run.spec.build_model()
     state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     model.load_state_dict(state)
     return model

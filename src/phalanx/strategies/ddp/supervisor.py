@@ -24,6 +24,7 @@ from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.launch import Launch
 from phalanx.plan import Plan
+from phalanx.ranks import acting_as
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.snapshot.config import snapshots_off
 from phalanx.spec import FitConfig, TrainSpec
@@ -323,7 +324,9 @@ class Supervisor:
             self.hub.close()
 
     def final_model(self, path: str) -> torch.nn.Module:
-        model = self.spec.build_model()
+        """The result's model, built (in this process) as the main member sees it."""
+        with acting_as(0, len(self.config.devices)):
+            model = self.spec.build_model()
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return model
 
