@@ -248,7 +248,7 @@ def test_failed_resume_leaves_no_checkpointer_thread(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("exists", [False, True])
-def test_resume_with_empty_run_dir_starts_fresh_with_a_notice(
+def test_resume_with_empty_run_dir_starts_fresh_with_an_info_notice(
     straight: px.FitResult, tmp_path: Path, exists: bool
 ) -> None:
     run_dir = tmp_path / "run"
@@ -259,10 +259,9 @@ def test_resume_with_empty_run_dir_starts_fresh_with_a_notice(
 
     notices = rec.of(Notice)
     assert len(notices) == 1
-    assert "no valid checkpoint" in notices[0].text
-    assert "starting from scratch" in notices[0].text
+    assert "no checkpoint" in notices[0].text and "a first run" in notices[0].text
     assert str(run_dir / "checkpoints") in notices[0].text
-    assert notices[0].level == "warning"
+    assert notices[0].level == "info"  # a first run with resume=True is what the docs advise
     assert not rec.of(Resumed)
     assert result.steps == TOTAL_STEPS
     assert result.history == straight.history
@@ -447,3 +446,17 @@ def test_another_dataset_is_refused_under_ddp_before_any_process_starts(
         )
     assert started == []
     assert snapshot_files(tmp_path / "checkpoints") == before
+
+
+def test_resume_where_every_checkpoint_is_damaged_warns(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    fit(learner(), run_dir, [], max_steps=2)
+    for path in (run_dir / "checkpoints").glob("*.pt"):
+        path.write_bytes(b"not a checkpoint")
+    rec = Recorder()
+    fit(learner(), run_dir, [rec], resume=True)
+    notices = [n for n in rec.of(Notice) if n.text.startswith("resume:")]
+    assert len(notices) == 1
+    assert notices[0].level == "warning"
+    assert "starting from scratch" in notices[0].text
+    assert rec.of(CheckpointSkipped)  # each damaged file named

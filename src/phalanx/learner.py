@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from phalanx import argtypes
 from phalanx.checkpoint import Checkpoints
 from phalanx.data import fingerprint
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
@@ -66,6 +67,7 @@ class Learner:
         grad_scaler: dict[str, float] | None = None,
         lr_scheduler_interval: str = "step",
     ) -> None:
+        argtypes.check(argtypes.learner_kinds(), dict(locals()), "Learner")  # (PX125)
         self.spec = TrainSpec(
             model=model,
             optimizer=optimizer,
@@ -124,6 +126,7 @@ class Learner:
         (a SystemExit with code 143), each carrying the result as ``.result``.
         ``run_dir=""`` is the same as None: nothing is written.
         """
+        argtypes.check(argtypes.fit_kinds(), dict(locals()), "fit()")  # (PX125) first of all
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
         if not isinstance(hang_timeout, timedelta):  # seconds (validated below)
             hang_timeout = timedelta(seconds=hang_timeout)

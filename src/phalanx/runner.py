@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from phalanx.checkpoint import Checkpointer, Checkpoints
+from phalanx.checkpoint.io import list_checkpoints
 from phalanx.errors import CheckpointError, CheckpointMismatchError
 from phalanx.events import Emit, Resumed, RunStarted
 from phalanx.failures import WorkerFailure
@@ -84,9 +85,13 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
     finally:
         reader.close()
     if found is None:
+        folder = checkpoint_dir(config.run_dir)
+        if not list_checkpoints(folder):  # a first run with resume=True: as meant
+            emit(Notice(f"resume: no checkpoint in {folder} yet: a first run, from step 1"))
+            return
         emit(
             Notice(
-                f"resume: no valid checkpoint in {checkpoint_dir(config.run_dir)}; "
+                f"resume: no valid checkpoint in {folder} (each was skipped, named above); "
                 "starting from scratch",
                 level="warning",
             )
