@@ -14,8 +14,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 import phalanx as px
+from phalanx.data import fingerprint
 from phalanx.errors import NoTokenError
 from phalanx.events import Notice, StepEnded
 from phalanx.failures import WorkerFailure
@@ -278,7 +280,19 @@ def test_nodes_that_differ_are_named_setting_by_setting() -> None:
     assert disagreements(head, dict(head), plan) == []
     other = dict(head, epochs=5, plan=Plan(120, 12, seed=1).record())
     found = disagreements(head, other, plan)
-    assert found[0] == "epochs: the head has 4, this node 5" and found[1].startswith("plan:")
+    assert found[0] == "epochs: the head has 4, this node 5"
+    assert found[1] == "plan: seed 1 on this node, 0 on the head"  # the field, not the record
+    # the data: which samples differ and how, in a line, never the fingerprint's sums
+    data = [torch.arange(4.0) + i for i in range(120)]
+    moved = [torch.arange(4.0) + i + (0.5 if i % 2 else 0.0) for i in range(120)]
+    here = Plan(120, 12, fingerprint=fingerprint(data, 120))
+    there = Plan(120, 12, fingerprint=fingerprint(moved, 120))
+    (line,) = disagreements({"plan": here.record()}, {"plan": there.record()}, here)
+    assert line.startswith("training data: ") and "other floating-point values" in line
+    assert len(line) < 600
+    long = {"recovery": "Recovery(" + "x" * 2000 + ")"}
+    (setting,) = disagreements(long, {"recovery": "Recovery()"}, here)
+    assert len(setting) < 300
 
 
 def test_a_lost_node_that_registers_again_starts_replacements_of_its_slots() -> None:

@@ -194,6 +194,7 @@ def test_plan_record_names_everything_resume_must_match() -> None:
         "drop_last": True,
         "fingerprint": "ab12",
         "float_sums": [1.0, 2.0, 3.0],
+        "probes": [],
     }
 
 

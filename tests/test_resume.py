@@ -405,6 +405,10 @@ def test_resume_with_another_dataset_of_the_same_size_raises_and_touches_nothing
     assert str(ckpt(tmp_path, first.steps)) in err.message
     assert f"another training dataset of the same size ({SAMPLES} samples)" in err.message
     assert "generator=" in err.message and "new run_dir" in err.message
+    # which samples differ, and how: the labels moved with the rows (another order)
+    assert "of the 8 samples phalanx reads (indices " in err.message
+    assert "differ in shapes, dtypes, integers (labels)" in err.message
+    assert "values differ" not in err.message
     assert not rec.of(StepEnded) and not rec.of(Resumed)
     assert snapshot_files(tmp_path / "checkpoints") == before
     # the same data again (a fresh but equal dataset object) resumes
@@ -460,3 +464,26 @@ def test_resume_where_every_checkpoint_is_damaged_warns(tmp_path: Path) -> None:
     assert notices[0].level == "warning"
     assert "starting from scratch" in notices[0].text
     assert rec.of(CheckpointSkipped)  # each damaged file named
+
+
+def test_resume_with_data_drawn_again_at_random_names_the_values(tmp_path: Path) -> None:
+    """The ported script's case: the features come from an unseeded torch.randn each run,
+    the labels are the same: the refusal says which samples differ, by how much, and that
+    they are float values only (the likely cause: data made at random)."""
+    interrupted_run(tmp_path)
+    train, valid = datasets()
+    noisy = TensorDataset(
+        train.tensors[0] + 0.01 * torch.randn(train.tensors[0].shape), train.tensors[1]
+    )
+    with pytest.raises(CheckpointError) as info:
+        learner().fit(
+            noisy, valid, epochs=EPOCHS, batch_size=BATCH, seed=7, run_dir=str(tmp_path),
+            resume=True, sinks=[],
+        )  # fmt: skip
+    message = info.value.message
+    assert "8 of the 8 samples phalanx reads" in message
+    assert (
+        "other floating-point values" in message and "same shapes, dtypes and integers" in message
+    )
+    assert "torch.randn" in message and "fixed seed" in message
+    assert len(message) < 1200

@@ -159,6 +159,7 @@ def fingerprint(dataset: Dataset[Any], size: int) -> DataPrint:
     picks = np.random.default_rng(_FINGERPRINT_SEED).choice(size, count, replace=False)
     digest = hashlib.sha256()
     sums: list[float] = []
+    probes: list[tuple[int, str, int]] = []
     state = rng.capture()
     try:
         for index in sorted(int(i) for i in picks):
@@ -171,9 +172,12 @@ def fingerprint(dataset: Dataset[Any], size: int) -> DataPrint:
             except Exception as exc:
                 sample = f"raised {type(exc).__name__}"
             _feed(digest, sums, sample)
+            alone, own = hashlib.sha256(), list[float]()  # (this sample's own: which differs)
+            _feed(alone, own, sample)
+            probes.append((index, alone.hexdigest()[:8], len(own)))
     finally:
         rng.restore(state)
-    return DataPrint(digest.hexdigest()[:16], tuple(sums))
+    return DataPrint(digest.hexdigest()[:16], tuple(sums), tuple(probes))
 
 
 def _float_sums(values: np.ndarray) -> list[float]:

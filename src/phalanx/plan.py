@@ -8,8 +8,10 @@ math and the data ledger unchanged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +65,9 @@ class DataPrint:
 
     digest: str
     sums: tuple[float, ...] = ()
+    # Per sample read: (dataset index, a digest of that sample alone, how many of ``sums``
+    # are its own), in the order of ``sums``: what lets a refusal say which samples differ.
+    probes: tuple[tuple[int, str, int], ...] = ()
 
 
 def same_data(a: DataPrint, b: DataPrint, rel: float = 1e-5) -> bool:
@@ -76,6 +81,79 @@ def same_data(a: DataPrint, b: DataPrint, rel: float = 1e-5) -> bool:
         if any(abs(x - y) > rel * scale for x, y in zip(mine, theirs, strict=True)):
             return False
     return True
+
+
+# The plan record's fields about the data's contents (compared with a tolerance).
+DATA_FIELDS = ("fingerprint", "float_sums", "probes")
+
+
+def data_difference(then: DataPrint, now: DataPrint, rel: float = 1e-5) -> str:
+    """Which of the samples read for two fingerprints differ, and how, in words (for a
+    refusal; ``then``/``now`` may be a checkpoint's and this run's, or two nodes')."""
+    if not then.probes or not now.probes:  # (a record written before per-sample probes)
+        return "the contents of the samples phalanx reads differ"
+    if [p[0] for p in then.probes] != [p[0] for p in now.probes]:
+        return "phalanx read other samples (another phalanx version's fingerprint)"
+    changed, values_only, worst = [], True, 0.0
+    a = b = 0
+    for (index, d_then, n_then), (_, d_now, n_now) in zip(then.probes, now.probes, strict=True):
+        mine, theirs = then.sums[a : a + n_then], now.sums[b : b + n_now]
+        a, b = a + n_then, b + n_now
+        gap = _relative_gap(mine, theirs) if n_then == n_now else math.inf
+        if d_then == d_now and gap <= rel:
+            continue
+        changed.append(index)
+        values_only = values_only and d_then == d_now
+        worst = max(worst, gap)
+    if not changed:
+        return "the samples phalanx reads are the same"
+    shown = ", ".join(str(i) for i in changed)
+    of = f"{len(changed)} of the {len(now.probes)} samples phalanx reads (indices {shown})"
+    if values_only:
+        return (
+            f"{of} hold other floating-point values (up to {worst:.2g} apart, relative to "
+            "their magnitude), with the same shapes, dtypes and integers (labels): data made "
+            "at random each run (torch.randn/torch.rand or numpy without a fixed seed, a "
+            "random augmentation outside the dataset)"
+        )
+    return (
+        f"{of} differ in shapes, dtypes, integers (labels) or text: another dataset, the same "
+        "one in another order (a random_split without generator=torch.Generator()"
+        ".manual_seed(0), a shuffled file list), or other preprocessing"
+    )
+
+
+def _relative_gap(mine: Sequence[float], theirs: Sequence[float]) -> float:
+    """The largest difference of two samples' float sums, relative to their magnitudes."""
+    worst = 0.0
+    for i in range(0, len(mine), 3):
+        scale = max(abs(mine[i + 1]), abs(theirs[i + 1]), 1e-30)
+        for x, y in zip(mine[i : i + 3], theirs[i : i + 3], strict=True):
+            worst = max(worst, abs(x - y) / scale)
+    return worst
+
+
+def print_of(record: dict[str, Any]) -> DataPrint:
+    """The data fingerprint inside a plan record (``Plan.record()``)."""
+    probes = tuple((int(i), str(d), int(n)) for i, d, n in record.get("probes") or [])
+    sums = tuple(float(v) for v in record.get("float_sums") or [])
+    return DataPrint(str(record.get("fingerprint", "")), sums, probes)
+
+
+def plan_difference(saved: dict[str, Any], now: Plan) -> tuple[list[str], str | None]:
+    """How a plan record differs from ``now``'s: ``(fields, data)``: the plan's fields
+    that differ, each as ``"name then -> now"``, and the data's difference in words (None
+    when the data is the same)."""
+    record = now.record()
+    fields = [
+        f"{k} {saved.get(k)!r} -> {record[k]!r}"
+        for k in record
+        if k not in DATA_FIELDS and saved.get(k) != record[k]
+    ]
+    then = print_of(saved)
+    resized = saved.get("samples") != record["samples"]  # (other samples read: says itself)
+    same = resized or "float_sums" not in saved or same_data(then, now.fingerprint)
+    return fields, None if same else data_difference(then, now.fingerprint)
 
 
 @dataclass(frozen=True)
@@ -113,6 +191,7 @@ class Plan:
             "drop_last": self.drop_last,
             "fingerprint": self.fingerprint.digest,
             "float_sums": list(self.fingerprint.sums),
+            "probes": [list(p) for p in self.fingerprint.probes],
         }
 
     def matches(self, saved: object) -> bool:
@@ -121,7 +200,7 @@ class Plan:
         if not isinstance(saved, dict):
             return False
         now = self.record()
-        if any(saved.get(k) != now[k] for k in now if k not in ("fingerprint", "float_sums")):
+        if any(saved.get(k) != now[k] for k in now if k not in DATA_FIELDS):
             return False
         if "float_sums" not in saved:  # written before float sums: its digest is not this one
             return True

@@ -19,7 +19,7 @@ from phalanx.errors import CheckpointError, CheckpointMismatchError
 from phalanx.events import Emit, Resumed, RunStarted
 from phalanx.failures import WorkerFailure
 from phalanx.loop import Engine, LoopResult, LoopSettings, TrainLoop
-from phalanx.plan import Plan
+from phalanx.plan import Plan, plan_difference
 from phalanx.spec import FitConfig, TrainSpec
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
     snap, info = found
     saved = snap.get("plan")
     if not plan.matches(saved):
-        raise CheckpointError(f"{info.path} {plan_mismatch(saved, plan.record())}")
+        raise CheckpointError(f"{info.path} {plan_mismatch(saved, plan)}")
     restore_fitting(loop, snap, info.path)
     st = loop.state
     emit(Resumed(info.path, st.epoch, st.step, st.global_step))
@@ -127,31 +127,28 @@ def check_resume_plan(config: FitConfig, plan: Plan) -> None:
         except CheckpointError:
             continue  # the loading member skips it too, and says so
         if not plan.matches(saved):
-            raise CheckpointError(f"{path} {plan_mismatch(saved, plan.record())}")
+            raise CheckpointError(f"{path} {plan_mismatch(saved, plan)}")
         return
 
 
-def plan_mismatch(saved: Any, now: dict[str, object]) -> str:
-    """Why a checkpoint's plan record does not match this run's, and the fix."""
+def plan_mismatch(saved: Any, now: Plan) -> str:
+    """Why a checkpoint's plan record does not match this run's plan: which fields differ,
+    which samples differ and how, the likely cause and the fix."""
     if not isinstance(saved, dict):
         return f"has no plan record this version understands ({saved!r}); use a new run_dir"
-    data = ("fingerprint", "float_sums")
-    changed = [k for k in now if k not in data and saved.get(k) != now[k]]
-    if not changed:
-        return (
-            f"was written with another training dataset of the same size ({now['samples']} "
-            f"samples): the contents of the samples phalanx checks differ (fingerprint "
-            f"{saved.get('fingerprint')!r} then, {now['fingerprint']!r} now"
-            f"{'' if saved.get('fingerprint') != now['fingerprint'] else ', values differ'}"
-            "). Resume with the "
-            "same dataset (a random_split needs a seeded generator=, e.g. "
-            "torch.Generator().manual_seed(0), to give the same split again), or use a new "
-            "run_dir"
-        )
-    listed = ", ".join(f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+    fields, data = plan_difference(saved, now)
+    parts = []
+    if fields:
+        parts.append(f"another plan ({', '.join(fields)})")
+    if data is not None:
+        size = now.samples
+        parts.append(f"another training dataset{' of the same size' if not fields else ''} "
+                     f"({size} samples): {data}")  # fmt: skip
     return (
-        f"was written with another plan ({listed}); resume with the same dataset, "
-        "batch_size, seed, shuffle and drop_last, or use a new run_dir"
+        f"was written with {'; and '.join(parts)}. Resume with the same dataset, batch_size, "
+        "seed, shuffle and drop_last (data built at random needs a fixed seed, e.g. "
+        "torch.manual_seed(0) before building it, and a random_split "
+        "generator=torch.Generator().manual_seed(0)), or use a new run_dir"
     )
 
 

@@ -43,7 +43,7 @@ from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.launch import SPARE, Launch, interface_problem, is_loopback
-from phalanx.plan import Plan
+from phalanx.plan import Plan, plan_difference
 from phalanx.ranks import acting_as
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.snapshot.config import snapshots_off
@@ -160,13 +160,34 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
 
 
 def disagreements(head: dict[str, Any], node: dict[str, Any], plan: Plan) -> list[str]:
+    """What a node's agreement (:func:`agreement`) has otherwise than the head's, each in a
+    short line: a setting's two values, the plan's fields that differ, which samples of the
+    data differ and how (never a whole record)."""
     found = []
     for key, mine in head.items():
         theirs = node.get(key)
-        same = plan.matches(theirs) if key == "plan" else theirs == mine
-        if not same:
-            found.append(f"{key}: the head has {mine!r}, this node {theirs!r}")
+        if key == "plan":
+            if not plan.matches(theirs):
+                found.append(_plan_disagreement(theirs, plan))
+        elif theirs != mine:
+            found.append(f"{key}: the head has {_short(mine)}, this node {_short(theirs)}")
     return found
+
+
+def _plan_disagreement(theirs: Any, plan: Plan) -> str:
+    if not isinstance(theirs, dict):
+        return f"plan: this node sent none this version reads ({_short(theirs)})"
+    fields, data = plan_difference(theirs, plan)
+    fields = [f.replace(" -> ", " on this node, ") + " on the head" for f in fields]
+    parts = [f"plan: {', '.join(fields)}"] if fields else []
+    if data is not None:
+        parts.append(f"training data: {data}")
+    return "; ".join(parts)
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # -- the head's side ----------------------------------------------------------------------
