@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from rich.console import Console
@@ -16,21 +20,24 @@ from rich.console import Console
 import phalanx as px
 from phalanx import cli
 from phalanx.events import (
+    EpochEnded,
     GenerationStarted,
     RunEnded,
     RunOpened,
     RunStarted,
     StepEnded,
+    Validated,
     WorkerFailed,
     WorkerState,
     to_record,
 )
 from phalanx.failures import WorkerFailure
-from phalanx.plot import load_run, plot_run
+from phalanx.plot import KIND_STYLE, load_run, plot_run
 from phalanx.runinfo import write_run
 from phalanx.runview import report_run
 
 pytest.importorskip("matplotlib")
+from matplotlib.colors import to_hex
 
 
 def tiny_model() -> torch.nn.Module:
@@ -82,9 +89,19 @@ def test_plot_marks_each_injected_failure_at_its_step(tmp_path: Path) -> None:
     assert set(data.valid) == {"valid/loss"}
 
 
-def hand_made_run(run_dir: Path) -> None:
+def valid_metrics(step: int) -> dict[str, float]:
+    loss = 2.2 / step + 0.1
+    return {"train/loss": 2.0 / step, "valid/loss": loss, "valid/accuracy": 0.5 + 0.05 * step,
+            "valid/f1": 0.45 + 0.05 * step, "valid/perplexity": math.exp(loss)}  # fmt: skip
+
+
+def hand_made_run(
+    run_dir: Path, *, failures: bool = True, valid: bool = False, val_every: int | None = None
+) -> None:
     """A ddp run's log as the supervisor writes it: worker 1 killed in step 4 (respawned, its
-    replacement rejoins), worker 0 hung in step 7 (shrunk), plus a line of another run."""
+    replacement rejoins), worker 0 hung in step 7 (shrunk), plus a line of another run.
+    ``failures=False``: none of them; ``valid``: validation metrics at each epoch's end (steps
+    4 and 8) and, with ``val_every``, after every ``val_every``-th step in between."""
     run_dir.mkdir(parents=True)
     write_run(run_dir, {"run_id": "r2", "started": 100.0, "sessions": [100.0]})
     devices = ["cpu:0", "cpu:1"]
@@ -100,6 +117,12 @@ def hand_made_run(run_dir: Path) -> None:
     for g in range(1, 9):
         t = 101.0 + g
         events.append(StepEnded((g - 1) // 4, (g - 1) % 4, g, 4, 2.0 / g, 0.1, 8, 8.0, time=t))
+        if valid and g % 4 == 0:
+            events.append(EpochEnded((g - 1) // 4, valid_metrics(g), 4.0, time=t + 0.2))
+        elif valid and val_every and g % val_every == 0:
+            events.append(Validated((g - 1) // 4, (g - 1) % 4 + 1, g, valid_metrics(g), time=t))
+        if not failures:
+            continue
         if g == 4:
             events += [
                 WorkerFailed(crash, "respawned", time=104.5),
@@ -218,4 +241,152 @@ def test_mid_epoch_validations_are_plotted_at_their_step(tmp_path: Path) -> None
     )
     points = load_run(tmp_path).valid["valid/loss"]
     assert [step for step, _, _ in points] == [2, 4, 6, 8]  # 2 and 6 mid-epoch, 4 and 8 ends
+    assert load_run(tmp_path).mid_epoch == {2, 6}
+    assert load_run(tmp_path).val_every() == 2
     assert points[-1][2] == pytest.approx(result.history[-1]["valid/loss"])
+
+
+# The figure a report can show (issue 28): what a reader of the PNG sees, measured on the
+# figure draw() returns.
+
+
+def legends(fig: Any) -> list[Any]:
+    return [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+
+
+def legend_entries(fig: Any) -> list[tuple[str, Any]]:
+    """(text, handle) of every entry of every legend in the figure."""
+    return [
+        (text.get_text(), handle)
+        for legend in legends(fig)
+        for text, handle in zip(legend.get_texts(), legend.legend_handles, strict=True)
+    ]
+
+
+def colour_of(handle: Any) -> str:
+    if hasattr(handle, "get_color") and not hasattr(handle, "get_offsets"):
+        return to_hex(handle.get_color())
+    return to_hex(handle.get_facecolor()[0])
+
+
+def plotted_points(ax: Any) -> np.ndarray:
+    """Where the axes' lines (sampled along each segment) and markers lie on the screen,
+    as far as they are inside the axes."""
+    parts = []
+    for line in ax.lines:
+        xy = line.get_transform().transform(line.get_xydata())
+        xy = xy[np.isfinite(xy).all(axis=1)]
+        parts.append(xy)
+        for a, b in itertools.pairwise(xy):
+            parts.append(a + np.linspace(0, 1, 50)[:, None] * (b - a))
+    for collection in ax.collections:
+        offsets = np.asarray(collection.get_offsets(), dtype=float).reshape(-1, 2)
+        parts.append(collection.get_offset_transform().transform(offsets))
+    points = np.concatenate(parts) if parts else np.empty((0, 2))
+    box = ax.get_window_extent()
+    inside = (points[:, 0] >= box.x0) & (points[:, 0] <= box.x1)
+    return points[inside & (points[:, 1] >= box.y0) & (points[:, 1] <= box.y1)]
+
+
+def test_the_legends_sit_off_the_data(tmp_path: Path) -> None:
+    hand_made_run(tmp_path / "run", valid=True)
+    fig = plot_run(tmp_path / "run").figure
+    fig.draw_without_rendering()
+    assert legends(fig)
+    for legend in legends(fig):
+        box = legend.get_window_extent()
+        for ax in fig.axes:
+            points = plotted_points(ax)
+            assert len(points)
+            covered = (
+                (points[:, 0] >= box.x0) & (points[:, 0] <= box.x1)
+                & (points[:, 1] >= box.y0) & (points[:, 1] <= box.y1)
+            )  # fmt: skip
+            assert not covered.any(), ([t.get_text() for t in legend.get_texts()], ax.get_ylabel())
+            assert not box.overlaps(ax.get_window_extent())  # outside every axes
+
+
+def test_loss_and_validation_metrics_have_panels_of_their_own(tmp_path: Path) -> None:
+    hand_made_run(tmp_path / "run", valid=True)
+    drawn = plot_run(tmp_path / "run")
+    fig = drawn.figure
+    fig.draw_without_rendering()
+    positions = [tuple(ax.get_position().bounds) for ax in fig.axes]
+    assert len(set(positions)) == len(positions)  # no twin axes over another
+    assert all(ax.yaxis.get_label_position() == "left" for ax in fig.axes)  # one y axis each
+
+    def axes_of(label: str) -> Any:
+        (ax,) = [ax for ax in fig.axes[::2] for x in ax.lines if x.get_label().startswith(label)]
+        return ax
+
+    assert axes_of("train loss") is axes_of("valid/loss")
+    assert axes_of("valid/accuracy") is axes_of("valid/f1")
+    assert axes_of("valid/accuracy") is not axes_of("train loss")
+    assert axes_of("valid/perplexity") not in (axes_of("valid/accuracy"), axes_of("train loss"))
+    panels = {key: series.panel for key, series in drawn.series.items()}
+    assert panels == {
+        "train/loss": "loss",
+        "valid/loss": "loss",
+        "valid/accuracy": "validation score (0-1)",
+        "valid/f1": "validation score (0-1)",
+        "valid/perplexity": "valid/perplexity",
+    }
+    assert [y for _, y in drawn.series["valid/accuracy"].points] == pytest.approx([0.7, 0.9])
+    # a title naming the run, its workers and failures; report-sized
+    title = fig.get_suptitle()
+    assert "run r2" in title and "8 steps" in title and "2 workers (1 at the end)" in title
+    assert "2 failures (crash/kill, hang)" in title
+    assert fig.get_size_inches()[0] == 10
+    png = (tmp_path / "run" / "run.png").read_bytes()
+    assert int.from_bytes(png[16:20], "big") == 1500  # 10 in at 150 dpi
+
+
+@pytest.mark.parametrize("failures", [False, True])
+def test_curves_and_failure_kinds_never_share_a_colour(tmp_path: Path, failures: bool) -> None:
+    hand_made_run(tmp_path / "run", failures=failures, valid=True)
+    drawn = plot_run(tmp_path / "run")
+    entries = legend_entries(drawn.figure)
+    kinds = {label for _, _, label in KIND_STYLE.values()}
+    curves = {text: colour_of(h) for text, h in entries if text.partition(":")[0] not in kinds}
+    assert any(text.startswith("train loss") for text in curves)
+    assert any(text.startswith("valid/accuracy") for text in curves)
+    assert len(set(curves.values())) == len(curves), curves  # pairwise distinct
+    assert not set(curves.values()) & {colour for _, colour, _ in KIND_STYLE.values()}
+    shown = {text: colour_of(h) for text, h in entries if text in kinds}
+    assert shown == ({"crash/kill": "#d62728", "hang": "#ff7f0e"} if failures else {})
+    colours = [series.colour for series in drawn.series.values()]
+    assert len(drawn.series) == 5 and len(set(colours)) == 5
+
+
+def test_mid_epoch_validations_are_labelled_as_such(tmp_path: Path) -> None:
+    hand_made_run(tmp_path / "run", valid=True, val_every=2)
+    drawn = plot_run(tmp_path / "run")
+    entries = legend_entries(drawn.figure)
+    assert not [t for t, _ in entries if "(epoch)" in t]  # not all are at an epoch's end
+    mid = [(t, h) for t, h in entries if "mid-epoch" in t]
+    end = [(t, h) for t, h in entries if "epoch's end" in t]
+    assert mid and end
+    assert all("every 2 steps" in t for t, _ in mid)
+    # the key: hollow markers mid-epoch, filled ones at an epoch's end
+    assert {to_hex(h.get_markerfacecolor()) for _, h in mid} == {"#ffffff"}
+    assert "#ffffff" not in {to_hex(h.get_markerfacecolor()) for _, h in end}
+    for key in ("valid/loss", "valid/accuracy"):
+        series = drawn.series[key]
+        assert [x for x, _ in series.mid_epoch] == [2.0, 6.0]
+        assert [x for x, _ in series.epoch_end] == [4.0, 8.0]
+        ax = drawn.figure.axes[0 if key == "valid/loss" else 2]
+        for points, hollow in ((series.mid_epoch, True), (series.epoch_end, False)):
+            (artist,) = [c for c in ax.collections if _offsets(c) == points]
+            assert (to_hex(artist.get_facecolor()[0]) == "#ffffff") is hollow
+            assert to_hex(artist.get_edgecolor()[0]) == series.colour
+
+    hand_made_run(tmp_path / "ends", valid=True)  # only at epochs' ends: no mid-epoch key
+    drawn = plot_run(tmp_path / "ends")
+    texts = [text for text, _ in legend_entries(drawn.figure)]
+    assert not [t for t in texts if "mid-epoch" in t]
+    assert [t for t in texts if "epoch's end" in t]
+    assert drawn.series["valid/loss"].mid_epoch == []
+
+
+def _offsets(collection: Any) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for x, y in collection.get_offsets()]

@@ -203,9 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser(
         "plot",
         help="draw a run's loss and failures to a PNG",
-        description="Loss and validation metrics against step and wall time, failures "
-        "marked by kind, world size and generations below. Needs matplotlib "
-        "(pip install 'phalanx[plot]').",
+        description="Loss, validation metrics (panels of their own) and world size with "
+        "its generations, against step and wall time; failures marked by kind. Needs "
+        "matplotlib (pip install 'phalanx[plot]').",
     )
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("-o", "--output", metavar="FILE", help="default: RUN_DIR/run.png")

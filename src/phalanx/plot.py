@@ -1,20 +1,37 @@
 """``phalanx plot RUN_DIR``: a picture of one run with its failures.
 
 :func:`load_run` reads the run folder (``run.json`` names the run; ``events.jsonl`` has its
-steps, epochs, failures and generations; lines of other runs are left out) into
-:class:`RunData`, plain numbers with steps 1-based as everywhere people read them.
-:func:`draw` turns that into a PNG (matplotlib, the ``phalanx[plot]`` extra): the loss and
-the validation metrics against the step and against the wall time since the run began,
-each failure marked by its kind, and the world size with each generation below. It returns
-what it drew (:class:`Drawn`: the failure markers' positions read back from the plot's
-artists), so a test can check the picture's content without reading pixels.
+steps, epochs, validations, failures and generations; lines of other runs are left out)
+into :class:`RunData`, plain numbers with steps 1-based as everywhere people read them.
+
+:func:`draw` turns that into a PNG (matplotlib, the ``phalanx[plot]`` extra; 10 x 7 in at
+150 dpi, taller with more panels) of two columns, against the step (left) and against the
+wall time since the run began (right), and one row per panel, each with one y axis:
+
+* the train loss of every step, the validation loss, and each failure as a marker by kind
+  (crash/kill, hang, exception, out of memory) at the loss of its step;
+* the validation metrics: those within [0, 1] (accuracy, F1...) share a panel, any other
+  one has its own; a validation at an epoch's end is a filled marker, one in the middle of
+  an epoch (``fit(val_every_steps=N)``) a hollow one, and the legend says which is which;
+* the world size, each generation labelled ``g<n>``.
+
+Each failure is also a dotted line across its column (a hang on the time axes is shaded
+from the worker's last progress). The curves' colours are pairwise distinct and none is a
+failure kind's colour; each row's legend sits to the right of its panels, off the data; the
+title names the run, its steps, workers and failures.
+
+:func:`draw` returns what it drew (:class:`Drawn`: the failure markers' and the curves'
+positions read back from the plot's artists, the panel and colour of each curve, and the
+figure itself), so a test can check the picture's content without reading pixels.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +44,17 @@ KIND_STYLE = {  # marker, colour, label
     "exception": ("o", "#9467bd", "exception"),
     "oom": ("s", "#8c564b", "out of memory"),
 }
+UNKNOWN_KIND = ("D", "#000000", "")  # a failure kind this module does not know
+WORLD_COLOUR = "#2ca02c"
+KEY_COLOUR = "#444444"  # the legend's key to the validation markers
+# The curves' colours, in order (train loss first): none is a failure kind's, the world
+# size's or the key's; more curves than these get evenly spaced hues (see _colours).
+PALETTE = ("#1f77b4", "#17becf", "#e377c2", "#bcbd22", "#393b79", "#7f7f7f", "#637939")
+FIGSIZE = (10.0, 7.0)  # inches, with one validation panel; each more adds VALID_HEIGHT
+VALID_HEIGHT = 1.8
+DPI = 150
+SHADE = 0.12  # the alpha of a hang's silence on the time axes
+SHAPES = ("o", "s", "D", "^", "p", "h")  # the validation metrics' markers, in each panel
 
 
 @dataclass(frozen=True)
@@ -43,13 +71,19 @@ class Failure:
 
 @dataclass
 class RunData:
-    """One run's curves. ``seconds`` count from the run's first event; steps are 1-based."""
+    """One run's curves. ``seconds`` count from the run's first event; steps are 1-based.
+
+    ``valid`` maps each validation metric to its points ``(step, seconds, value)``: at an
+    epoch's end (an ``EpochEnded`` event) or, for the steps in ``mid_epoch``, after a
+    committed step in the middle of an epoch (a ``Validated`` event:
+    ``fit(val_every_steps=N)``)."""
 
     run_id: str | None = None
     steps: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     valid: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
+    mid_epoch: set[int] = field(default_factory=set)
     failures: list[Failure] = field(default_factory=list)
     # (step, seconds, generation, world size): from the start, and at each new generation
     world: list[tuple[float, float, int, int]] = field(default_factory=list)
@@ -66,16 +100,39 @@ class RunData:
         i = bisect.bisect_right(self.seconds, seconds)
         return float(self.steps[i - 1]) if i else 0.0
 
+    def val_every(self) -> int | None:
+        """The steps between mid-epoch validations (``val_every_steps``), as the log shows
+        them: the greatest common divisor of their steps; None without any."""
+        return math.gcd(*self.mid_epoch) if self.mid_epoch else None
+
+
+@dataclass(frozen=True)
+class Series:
+    """A curve as drawn: its legend label, colour, the panel it is on (its axes' y label)
+    and its points on the step axes, read from its artists; a validation's points also
+    split into those at an epoch's end (filled markers) and mid-epoch ones (hollow)."""
+
+    label: str
+    colour: str
+    panel: str
+    points: list[tuple[float, float]]
+    epoch_end: list[tuple[float, float]] = field(default_factory=list)
+    mid_epoch: list[tuple[float, float]] = field(default_factory=list)
+
 
 @dataclass
 class Drawn:
     """What :func:`draw` put in the picture: per failure kind, the markers' positions on
-    the step axes and on the time axes, read from the artists."""
+    the step axes and on the time axes, read from the artists; the world size's steps; per
+    curve (``train/loss``, ``valid/<metric>``), a :class:`Series`; and the matplotlib
+    ``Figure`` as saved (its axes and legends, for a test to measure)."""
 
     path: Path
     by_step: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     by_time: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     world: list[tuple[float, float]] = field(default_factory=list)
+    series: dict[str, Series] = field(default_factory=dict)
+    figure: Any = None
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -117,17 +174,29 @@ def load_run(run_dir: str | Path) -> RunData:
             data.steps.append(int(r["global_step"]))
             data.seconds.append(seconds)
             data.loss.append(float(r["loss"]))
-        elif kind in ("EpochEnded", "Validated"):  # (Validated: mid-epoch, val_every_steps)
-            at = (int(r["epoch"]) + 1) * steps_per_epoch if steps_per_epoch else data.step_at(1e18)
-            at = int(r["global_step"]) if kind == "Validated" else at
-            for key, value in r["metrics"].items():
-                if key.startswith("valid/"):
-                    data.valid.setdefault(key, []).append((int(at), seconds, float(value)))
+        elif kind in ("EpochEnded", "Validated"):
+            _validation(r, seconds, steps_per_epoch, data)
         elif kind == "WorkerFailed":
             data.failures.append(_failure(r, seconds, data))
         elif kind == "GenerationStarted":
             data.world.append((data.step_at(seconds), seconds, int(r["number"]), len(r["members"])))
     return data
+
+
+def _validation(
+    record: dict[str, Any], seconds: float, steps_per_epoch: int, data: RunData
+) -> None:
+    """An epoch's end's or a mid-epoch validation's ``valid/`` metrics, at its step."""
+    if record["event"] == "Validated":  # mid-epoch (val_every_steps), after its global step
+        at = int(record["global_step"])
+        data.mid_epoch.add(at)
+    elif steps_per_epoch:
+        at = (int(record["epoch"]) + 1) * steps_per_epoch
+    else:
+        at = int(data.step_at(1e18))
+    for key, value in record["metrics"].items():
+        if key.startswith("valid/"):
+            data.valid.setdefault(key, []).append((at, seconds, float(value)))
 
 
 def _failure(record: dict[str, Any], seconds: float, data: RunData) -> Failure:
@@ -142,73 +211,224 @@ def _failure(record: dict[str, Any], seconds: float, data: RunData) -> Failure:
     return Failure(str(f["kind"]), at, seconds, int(f["worker"]), action, since)
 
 
+@dataclass
+class _Panel:
+    """One row of the figure: its y label and the validation metrics drawn on it."""
+
+    ylabel: str
+    metrics: list[str]
+
+
+def _panels(data: RunData) -> list[_Panel]:
+    """The rows above the world size: the loss (with each validation metric named like a
+    loss), the metrics within [0, 1] together, and any other metric on its own."""
+    losses = sorted(k for k in data.valid if k.endswith("loss"))
+    others = sorted(k for k in data.valid if k not in losses)
+    unit = [k for k in others if all(0.0 <= p[2] <= 1.0 for p in data.valid[k])]
+    panels = [_Panel("loss", losses)]
+    if unit:
+        panels.append(_Panel("validation score (0-1)", unit))
+    panels += [_Panel(k, [k]) for k in others if k not in unit]
+    return panels
+
+
+def _colours(n: int) -> list[str]:
+    """``n`` colours, pairwise distinct, none a failure kind's, the world size's or the
+    key's: :data:`PALETTE`, then evenly spaced hues."""
+    import colorsys
+
+    taken = {c for _, c, _ in KIND_STYLE.values()} | {UNKNOWN_KIND[1], WORLD_COLOUR, KEY_COLOUR}
+    colours = list(PALETTE[:n])
+    extra = n - len(colours)
+    for i in range(extra):
+        r, g, b = colorsys.hsv_to_rgb((i + 0.5) / extra, 0.75, 0.55)
+        colour = f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
+        while colour in taken or colour in colours:  # (a coincidence: nudge it)
+            colour = f"#{(int(colour[1:], 16) + 1) % 0xFFFFFF:06x}"
+        colours.append(colour)
+    return colours
+
+
+def _title(data: RunData) -> str:
+    name = f"phalanx run {data.run_id}" if data.run_id else "phalanx run"
+    parts = [_count(len(data.steps), "step")]
+    if data.world:
+        first, last = data.world[0][3], data.world[-1][3]
+        workers = _count(first, "worker")
+        parts.append(workers if first == last else f"{workers} ({last} at the end)")
+    kinds = Counter(
+        KIND_STYLE[f.kind][2] if f.kind in KIND_STYLE else f.kind for f in data.failures
+    )
+    names = ", ".join(k if n == 1 else f"{k} x{n}" for k, n in sorted(kinds.items()))
+    parts.append(f"{_count(len(data.failures), 'failure')} ({names})" if kinds else "no failures")
+    return f"{name}: " + ", ".join(parts)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def draw(data: RunData, path: str | Path) -> Drawn:
     """Draw ``data`` into the PNG ``path``; return what was drawn (see :class:`Drawn`).
     Needs matplotlib (``pip install 'phalanx[plot]'``)."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    fig, axes = plt.subplots(
-        2, 2, figsize=(12, 6.5), sharex="col", gridspec_kw={"height_ratios": [3, 1]}
+    panels = _panels(data)
+    heights = [3.0] + [2.0] * (len(panels) - 1) + [1.0]
+    height = FIGSIZE[1] + (len(panels) - 2) * VALID_HEIGHT  # (less without a metric's panel)
+    fig = Figure(figsize=(FIGSIZE[0], height), layout="constrained")
+    axes = fig.subplots(
+        len(panels) + 1, 2, sharex="col", sharey="row", gridspec_kw={"height_ratios": heights}
     )
-    drawn = Drawn(Path(path))
-    for column, (xs, name) in enumerate(((data.steps, "step"), (data.seconds, "seconds"))):
-        top, bottom = axes[0][column], axes[1][column]
-        top.plot(xs, data.loss, color="#1f77b4", linewidth=1, label="train loss (step)")
-        top.set_ylabel("loss")
-        _draw_valid(top, data, column)
-        markers = _draw_failures(top, data, column)
-        (drawn.by_step if column == 0 else drawn.by_time).update(markers)
+    keys = ["train/loss", *(k for p in panels for k in p.metrics)]
+    colours = dict(zip(keys, _colours(len(keys)), strict=True))
+    drawn = Drawn(Path(path), figure=fig)
+    for column in (0, 1):
+        for row, panel in enumerate(panels):
+            ax = axes[row][column]
+            handles = _draw_panel(ax, data, panel, row, column, colours, drawn)
+            if column == 0:
+                ax.set_ylabel(panel.ylabel)
+            else:
+                _legend(ax, handles + _key(data, panel))
+        bottom = axes[-1][column]
         world = _draw_world(bottom, data, column)
+        _mark_failures(bottom, data, column)
         if column == 0:
             drawn.world = world
-        bottom.set_xlabel("step (1-based)" if name == "step" else "seconds since the run began")
-        top.legend(loc="upper right", fontsize=8)
-    title = f"phalanx run {data.run_id}" if data.run_id else "phalanx run"
-    fig.suptitle(f"{title}: {len(data.failures)} failure(s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+            bottom.set_ylabel("workers")
+        else:
+            _legend(bottom, bottom.lines[:1], ["world size (g<n>: generation n)"])
+        bottom.set_xlabel(("step (1-based)", "wall time since the run began (s)")[column])
+        axes[0][column].set_title(("against the step", "against the wall time")[column])
+    fig.suptitle(_title(data))
+    fig.savefig(path, dpi=DPI)
     return drawn
 
 
-def _draw_valid(ax: Any, data: RunData, column: int) -> None:
-    """``valid/loss`` on the loss axes; the other validation metrics on a second y axis."""
-    others = {k: v for k, v in data.valid.items() if k != "valid/loss"}
-    if "valid/loss" in data.valid:
-        points = data.valid["valid/loss"]
-        xs, ys = [p[column] for p in points], [p[2] for p in points]
-        style = {"marker": "o", "linestyle": "--", "linewidth": 1, "color": "#17becf"}
-        ax.plot(xs, ys, label="valid/loss (epoch)", **style)
-    if not others:
-        return
-    twin = ax.twinx()
-    for key, points in sorted(others.items()):
-        xs = [p[column] for p in points]
-        twin.plot(xs, [p[2] for p in points], marker=".", linestyle="--", linewidth=1, label=key)
-    twin.set_ylabel("validation metrics")
-    twin.legend(loc="center right", fontsize=8)
+def _draw_panel(
+    ax: Any, data: RunData, panel: _Panel, row: int, column: int, colours: dict[str, str],
+    drawn: Drawn,
+) -> list[Any]:  # fmt: skip
+    """One panel above the world size: on the first row, the train loss and the failures'
+    markers; its validation metrics; the failures' lines. Fills in ``drawn`` (from the
+    step axes: ``column`` 0) and returns the artists for the row's legend."""
+    from matplotlib.colors import to_hex
+    from matplotlib.patches import Patch
+
+    handles: list[Any] = []
+    if row == 0:
+        xs = (data.steps, data.seconds)[column]
+        (line,) = ax.plot(xs, data.loss, color=colours["train/loss"], linewidth=1,
+                          label="train loss (each step)")  # fmt: skip
+        handles.append(line)
+        if column == 0:
+            colour = to_hex(line.get_color())
+            drawn.series["train/loss"] = Series(line.get_label(), colour, panel.ylabel, _xy(line))
+    for key, shape in zip(panel.metrics, itertools.cycle(SHAPES), strict=False):
+        series, handle = _draw_valid(ax, data, key, column, colours[key], shape)
+        handles.append(handle)
+        if column == 0:
+            drawn.series[key] = Series(**series, panel=panel.ylabel)
+    _mark_failures(ax, data, column)
+    if row == 0:
+        markers, scatters = _draw_failures(ax, data, column)
+        (drawn.by_step if column == 0 else drawn.by_time).update(markers)
+        handles += scatters
+        if any(f.silent_from is not None for f in data.failures):
+            handles.append(
+                Patch(color=KIND_STYLE["hang"][1], alpha=SHADE, linewidth=0,
+                      label="hang: silent since its last progress")
+            )  # fmt: skip
+    return handles
 
 
-def _draw_failures(ax: Any, data: RunData, column: int) -> dict[str, list[tuple[float, float]]]:
-    """One scatter per kind, and a dotted line at each failure; the markers' positions as
-    the artists hold them."""
+def _legend(ax: Any, handles: list[Any], labels: list[str] | None = None) -> None:
+    """A row's legend, right of its right-hand axes: off the data."""
+    if handles:
+        ax.legend(
+            handles, labels or [h.get_label() for h in handles], loc="upper left",
+            bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8, frameon=False,
+        )  # fmt: skip
+
+
+def _xy(artist: Any) -> list[tuple[float, float]]:
+    """A line's or a scatter's points, as the artist holds them."""
+    points = artist.get_xydata() if hasattr(artist, "get_xydata") else artist.get_offsets()
+    return [(float(x), float(y)) for x, y in points]
+
+
+def _draw_valid(
+    ax: Any, data: RunData, key: str, column: int, colour: str, shape: str
+) -> tuple[dict[str, Any], Any]:
+    """A validation metric: a dashed line through its points, markers of ``shape``:
+    filled at an epoch's end, hollow mid-epoch. Its :class:`Series` fields but the panel,
+    and its legend entry."""
+    from matplotlib.colors import to_hex
+    from matplotlib.lines import Line2D
+
+    points = data.valid[key]
+    xs, ys = [p[column] for p in points], [p[2] for p in points]
+    (line,) = ax.plot(xs, ys, color=colour, linestyle="--", linewidth=1.2, label=key)
+    handle = Line2D([], [], color=colour, linestyle="--", linewidth=1.2, marker=shape, label=key)
+    ends = [(x, y) for p, x, y in zip(points, xs, ys, strict=True) if p[0] not in data.mid_epoch]
+    mids = [(x, y) for p, x, y in zip(points, xs, ys, strict=True) if p[0] in data.mid_epoch]
+    drawn: dict[str, Any] = {"label": key, "colour": to_hex(line.get_color()), "points": _xy(line)}
+    for name, chosen, face in (("epoch_end", ends, colour), ("mid_epoch", mids, "white")):
+        scatter = ax.scatter(
+            [x for x, _ in chosen], [y for _, y in chosen], marker=shape, s=30, zorder=4,
+            facecolors=face, edgecolors=colour, linewidths=1.2, label=f"_{key} {name}",
+        )  # fmt: skip
+        drawn[name] = _xy(scatter)
+    return drawn, handle
+
+
+def _key(data: RunData, panel: _Panel) -> list[Any]:
+    """The legend's entries that tell the validation markers apart, as far as the panel's
+    metrics have such points: filled at an epoch's end, hollow mid-epoch."""
+    from matplotlib.lines import Line2D
+
+    steps = {p[0] for k in panel.metrics for p in data.valid[k]}
+    entries = []
+    style: dict[str, Any] = {
+        "color": KEY_COLOUR,
+        "marker": "o",
+        "linestyle": "none",
+        "markersize": 5,
+    }
+    if steps - data.mid_epoch:
+        entries.append(Line2D([], [], **style, label="filled: validation at an epoch's end"))
+    if steps & data.mid_epoch:
+        label = f"hollow: mid-epoch validation (every {data.val_every()} steps)"
+        entries.append(Line2D([], [], **style, markerfacecolor="white", label=label))
+    return entries
+
+
+def _mark_failures(ax: Any, data: RunData, column: int) -> None:
+    """A dotted line at each failure; a hang on the time axes shaded from its last progress."""
+    for f in data.failures:
+        colour = KIND_STYLE.get(f.kind, UNKNOWN_KIND)[1]
+        ax.axvline(f.step if column == 0 else f.seconds, color=colour, linestyle=":", linewidth=1)
+        if column == 1 and f.silent_from is not None:
+            ax.axvspan(f.silent_from, f.seconds, color=colour, alpha=SHADE, linewidth=0)
+
+
+def _draw_failures(
+    ax: Any, data: RunData, column: int
+) -> tuple[dict[str, list[tuple[float, float]]], list[Any]]:
+    """One scatter per kind, at the loss of the failed step: the markers' positions as the
+    artists hold them, and the artists."""
     drawn: dict[str, list[tuple[float, float]]] = {}
+    artists = []
     for kind in sorted({f.kind for f in data.failures}):
         mine = [f for f in data.failures if f.kind == kind]
         xs = [f.step if column == 0 else f.seconds for f in mine]
         ys = [data.loss_at(f.step) for f in mine]
-        marker, colour, label = KIND_STYLE.get(kind, ("D", "black", kind))
-        for x in xs:
-            ax.axvline(x, color=colour, linestyle=":", linewidth=1)
-        for f in mine:  # a hang on the time axes: shaded from its last progress
-            if column == 1 and f.silent_from is not None:
-                ax.axvspan(f.silent_from, f.seconds, color=colour, alpha=0.15)
+        marker, colour, label = KIND_STYLE.get(kind, (*UNKNOWN_KIND[:2], kind))
         artist = ax.scatter(xs, ys, marker=marker, color=colour, s=80, zorder=5, label=label)
-        drawn[kind] = [(float(x), float(y)) for x, y in artist.get_offsets()]
-    return drawn
+        drawn[kind] = _xy(artist)
+        artists.append(artist)
+    return drawn, artists
 
 
 def _draw_world(ax: Any, data: RunData, column: int) -> list[tuple[float, float]]:
@@ -223,14 +443,13 @@ def _draw_world(ax: Any, data: RunData, column: int) -> list[tuple[float, float]
     ys = [float(w[3]) for w in data.world]
     if end is not None and end > xs[-1]:
         xs, ys = [*xs, float(end)], [*ys, ys[-1]]
-    (line,) = ax.step(xs, ys, where="post", color="#2ca02c")
+    (line,) = ax.step(xs, ys, where="post", color=WORLD_COLOUR)
     for w in data.world:
         ax.annotate(f"g{w[2]}", (w[column], w[3]), fontsize=7, xytext=(2, 2),
                     textcoords="offset points")  # fmt: skip
-    ax.set_ylabel("workers")
     ax.set_ylim(0, max(ys) + 1)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    return [(float(x), float(y)) for x, y in zip(*line.get_data(), strict=True)]
+    return _xy(line)
 
 
 def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Drawn:
