@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
+import subprocess
 from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import TensorDataset
 
+import phalanx as px
 from phalanx.checkpoint import (
     Checkpointer,
     CheckpointInfo,
@@ -493,3 +500,47 @@ def test_saving_a_step_again_never_leaves_its_old_checksum_listed(
         loaded = ckpt.load_latest()
     assert loaded is not None and torch.equal(loaded[0]["w"], torch.tensor([2.0]))
     assert rec.of(CheckpointSkipped) == []
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 64 KiB file system (tmpfs): room for one checkpoint of the model below, not
+    for two (a write goes to a temporary file beside the previous checkpoint)."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_names_the_checkpoint_that_was_not_written(tiny_disk: Path) -> None:
+    data = TensorDataset(torch.randn(400, 64), torch.randn(400, 64))
+    sgd = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+    learner = px.Learner(functools.partial(nn.Linear, 64, 64), sgd, px.mse_step)
+    run_dir = tiny_disk / "run"
+    with pytest.raises(px.TrainingFailed) as caught:
+        learner.fit(
+            data,
+            batch_size=10,
+            run_dir=str(run_dir),
+            checkpoint=px.Checkpoints(every_steps=5, keep_last=1),
+            sinks=[],
+        )
+    err = caught.value
+    # Step 10's checkpoint failed in the background; the error surfaced later (at step
+    # 15's save), but the report names step 10, the one that was not written.
+    assert err.root_cause.phase == "checkpoint"
+    assert err.root_cause.step == 9  # (0-based: "step 10")
+    first = str(err).splitlines()[0]
+    assert "failed at step 10 (checkpoint)" in first
+    assert "checkpoint for step 10 was not saved" in first and "No space left" in first
+    # The last good checkpoint is intact and loads.
+    state = px.load_checkpoint(str(run_dir))
+    assert state["loop"]["global_step"] == 5

@@ -118,6 +118,9 @@ class RunDirInUseError(ConfigError):
 
 class CheckpointError(PhalanxError):
     code = "PX120"
+    # A write that failed in the background: the global step of the checkpoint that could
+    # not be written (the failure is named at that step, not at the later one that found it).
+    step: int | None = None
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -28,6 +28,7 @@ import torch
 from phalanx import rng
 from phalanx.checkpoint import Checkpointer, should_save
 from phalanx.early_stopping import EarlyStopping
+from phalanx.errors import CheckpointError
 from phalanx.events import (
     Emit,
     EpochEnded,
@@ -519,7 +520,11 @@ class TrainLoop:
             raise
         except Exception as exc:
             st = self.state
-            failure = failure_of(exc, self.engine.identity, phase, st.global_step, st.epoch)
+            step, epoch = st.global_step, st.epoch
+            written = getattr(exc, "step", None) if isinstance(exc, CheckpointError) else None
+            if written is not None:  # a background write: named at the checkpoint's step
+                step = max(written - 1, 0)
+            failure = failure_of(exc, self.engine.identity, phase, step, epoch)
             raise FailedHere(failure) from exc
 
 

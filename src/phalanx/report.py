@@ -8,6 +8,7 @@ but never named as the cause while a primary failure exists.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -147,9 +148,14 @@ def write_json(
         "environment": environment(devices, failures),
     }
     tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, indent=2, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(doc, fh, indent=2, default=str)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):  # (no half-written file left behind)
+            os.remove(tmp)
+        raise
     return path
 
 

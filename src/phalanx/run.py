@@ -107,5 +107,8 @@ def stopped(
     with its root cause and what became of each respawn): for the caller to raise.
     ``notes`` are lines the report adds after the root cause (what would have helped)."""
     error = report.build(failures, poison=poison, notes=notes)
-    report.write_json(config.run_dir, failures, error.root_cause, config.devices, fates or [])
+    try:
+        report.write_json(config.run_dir, failures, error.root_cause, config.devices, fates or [])
+    except OSError as exc:  # (a full disk, say: the report itself still reaches the caller)
+        error.message += f"\n(failures.json could not be written in {config.run_dir}: {exc})"
     return error

@@ -156,6 +156,7 @@ class Checkpointer:
                     f"{self.directory}: {exc!r}; earlier checkpoints are untouched"
                 )
                 error.__cause__ = exc
+                error.step = None if job is None else job.step  # (not the step that finds it)
                 with self._lock:
                     if self._error is None:
                         self._error = error
