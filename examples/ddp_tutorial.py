@@ -5,12 +5,12 @@ process per device, sets MASTER_ADDR/MASTER_PORT, calls init_process_group, wrap
 in DistributedDataParallel, and trains ``ToyModel`` (10 -> 10 -> 5) on random data with MSE
 and SGD. Here phalanx does the processes, the group, DDP, the data split and the checkpoints;
 what stays is the model, the loss and the optimizer. On top of the tutorial: fp16 mixed
-precision with a gradient scaler, and AdamW with weight decay on the weights only.
+precision with a gradient scaler on CUDA devices (float32 on CPU), and AdamW with weight decay on the weights only.
 
-    python examples/ddp_tutorial.py                       # 2 CPU workers
-    python examples/ddp_tutorial.py --devices cuda:0,cuda:1
-    python examples/ddp_tutorial.py --fault kill:1@20     # a worker killed: training goes on
-    python examples/ddp_tutorial.py --resume              # after Ctrl-C: from the checkpoint
+    .venv/bin/python examples/ddp_tutorial.py                    # 2 CPU workers
+    .venv/bin/python examples/ddp_tutorial.py --devices cuda:0,cuda:1
+    .venv/bin/python examples/ddp_tutorial.py --fault kill:1@20  # a worker killed: goes on
+    .venv/bin/python examples/ddp_tutorial.py --resume           # after Ctrl-C: continues
 
 Ctrl-C stops after the current step with a checkpoint in --run-dir and exits 130 (a
 KeyboardInterrupt); SIGTERM likewise, exiting 143. Run again with --resume to continue;
@@ -70,7 +70,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--precision", default="16-mixed")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help='default: "16-mixed" on CUDA devices, "32" on CPU (float16 is slow on CPU)',
+    )
     parser.add_argument("--run-dir", default="runs/ddp_tutorial")
     parser.add_argument("--resume", action="store_true", help="continue from --run-dir")
     parser.add_argument("--fault", action="append", default=[], help="e.g. kill:1@20")
@@ -79,6 +83,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    if args.precision is None:
+        args.precision = "16-mixed" if "cuda" in args.devices else "32"
     learner = px.Learner(ToyModel, make_optimizer, train_step, precision=args.precision)
     if not args.resume:  # a new run: the last one's files and checkpoints move aside
         moved = px.start_over(args.run_dir)

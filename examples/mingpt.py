@@ -2,15 +2,15 @@
 
 minGPT's DDP trainer (Karpathy's minGPT, as adapted in PyTorch's DDP tutorial series) builds
 a GPT, an AdamW optimizer whose weight decay applies to Linear weights only (``configure_
-optimizers`` splits the parameters by name), trains with fp16 autocast and a GradScaler,
-clips gradients, and saves snapshots to resume from. Here phalanx does the processes, the
+optimizers`` splits the parameters by name), trains with fp16 autocast and a GradScaler
+(on CUDA devices; float32 on CPU, where float16 is several times slower), clips gradients, and saves snapshots to resume from. Here phalanx does the processes, the
 data split, the scaler's vote (an overflowing step is skipped by every worker together) and
 the checkpoints; the model, its optimizer groups and the step are the user's. The text is the
 Zen of Python (``import this``): offline, and small enough to train on a CPU in a minute.
 
-    python examples/mingpt.py                        # 2 CPU workers
-    python examples/mingpt.py --fault kill:0@30      # rank 0 killed: training goes on
-    python examples/mingpt.py --resume               # after Ctrl-C: from the checkpoint
+    .venv/bin/python examples/mingpt.py                    # 2 CPU workers (after make demo)
+    .venv/bin/python examples/mingpt.py --fault kill:0@30  # rank 0 killed: training goes on
+    .venv/bin/python examples/mingpt.py --resume           # after Ctrl-C: from the checkpoint
 
 Ctrl-C stops after the current step with a checkpoint in --run-dir and exits 130 (a
 KeyboardInterrupt); SIGTERM likewise, exiting 143. Run again with --resume to continue;
@@ -136,7 +136,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--embd", type=int, default=64)
-    parser.add_argument("--precision", default="16-mixed")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help='default: "16-mixed" on CUDA devices, "32" on CPU (float16 is slow on CPU)',
+    )
     parser.add_argument("--run-dir", default="runs/mingpt")
     parser.add_argument("--resume", action="store_true", help="continue from --run-dir")
     parser.add_argument("--fault", action="append", default=[], help="e.g. kill:0@30")
@@ -145,6 +149,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    if args.precision is None:
+        args.precision = "16-mixed" if "cuda" in args.devices else "32"
     train = CharDataset(zen(), args.block_size)
     model = functools.partial(
         GPT, len(train.chars), args.block_size, args.layers, n_head=4, n_embd=args.embd

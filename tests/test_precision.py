@@ -220,7 +220,11 @@ def test_ddp_replacement_takes_the_scalers_state_in_the_hand_over() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "text"),
     [
-        ({"precision": "fp16"}, "'fp16' is unknown"),
+        ({"precision": "fp16"}, "'fp16': float16 autocast with a loss scaler is "),
+        ({"precision": "16"}, 'Lightning 1.x\'s name for "16-mixed"'),
+        ({"precision": "bf16"}, 'Lightning 1.x\'s name for "bf16-mixed"'),
+        ({"precision": "16-true"}, "does not offer it"),
+        ({"precision": "half"}, "'half' is unknown"),
         ({"precision": "bf16-mixed", "grad_scaler": {"init_scale": 2.0}}, "only '16-mixed'"),
         ({"precision": "16-mixed", "grad_scaler": {"init_scal": 2.0}}, "init_scal"),
     ],
@@ -271,3 +275,29 @@ def test_a_discarded_attempt_keeps_the_scale_and_can_unscale_again() -> None:
     assert scaler.unscale() is True  # (torch refuses a second unscale_ without the reset)
     scaler.skip()
     assert scaler.get_scale() == 2.0**39
+
+
+def test_lightnings_32_true_is_plain_float32() -> None:
+    for name in ("32-true", 32, "32"):
+        learner = px.Learner(
+            mlp, functools.partial(torch.optim.SGD, lr=0.1), mse_step, precision=name
+        )
+        assert learner.spec.precision.name == "32"
+    result = learner.fit(DATA, sinks=[])
+    assert result.steps > 0
+
+
+def test_16_mixed_on_cpu_gives_a_warning_and_not_on_32() -> None:
+    from phalanx.events import Notice
+    from recorder import Recorder
+
+    for name, warned in (("16-mixed", True), ("32", False)):
+        rec = Recorder()
+        learner = px.Learner(
+            mlp, functools.partial(torch.optim.SGD, lr=0.1), mse_step, precision=name
+        )
+        learner.fit(DATA, max_steps=1, sinks=[rec])
+        slow = [n for n in rec.of(Notice) if "float16 CPU kernels" in n.text]
+        assert len(slow) == int(warned)
+        if warned:
+            assert slow[0].level == "warning" and 'precision="32"' in slow[0].text

@@ -26,7 +26,7 @@ from phalanx.loop import StepAborted
 from phalanx.metrics import LoopMetric, Metric
 from phalanx.plan import DataPrint, Plan
 from phalanx.policy import Recovery
-from phalanx.precision import Precision
+from phalanx.precision import Precision, canonical, cpu_notice
 from phalanx.run import FitResult, RunEnd, RunInputs, finish, stopped
 from phalanx.runlock import RunLock
 from phalanx.runner import check_resume_plan
@@ -76,7 +76,7 @@ class Learner:
             lr_scheduler=lr_scheduler,
             grad_accumulation=grad_accumulation,
             grad_clip_norm=grad_clip_norm,
-            precision=Precision(str(precision), dict(grad_scaler or {})),
+            precision=Precision(canonical(precision), dict(grad_scaler or {})),
             lr_scheduler_interval=lr_scheduler_interval,
         )
         self.interrupter = Interrupter()
@@ -214,6 +214,9 @@ class Learner:
         notice = lock.notice() if lock is not None else None
         if notice is not None:
             emit(Notice(notice, level="warning"))
+        slow = cpu_notice(run.spec.precision.name, config.devices)
+        if slow is not None:
+            emit(Notice(slow, level="warning"))
         self.interrupter.reset()
         try:
             with handle_signals(self.interrupter), _keep_rng(config.devices):

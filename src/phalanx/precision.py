@@ -21,6 +21,44 @@ from typing import Any
 import torch
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+# Other spellings taken as they are meant (Lightning 2's name for plain float32).
+ALIASES = {"32-true": "32", "32": "32"}
+# Names that mean something else elsewhere, refused with what each means (PX121).
+MEANINGS = {
+    "16": 'Lightning 1.x\'s name for "16-mixed": pass precision="16-mixed"',
+    "fp16": 'float16 autocast with a loss scaler is precision="16-mixed"',
+    "bf16": 'Lightning 1.x\'s name for "bf16-mixed": pass precision="bf16-mixed"',
+    "16-true": "every weight in float16 (no float32 master copy): phalanx does not offer it; "
+    'precision="16-mixed" keeps float32 weights',
+    "bf16-true": "every weight in bfloat16: phalanx does not offer it; "
+    'precision="bf16-mixed" keeps float32 weights',
+    "64": "float64 training: phalanx does not offer it as a precision; build the model in "
+    "float64 (model.double()) with precision='32'",
+    "64-true": "float64 training: phalanx does not offer it as a precision; build the model "
+    "in float64 (model.double()) with precision='32'",
+}
+
+
+def canonical(precision: str | int) -> str:
+    """The precision's name as phalanx uses it: ``32``, ``"32"`` and ``"32-true"`` are
+    ``"32"``; anything else as given (checked by :mod:`phalanx.validate`)."""
+    text = str(precision).strip()
+    return ALIASES.get(text, text)
+
+
+def cpu_notice(name: str, devices: list[str]) -> str | None:
+    """A warning for "16-mixed" on CPU devices: torch's float16 CPU kernels are much
+    slower than float32 (measured 6.6x on a small GPT), so it only makes sense as a test
+    of a GPU configuration."""
+    if name != "16-mixed" or any(d.startswith("cuda") for d in devices):
+        return None
+    return (
+        'precision="16-mixed" on CPU devices: torch\'s float16 CPU kernels are several times '
+        'slower than float32 (6.6x measured on examples/mingpt.py); use precision="32" on '
+        'CPU, or "bf16-mixed" where the CPU has bfloat16 instructions'
+    )
+
+
 SCALER_ARGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 

@@ -233,13 +233,16 @@ def _validate_factories(spec: TrainSpec) -> None:
 
 
 def _validate_precision(spec: TrainSpec, devices: list[str]) -> None:
-    from phalanx.precision import PRECISIONS, SCALER_ARGS
+    from phalanx.precision import MEANINGS, PRECISIONS, SCALER_ARGS
 
     precision = spec.precision
     if precision.name not in PRECISIONS:
+        meaning = MEANINGS.get(precision.name)
+        known = f"use one of {', '.join(repr(p) for p in PRECISIONS)} (or '32-true')"
         raise PrecisionError(
-            f"precision={precision.name!r} is unknown; use one of "
-            f"{', '.join(repr(p) for p in PRECISIONS)} (Lightning's names)"
+            f"precision={precision.name!r}: {meaning}; {known}"
+            if meaning
+            else f"precision={precision.name!r} is unknown; {known} (Lightning's names)"
         )
     unknown = sorted(set(precision.scaler_args) - set(SCALER_ARGS))
     if precision.scaler_args and precision.name != "16-mixed":
