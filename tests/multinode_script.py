@@ -82,6 +82,7 @@ def main() -> None:
         "ledger_ok": result.ledger_ok,
         "failures": [f.to_dict() for f in result.failures],
         "steps_at": stamps.at,
+        "model_path": result.model_path,
     }
     print("RESULT " + json.dumps(doc), flush=True)
 

@@ -206,10 +206,14 @@ def two_nodes(
 @pytest.mark.timeout(300)
 def test_two_nodes_train_as_one_job_and_every_node_returns_its_model(tmp_path: Path) -> None:
     env_dirs = (tmp_path / "env0", tmp_path / "env1")
-    port, procs, logs = two_nodes(tmp_path, epochs=4, env_dirs=env_dirs)
+    run_dir = tmp_path / "run"  # shared by both nodes, as on a shared file system
+    port, procs, logs = two_nodes(tmp_path, epochs=4, env_dirs=env_dirs, run_dir=run_dir)
     finish_all(procs, logs)
     head, node = result_of(logs[0]), result_of(logs[1])
     assert head["steps"] == node["steps"] == 40
+    # Both nodes return the final weights' file, which the head wrote in the shared run_dir.
+    assert head["model_path"] == node["model_path"] == str(run_dir / "model.pt")
+    assert same(weights(run_dir / "model.pt"), weights(tmp_path / "node0.pt"))
     assert head["ledger_ok"] and node["ledger_ok"] and not head["failures"]
     w_head, w_node = weights(tmp_path / "node0.pt"), weights(tmp_path / "node1.pt")
     assert same(w_head, w_node)

@@ -254,6 +254,7 @@ class Learner:
             with handle_signals(self.interrupter), _keep_rng(run.config.devices):
                 end = run_ddp(run, emit, self.interrupter, run.launch)
                 result = finish(end, replace(run, config=replace(run.config, run_dir=None)))
+            result.model_path = end.model_path  # (the head's file, where this node sees it)
         finally:
             emit.close()
         self.interrupter.raise_if_signalled(result)

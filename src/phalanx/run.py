@@ -72,6 +72,9 @@ class RunEnd:
     failures: list[WorkerFailure]  # the ones the run recovered from
     seconds: float
     fates: list[str] = field(default_factory=list)  # what became of each respawn (ddp)
+    # Across nodes, on a node other than the head: the final weights' file the head wrote
+    # in the shared run_dir (None where this node cannot see it).
+    model_path: str | None = None
 
 
 def finish(end: RunEnd, run: RunInputs) -> FitResult:

@@ -677,7 +677,18 @@ def _node_end(run: RunInputs, frame: Frame, seconds: float) -> RunEnd:
         failures=failures,
         seconds=seconds,
         fates=fates,
+        model_path=_shared(run.config.run_dir, doc.get("model_path")),
     )
+
+
+def _shared(run_dir: str | None, path: object) -> str | None:
+    """The head's final weights file, where this node sees it: its own run_dir is the
+    same folder (a shared file system) and the file is there."""
+    if not run_dir or not isinstance(path, str):
+        return None
+    mine = os.path.join(os.path.abspath(run_dir), os.path.basename(path))
+    same = os.path.exists(mine) and os.path.exists(path) and os.path.samefile(mine, path)
+    return mine if same else None
 
 
 def _serve(

@@ -388,8 +388,16 @@ def _run_end(sup: Supervisor, outcome: FailureBook, fates: list[str], reason: st
         fates=fates,
     )
     if sup.hub is not None:
+        doc = _ok_doc(end)
+        if config.run_dir and interrupted is None:
+            # Written before the nodes hear of the end, so that a node sharing run_dir (a
+            # shared file system) finds the file when its fit returns (Learner writes the
+            # same file again, atomically: the same bytes).
+            from phalanx.learner import save_final_model
+
+            doc["model_path"] = os.path.abspath(save_final_model(config.run_dir, end.model))
         with open(done.weights_path, "rb") as fh:
-            sup.tell_nodes(_ok_doc(end), fh.read())
+            sup.tell_nodes(doc, fh.read())
     return end
 
 
