@@ -359,8 +359,8 @@ def test_the_fourth_failed_attempt_of_a_step_stops_the_run_as_keeps_failing() ->
 @pytest.mark.parametrize(
     ("kills", "says"),
     [
-        (0, "(sent by another process: the kernel's out-of-memory killer killed no process"),
-        (2, "the kernel's out-of-memory killer killed 2 process(es) on this machine"),
+        (0, "(sent by another process, such as kill -9 or a job scheduler: the kernel's "),
+        (2, "the kernel's out-of-memory killer killed 2 process(es) in the worker's memory"),
         (None, "(sent by another process or by the kernel's out-of-memory killer: dmesg tells"),
     ],
 )
@@ -378,12 +378,26 @@ def test_a_sigkill_is_told_as_the_kernels_count_of_oom_kills_says_without_a_gues
 def test_the_kernels_count_of_oom_kills_is_read_from_vmstat(tmp_path: Path) -> None:
     from phalanx.strategies.ddp.agent import oom_kill_count
 
-    vmstat = tmp_path / "vmstat"
+    vmstat, none = tmp_path / "vmstat", str(tmp_path / "none")
     vmstat.write_text("nr_free_pages 12\noom_kill 7\npgfault 3\n")
-    assert oom_kill_count(str(vmstat)) == 7
+    assert oom_kill_count(str(vmstat), cgroups=none) == 7
     vmstat.write_text("nr_free_pages 12\n")  # (a kernel before 4.13)
-    assert oom_kill_count(str(vmstat)) is None
-    assert oom_kill_count(str(tmp_path / "none")) is None
+    assert oom_kill_count(str(vmstat), cgroups=none) is None
+    assert oom_kill_count(none, cgroups=none) is None
+
+
+def test_the_memory_cgroups_count_of_oom_kills_comes_before_the_machines(tmp_path: Path) -> None:
+    """Where the kernel keeps a count for the worker's memory cgroup (a container's limit),
+    that count says; the machine's (other containers' kills) does not."""
+    from phalanx.strategies.ddp.agent import oom_kill_count
+
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("oom_kill 40\n")
+    root = tmp_path / "cgroup"
+    (root / "memory").mkdir(parents=True)  # v1: memory/memory.oom_control; v2: memory.events
+    (root / "memory" / "memory.oom_control").write_text("oom_kill_disable 0\noom_kill 1\n")
+    (root / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert oom_kill_count(str(vmstat), cgroups=str(root)) == 1
 
 
 # -- every member fell ---------------------------------------------------------------------------

@@ -347,14 +347,45 @@ class Agent:
         self.store.add(CONTROL_KEY, 1)
 
 
-def oom_kill_count(path: str = "/proc/vmstat") -> int | None:
-    """How many processes the kernel's out-of-memory killer has killed on this machine since
-    it booted (``oom_kill`` in /proc/vmstat, Linux 4.13 and later); None where unknown."""
+def oom_kill_count(vmstat: str = "/proc/vmstat", cgroups: str = "/sys/fs/cgroup") -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed where this process
+    (and the workers it starts) runs: in its memory cgroup when the kernel says
+    (``oom_kill`` in cgroup v2's ``memory.events`` or v1's ``memory.oom_control``; a
+    container's limit is one), else on the whole machine since boot (``oom_kill`` in
+    /proc/vmstat, Linux 4.13 and later); None where neither can be read."""
+    for path in _memory_cgroup_files(cgroups):
+        count = _counter(path, "oom_kill")
+        if count is not None:
+            return count
+    return _counter(vmstat, "oom_kill")
+
+
+def _memory_cgroup_files(root: str) -> list[str]:
+    """This process's memory cgroup's files that count OOM kills, its own folder first, then
+    the hierarchy's root (inside a container, the container's own cgroup)."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # cgroup v2: one unified hierarchy
+            found += [f"{root}{path.rstrip('/')}/memory.events", f"{root}/memory.events"]
+        elif "memory" in controllers.split(","):
+            base = f"{root}/memory"
+            found += [f"{base}{path.rstrip('/')}/memory.oom_control", f"{base}/memory.oom_control"]
+    return found
+
+
+def _counter(path: str, key: str) -> int | None:
     try:
         with open(path) as fh:
             for line in fh:
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
     except (OSError, ValueError):
         return None
     return None

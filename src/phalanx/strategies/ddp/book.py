@@ -238,10 +238,11 @@ def sigkill_cause(oom_kills: int | None) -> str:
         )
     if oom_kills == 0:
         return (
-            " (sent by another process: the kernel's out-of-memory killer killed no process "
-            "on this machine while the worker ran)"
+            " (sent by another process, such as kill -9 or a job scheduler: the kernel's "
+            "out-of-memory killer killed no process where the worker ran)"
         )
     return (
-        f"; the kernel's out-of-memory killer killed {oom_kills} process(es) on this machine "
-        "while the worker ran (oom_kill in /proc/vmstat): check dmesg for 'Killed process'"
+        f"; the kernel's out-of-memory killer killed {oom_kills} process(es) in the worker's "
+        "memory cgroup (or, where that is not readable, on its machine) while it ran: likely "
+        "this worker ran out of host memory; dmesg's 'Killed process' lines name it"
     )
