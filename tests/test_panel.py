@@ -116,8 +116,10 @@ def test_the_live_panel_shows_every_worker_and_the_wait_within_80_columns() -> N
     assert re.search(r"^\s*worker\s+device\s+rank\s+gen\s+state\s+phase\s+step\s+idle", text, re.M)
     row0 = next(line for line in lines if re.match(r"\s*0\s+cpu:0", line))
     row1 = next(line for line in lines if re.match(r"\s*1\s+cpu:1", line))
-    assert row0.split() == ["0", "cpu:0", "0", "0", "training", "sync", "21", "3.0s"]
-    assert row1.split() == ["1", "cpu:1", "1", "0", "training", "forward", "21", "3.2s"]
+    # Both silent about as long, told apart: worker 0 is healthy, waiting in the collective
+    # for worker 1, which makes no progress.
+    assert row0.split() == ["0", "cpu:0", "0", "0", "waiting", "sync", "21", "3.0s"]
+    assert row1.split() == ["1", "cpu:1", "1", "0", "no", "progress", "forward", "21", "3.2s"]
     assert "waiting on worker 1 (cpu:1): no progress for 3.2 s in forward; hang at 60 s" in text
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.events import Notice, Resumed, StepEnded, WorkerFailed
+from phalanx.events import GenerationStarted, Notice, Resumed, StepEnded, WorkerFailed
 from phalanx.plan import Plan, split
 from phalanx.report import is_secondary
 from phalanx.strategies.ddp import supervisor
@@ -68,7 +68,10 @@ RECOVERY_S = 5.0  # from a fallen worker's failure to the next committed step
 
 # -- observing a run ------------------------------------------------------------------------
 
-GENERATION = re.compile(r"generation (\d+): workers \[([\d, ]*)\] \((.*)\)")
+GENERATION = re.compile(
+    r"generation (\d+): workers \[([\d, ]*)\] train together \((.*); formed [\d.]+ s after it "
+    r"was decided\)"
+)
 
 
 @dataclass
@@ -83,6 +86,14 @@ class Recorder(BaseRecorder):
     steps and failures."""
 
     def generations(self) -> list[Generation]:
+        return [
+            Generation(e.number, list(e.members), e.cause)
+            for e in self.events
+            if isinstance(e, GenerationStarted) and e.number > 0
+        ]
+
+    def formed(self) -> list[Generation]:
+        """The generations the run told as formed (every member joined), from its lines."""
         found = []
         for event in self.events:
             if isinstance(event, Notice) and (m := GENERATION.fullmatch(event.text)):
@@ -229,6 +240,17 @@ def test_same_model_through_failures(
         assert rejoined, f"no replacement rejoined: {[g.cause for g in gens]}"
         assert all(len(set(g.members)) == len(g.members) for g in gens), gens
         assert sorted(gens[-1].members) == [0, 1, 2]  # both replacements are in at the end
+        # The line that says a generation trains is told once every member joined it, after
+        # (not at) its announcement: the replacement had to start and take the state first.
+        told = {g.number: g for g in rec.formed()}
+        assert told[gens[-1].number].members == gens[-1].members
+        started = {e.number: e.time for e in rec.events if isinstance(e, GenerationStarted)}
+        line = next(
+            e
+            for e in rec.events
+            if isinstance(e, Notice) and e.text.startswith(f"generation {gens[-1].number}:")
+        )
+        assert line.time > started[gens[-1].number]
 
     assert_same_run(result, rec, clean)
     assert_recovered_quickly(result, record_property)

@@ -487,3 +487,22 @@ def test_resume_with_data_drawn_again_at_random_names_the_values(tmp_path: Path)
     )
     assert "torch.randn" in message and "fixed seed" in message
     assert len(message) < 1200
+
+
+def test_the_end_of_a_resumed_run_tells_this_invocations_steps_from_the_runs_totals(
+    tmp_path: Path,
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from phalanx.sinks import SummarySink
+
+    first = interrupted_run(tmp_path)
+    console = Console(file=io.StringIO(), width=300)
+    result = fit(learner(), tmp_path, [SummarySink(console)], resume=True)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    done = TOTAL_STEPS - first.steps
+    assert f"Trained {done} step(s) in " in out
+    assert f"resumed after step {first.steps}; the run's totals: {EPOCHS} epoch(s), " in out
+    assert f"{TOTAL_STEPS} step(s)." in out and result.steps == TOTAL_STEPS

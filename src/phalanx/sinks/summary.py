@@ -177,6 +177,7 @@ class RunStory:
     generation: int = 0
     states: list[WorkerState] = field(default_factory=list)
     checkpoints: int = 0
+    resumed_from: int = 0  # global steps committed before this invocation (a resume)
 
     def take(self, event: Event) -> None:
         if isinstance(event, RunOpened):
@@ -186,6 +187,7 @@ class RunStory:
             self.run_dir = event.run_dir or self.run_dir
             self.committed = event.start_epoch * event.steps_per_epoch + event.start_step
             self.epochs_done = event.start_epoch
+            self.resumed_from = self.committed  # (0 for a run from its start)
         elif isinstance(event, StepEnded):
             self.committed = event.global_step
         elif isinstance(event, EpochEnded):
@@ -250,6 +252,12 @@ def end_lines(story: RunStory, end: RunEnded) -> list[str]:
         lines.append(
             f"Training failed after {story.committed} committed step(s) "
             f"({story.epochs_done} epoch(s) finished); the error report follows."
+        )
+    elif story.resumed_from:  # this invocation's time is not the run's: say which is which
+        lines.append(
+            f"Trained {end.steps - story.resumed_from} step(s) in "
+            f"{format_duration(end.seconds)}, resumed after step {story.resumed_from}; the "
+            f"run's totals: {end.epochs} epoch(s), {end.steps} step(s)."
         )
     else:
         lines.append(

@@ -1,5 +1,7 @@
 """The worker panel: one row per worker (device, rank, generation, state, phase, step, seconds
-since its last progress), and the line that says who the others wait on.
+since its last progress), and the line that says who the others wait on. While the others
+wait on one worker, its state reads ``no progress`` and theirs ``waiting`` (healthy, blocked
+in a collective until it comes), though their idle seconds count up alike.
 
 :class:`Workers` is fed by events (:class:`~phalanx.events.WorkerState`,
 :class:`~phalanx.events.WorkersTick`, ``GenerationStarted``, and for in-process strategies
@@ -158,15 +160,22 @@ class Workers:
         for name in ("worker", "device", "rank", "gen", "state", "phase", "step"):
             table.add_column(name, no_wrap=True)
         table.add_column("idle", justify="right", no_wrap=True)
+        wait = self.waiting(now)
         for row in sorted(self.rows.values(), key=lambda r: r.worker):
             quiet = row.state in QUIET_STATES or row.since is None
             waits = row.state in ("starting", "joining")  # no step of its own yet
+            state = Text(row.state, style=_STATE_STYLE.get(row.state, ""))
+            if wait is not None and row.state == "training" and row.limit:
+                # Silent alike, told apart: the one the others wait on makes no progress;
+                # the others are healthy, blocked in a collective until it comes.
+                stuck = row.worker == wait.worker
+                state = Text(*(("no progress", "bold yellow") if stuck else ("waiting", "dim")))
             table.add_row(
                 str(row.worker),
                 row.device,
                 _opt(row.rank),
                 _opt(row.generation),
-                Text(row.state, style=_STATE_STYLE.get(row.state, "")),
+                state,
                 row.phase if not quiet else "",
                 str(row.step + 1) if row.step is not None and not (quiet or waits) else "",
                 f"{now - (row.since or now):.1f}s" if not quiet else "",

@@ -370,7 +370,7 @@ def _memory_cgroup_files(root: str) -> list[str]:
         return []
     found = []
     for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]
         if controllers == "":  # cgroup v2: one unified hierarchy
             found += [f"{root}{path.rstrip('/')}/memory.events", f"{root}/memory.events"]
         elif "memory" in controllers.split(","):

@@ -190,6 +190,8 @@ class Coordinator(Roster):
             if isinstance(message, Joined):
                 self._restarted(message)
             self.slots[slot].progress(message, self.now.mono)
+            if isinstance(message, Joined):
+                self.joined(message.generation)
             beat = isinstance(message, Progress)  # (a heartbeat; else Joined)
             phase = message.phase if isinstance(message, Progress) else "joined"
             self.show(slot, PANEL_STATES.get(phase, "training"), beat=beat)

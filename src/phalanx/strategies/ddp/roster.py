@@ -162,6 +162,8 @@ class Generations:
     rebuilds: set[int] = field(default_factory=set)
     latest: int = -1
     announced_at: float = float("-inf")
+    causes: dict[int, str] = field(default_factory=dict)
+    formed: set[int] = field(default_factory=set)  # every member joined (its line was told)
 
     @property
     def current(self) -> list[int]:
@@ -246,6 +248,7 @@ class Roster:
         g = self.gens
         g.latest += 1
         g.members[g.latest] = list(members)
+        g.causes[g.latest] = cause
         if rebuild:
             g.rebuilds.add(g.latest)
         g.announced_at = self.now.mono
@@ -259,8 +262,24 @@ class Roster:
         self.out.append(Announce(doc))
         devices = [self.setup.devices[m] for m in members]
         self.emit(GenerationStarted(g.latest, list(members), devices, cause))
-        if g.latest > 0:
-            self.emit(Notice(f"generation {g.latest}: workers {list(members)} ({cause})"))
+
+    def joined(self, generation: int) -> None:
+        """A member joined ``generation``; once every member has (and it is still the newest),
+        the line that says it: when it happened, not when it was announced (a replacement
+        may start and take the state for seconds in between)."""
+        g = self.gens
+        members = g.members.get(generation, [])
+        if generation != g.latest or generation in g.formed or generation == 0:
+            return
+        if all(self.slots[m].generation == generation for m in members):
+            g.formed.add(generation)
+            took = self.now.mono - g.announced_at
+            self.emit(
+                Notice(
+                    f"generation {generation}: workers {members} train together "
+                    f"({g.causes.get(generation, '')}; formed {took:.1f} s after it was decided)"
+                )
+            )
 
     def emit(self, event: Event) -> None:
         """An event of the coordinator's own, stamped with the time it was decided at."""
