@@ -108,6 +108,22 @@ def test_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
         for flag in ("--epochs", "--batch-size", "--devices", "--strategy", "--run-dir"):
             assert flag in out
         assert "--resume" in out and "--fault" in out and "--seed" in out
+        _the_fault_grammar_is_whole_and_its_examples_parse(out)
+
+
+def _the_fault_grammar_is_whole_and_its_examples_parse(out: str) -> None:
+    from phalanx.faults import KINDS, Fault
+
+    assert "KIND:WORKER@STEP[/PHASE][xTIMES]" in out
+    for kind in KINDS:
+        assert re.search(rf"^\s+(KIND\s+)?{kind}\s", out, re.M), kind
+    for phase in ("preflight", "data", "forward", "backward", "sync", "optimizer", "metrics"):
+        assert phase in out
+        Fault.parse(f"exception:0@1/{phase}")  # each phase listed is one that can be injected
+    examples = re.findall(r"--fault ([a-z]+:\d+@\S+)", out)
+    assert len(examples) >= 3
+    for text in examples:
+        Fault.parse(text)
 
 
 def test_cli_version_and_documented_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:

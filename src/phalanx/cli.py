@@ -238,12 +238,32 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.set_defaults(handler=_run)
 
 
+FAULT_GRAMMAR = """\
+faults (--fault, repeatable): KIND:WORKER@STEP[/PHASE][xTIMES]
+  KIND    kill       the worker process dies (SIGKILL)
+          hang       the worker stops making progress (its peers wait: the hang limit names it)
+          exception  the step raises (transient: a retry passes)
+          oom        the step runs out of memory (the share is split and retried)
+  WORKER  the worker slot, from 0
+  STEP    the global step, from 0 (kill:1@30 fires in the 31st step)
+  PHASE   where in the step (default forward): preflight, data, forward, backward, sync,
+          optimizer, metrics, validation
+  xTIMES  fire in that many attempts of the step (default 1; x2: the retry fails too)
+examples:
+  phalanx demo --strategy ddp --devices cpu:0,cpu:1 --fault kill:1@30
+  phalanx demo --strategy ddp --devices cpu:0,cpu:1,cpu:2 --fault hang:0@20/backward
+  phalanx demo --strategy ddp --devices cpu:0,cpu:1 --fault exception:1@10x2  (a poison batch)
+"""
+
+
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser(
         "demo",
         help="train a small model and watch failures being named and survived",
         description="Train a small classifier data-parallel, optionally injecting faults. "
         "Exit status 0 when the run trains to its end (its accuracy is printed, not judged).",
+        epilog=FAULT_GRAMMAR,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--epochs", type=int, default=8, help="epochs to train (default 8)")
     demo.add_argument(
