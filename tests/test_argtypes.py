@@ -64,7 +64,6 @@ def test_learner_argument_of_wrong_type(name: str, value: Any, fix: str | None) 
         ("hang_timeout", "30s"),
         ("node_timeout", None),
         ("num_workers", 1.0),
-        ("collate_fn", "default"),
         ("pin_memory", "no"),
         ("max_steps", 10.0),
         ("val_every_steps", "5"),

@@ -5,7 +5,8 @@ would otherwise reach a comparison deep inside and fail there with a bare ``Type
 :func:`check` raises :class:`~phalanx.errors.ArgumentTypeError` (PX125) instead, naming the
 argument, what it takes and, for a number written as text, the number to pass. Factories
 (model, optimizer, scheduler, step) and datasets have checks of their own, with their own
-codes (PX114, PX127, PX128, PX131), as do devices (PX102-PX112).
+codes (PX114, PX127, PX128, PX131), as do devices (PX102-PX112) and ``collate_fn``
+(PX108: not callable).
 """
 
 from __future__ import annotations
@@ -73,7 +74,6 @@ SECONDS = Kind(
 PATH = Kind(
     "a path (str or os.PathLike) or None", lambda v: v is None or isinstance(v, str | os.PathLike)
 )
-CALLABLE = Kind("a function (callable) or None", lambda v: v is None or callable(v))
 SINKS = Kind(
     "a list of sinks (objects with handle(event) and close()) or None",
     lambda v: (
@@ -126,7 +126,6 @@ def fit_kinds() -> dict[str, Kind]:
         "hang_timeout": SECONDS,
         "node_timeout": SECONDS,
         "num_workers": WHOLE,
-        "collate_fn": CALLABLE,
         "pin_memory": FLAG,
         "max_steps": _optional(WHOLE),
         "val_every_steps": _optional(WHOLE),
