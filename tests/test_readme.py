@@ -93,7 +93,7 @@ def test_the_plain_ddp_port_trains_and_leaves_files_torch_opens(tmp_path: Path) 
 
 def test_the_tracker_recipe_is_a_working_sink() -> None:
     scope: dict[str, Any] = {}
-    exec(block("class WandbSink"), scope)
+    exec(block("class TrackerSink"), scope)
 
     class FakeRun:
         def __init__(self) -> None:
@@ -109,7 +109,7 @@ def test_the_tracker_recipe_is_a_working_sink() -> None:
     run = FakeRun()
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,)))
     learner = px.Learner(torch.nn.Linear(4, 3), torch.optim.SGD, px.cross_entropy_step)
-    learner.fit(data, epochs=2, batch_size=8, sinks=[scope["WandbSink"](run)])
+    learner.fit(data, epochs=2, batch_size=8, sinks=[scope["TrackerSink"](run)])
     steps = [step for values, step in run.logged if step is not None]
     assert steps == list(range(1, 9))
     epochs = [values for values, step in run.logged if step is None]

@@ -626,9 +626,11 @@ def test_tensorboard_sink_writes_steps_epochs_and_failures_as_text(tmp_path: Pat
         batch_size=8,
         val_every_steps=2,
         faults=[px.Fault("exception", worker=0, step=3)],
-        sinks=[sink],
+        run_dir=str(tmp_path / "run"),
+        loggers=[sink],  # with the default sinks: steps.csv has each step's own loss
     )
     assert len(result.failures) == 1
+    steps = _read_csv(tmp_path / "run" / "steps.csv")[1]
 
     board = EventAccumulator(str(tmp_path / "tb"))
     board.Reload()
@@ -637,6 +639,7 @@ def test_tensorboard_sink_writes_steps_epochs_and_failures_as_text(tmp_path: Pat
     assert {"epoch/train/loss", "epoch/valid/accuracy", "step/valid/loss"} <= set(scalars)
     losses = board.Scalars("step/train/loss")
     assert [s.step for s in losses] == list(range(1, 9))
+    assert [s.value for s in losses] == pytest.approx([float(r["loss"]) for r in steps], rel=1e-6)
     epochs = board.Scalars("epoch/valid/loss")
     assert [e.step for e in epochs] == [1, 2]
     assert epochs[-1].value == pytest.approx(result.history[-1]["valid/loss"], rel=1e-6)

@@ -115,6 +115,7 @@ class Learner:
         on_failure: Recovery | None = None,
         snapshots: Snapshots | bool = True,
         sinks: Sequence[Sink] | None = None,
+        loggers: Sequence[Sink] = (),
     ) -> FitResult:
         """Train for ``epochs`` over ``train``, validating on ``valid`` after each epoch.
 
@@ -125,6 +126,9 @@ class Learner:
         raises ``KeyboardInterrupt`` and SIGTERM ``px.FitTerminated``
         (a SystemExit with code 143), each carrying the result as ``.result``.
         ``run_dir=""`` is the same as None: nothing is written.
+        ``sinks`` replaces the default sinks (terminal, run folder); ``loggers`` adds to the
+        sinks in force (``px.sinks.WandbSink``, ``MlflowSink``, ``TensorBoardSink``), on the
+        head node only when a run has several (the other nodes' sinks see only their notices).
         """
         argtypes.check(argtypes.fit_kinds(), dict(locals()), "fit()")  # (PX125) first of all
         run_dir = run_dir or None  # "" is no run_dir, everywhere below (not the cwd)
@@ -196,10 +200,16 @@ class Learner:
                 launch=launch,
             )
             if remote:
-                return self._run_node(run, sinks)
-            return self._run(run, lock, sinks)
+                return self._run_node(run, sinks)  # (the head's loggers log the run)
+            return self._run(run, lock, sinks, loggers)
 
-    def _run(self, run: RunInputs, lock: RunLock | None, sinks: Sequence[Sink] | None) -> FitResult:
+    def _run(
+        self,
+        run: RunInputs,
+        lock: RunLock | None,
+        sinks: Sequence[Sink] | None,
+        loggers: Sequence[Sink] = (),
+    ) -> FitResult:
         """Open the run folder and the sinks, train, close; the caller holds the lock."""
         config = run.config
         run_dir = config.run_dir
@@ -208,7 +218,7 @@ class Learner:
             from phalanx.sinks import default_sinks
 
             sinks = default_sinks(run_dir)
-        emit = Fanout(list(sinks))
+        emit = Fanout([*sinks, *loggers])
         if opened is not None:
             emit(opened)
         notice = lock.notice() if lock is not None else None

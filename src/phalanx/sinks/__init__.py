@@ -1,5 +1,6 @@
-"""Sinks: where the training loop's events go (screen, JSONL log, CSV, end summary, and
-TensorBoard with the ``tensorboard`` extra).
+"""Sinks: where the training loop's events go (screen, JSONL log, CSV, end summary), and
+experiment trackers: TensorBoard, Weights & Biases and MLflow (with the ``tensorboard``,
+``wandb`` and ``mlflow`` extras; each imports its library only when built).
 
 Every sink has ``handle(event)`` and ``close()`` (see :class:`phalanx.events.Sink`) and runs
 in the caller's process.
@@ -14,21 +15,25 @@ from rich.console import Console
 from phalanx.events import Sink
 from phalanx.sinks.csv import MetricsCsvSink
 from phalanx.sinks.jsonl import JsonlSink
+from phalanx.sinks.mlflow import MlflowSink
 from phalanx.sinks.progress import ProgressSink
 from phalanx.sinks.runfile import RunFileSink
 from phalanx.sinks.steps import StepsCsvSink
 from phalanx.sinks.summary import SummaryRow, SummarySink, render_summary, summarize
 from phalanx.sinks.tensorboard import TensorBoardSink
+from phalanx.sinks.wandb import WandbSink
 
 __all__ = [
     "JsonlSink",
     "MetricsCsvSink",
+    "MlflowSink",
     "ProgressSink",
     "RunFileSink",
     "StepsCsvSink",
     "SummaryRow",
     "SummarySink",
     "TensorBoardSink",
+    "WandbSink",
     "default_sinks",
     "render_summary",
     "summarize",

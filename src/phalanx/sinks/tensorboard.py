@@ -3,8 +3,9 @@
 Needs the ``tensorboard`` package (``pip install "phalanx[tensorboard]"``); it writes with
 torch's own ``torch.utils.tensorboard.SummaryWriter``. Tags:
 
-- ``step/<key>`` at each committed global step: ``train/loss``, ``train/lr``,
-  ``train/samples_per_s`` and the epoch's running train metrics (``train/accuracy``, ...),
+- ``step/<key>`` at each committed global step: ``train/loss`` (the step's own loss),
+  ``train/lr``, ``train/samples_per_s`` and the epoch's running train metrics
+  (``train/accuracy``, ...),
   and ``valid/<metric>`` of a mid-epoch validation (``fit(val_every_steps=N)``);
 - ``epoch/<key>`` at each epoch end (x = the epoch, counted from 1): every key of the
   epoch's history entry (``train/loss``, ``valid/accuracy``, ...);
@@ -16,7 +17,6 @@ torch's own ``torch.utils.tensorboard.SummaryWriter``. Tags:
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -31,13 +31,13 @@ from phalanx.events import (
     Validated,
     WorkerFailed,
 )
-from phalanx.failures import cause
+from phalanx.sinks.trackers import failed_at, failure_text, finite, notice_text, step_scalars
 
 
 class TensorBoardSink:
     """Writes the run's events into ``log_dir`` (created if missing) for ``tensorboard
-    --logdir``. Pass it with the defaults: ``sinks=[*px.sinks.default_sinks(run_dir),
-    TensorBoardSink(f"{run_dir}/tb")]``. Raises ImportError naming the extra when the
+    --logdir``. Pass it to ``fit(loggers=[TensorBoardSink(f"{run_dir}/tb")])`` to keep the
+    terminal and run-folder output. Raises ImportError naming the extra when the
     ``tensorboard`` package is missing."""
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
@@ -54,42 +54,24 @@ class TensorBoardSink:
     def handle(self, event: Event) -> None:
         if isinstance(event, StepEnded):
             self._step = event.global_step
-            values = {"train/loss": event.loss, "train/lr": event.lr}
-            values["train/samples_per_s"] = event.samples_per_s
-            values.update({f"train/{k}": v for k, v in event.metrics.items()})
-            self._scalars("step", values, event.global_step)
+            self._scalars("step", step_scalars(event), event.global_step)
         elif isinstance(event, Validated):
             self._scalars("step", event.metrics, event.global_step)
         elif isinstance(event, EpochEnded):
             self._scalars("epoch", event.metrics, event.epoch + 1)
         elif isinstance(event, WorkerFailed):
-            step = event.failure.step
-            at = step + 1 if step is not None else self._step  # the failed step's number
-            self._writer.add_text("failures", _failure_text(event), at)
-        elif isinstance(event, CheckpointSkipped):
-            text = f"checkpoint skipped: {event.path}: {event.reason}"
-            self._writer.add_text("notices", text, self._step)
-        elif isinstance(event, Notice):
-            self._writer.add_text("notices", f"{event.level}: {event.text}", self._step)
+            at = failed_at(event, self._step)
+            self._writer.add_text("failures", failure_text(event), at)
+        elif isinstance(event, (CheckpointSkipped, Notice)):
+            self._writer.add_text("notices", notice_text(event), self._step)
         elif isinstance(event, RunStarted):  # (after a resume: where it goes on)
             self._step = event.start_epoch * event.steps_per_epoch + event.start_step
         elif isinstance(event, RunEnded):
             self._writer.flush()
 
     def _scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
-        for key, value in values.items():
-            number = float(value)
-            if not math.isnan(number):
-                self._writer.add_scalar(f"{prefix}/{key}", number, step)
+        for key, number in finite(values).items():
+            self._writer.add_scalar(f"{prefix}/{key}", number, step)
 
     def close(self) -> None:
         self._writer.close()
-
-
-def _failure_text(event: WorkerFailed) -> str:
-    f = event.failure
-    at = f"step {f.step + 1}" if f.step is not None else "before its first step"
-    return (
-        f"worker {f.worker} (rank {f.rank}) on device {f.device} failed at {at} "
-        f"({f.phase}): {cause(f)} -> {event.action}"
-    )
