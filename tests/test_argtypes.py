@@ -71,6 +71,8 @@ def test_learner_argument_of_wrong_type(name: str, value: Any, fix: str | None) 
         ("on_failure", "shrink"),
         ("snapshots", "off"),
         ("sinks", [object()]),
+        ("loggers", None),
+        ("loggers", [print]),
     ],
 )
 def test_fit_argument_of_wrong_type(tmp_path: Path, name: str, value: Any) -> None:

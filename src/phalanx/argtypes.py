@@ -135,6 +135,10 @@ def fit_kinds() -> dict[str, Kind]:
             "True, False or a px.Snapshots", lambda v: _flag(v) or isinstance(v, Snapshots)
         ),
         "sinks": SINKS,
+        "loggers": Kind(
+            "a list of sinks (objects with handle(event) and close())",
+            lambda v: v is not None and SINKS.accepts(v),
+        ),
     }
 
 
