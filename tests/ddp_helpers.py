@@ -275,3 +275,14 @@ def torch_rank_step(model: nn.Module, batch: Any) -> torch.Tensor:
         pass
     x, y = batch
     return nn.functional.mse_loss(model(x), y)
+
+
+def slow_rank_step(model: nn.Module, batch: Any, rank: int, per_sample: float) -> torch.Tensor:
+    """mse; the member at ``rank`` sleeps ``per_sample`` seconds per sample first (a slower
+    device, as the balance bench injects it)."""
+    import phalanx as px
+
+    x, y = batch
+    if px.rank() == rank:
+        time.sleep(per_sample * len(x))
+    return nn.functional.mse_loss(model(x), y)

@@ -129,6 +129,7 @@ def fit_kinds() -> dict[str, Kind]:
         "pin_memory": FLAG,
         "max_steps": _optional(WHOLE),
         "val_every_steps": _optional(WHOLE),
+        "balance": FLAG,
         "min_free_memory": _optional(WHOLE),
         "on_failure": _optional(_instance(Recovery, "a px.Recovery")),
         "snapshots": Kind(

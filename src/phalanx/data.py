@@ -6,7 +6,7 @@ import contextlib
 import copy
 import hashlib
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
 from phalanx import rng
+from phalanx.balance import cut
 from phalanx.ledger import Fingerprint, fingerprints
 from phalanx.plan import DataPrint, Plan, split
 
@@ -87,11 +88,12 @@ class LocalBatches:
         member: int,
         members: int,
         loading: Loading | None = None,
+        shares: Sequence[float] | None = None,
     ) -> None:
         order = plan.order(epoch)
         self.start = start_step
         self.slices = [
-            split(plan.global_batch(epoch, s, order), members)[member]
+            cut(plan.global_batch(epoch, s, order), shares, members)[member]
             for s in range(start_step, plan.steps)
         ]
         self.global_sizes = [

@@ -94,6 +94,20 @@ class Validated(Event):
 
 
 @dataclass
+class Balanced(Event):
+    """After committed step ``global_step``, the members' shares of each global batch (rank
+    order, summing to 1) from the next step on (``changed``), and ``paces``: each member's
+    smoothed seconds per sample they were decided from. ``slow``: ranks named persistently
+    slower than their peers (each once per generation; see :mod:`phalanx.balance`)."""
+
+    global_step: int
+    shares: list[float]
+    paces: list[float]
+    slow: list[int] = field(default_factory=list)
+    changed: bool = True
+
+
+@dataclass
 class EpochEnded(Event):
     """Epoch results: keys like ``train/loss``, ``train/accuracy``, ``valid/loss``."""
 

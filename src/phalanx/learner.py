@@ -111,6 +111,7 @@ class Learner:
         pin_memory: bool = False,
         max_steps: int | None = None,
         val_every_steps: int | None = None,
+        balance: bool = True,
         min_free_memory: int | None = None,
         on_failure: Recovery | None = None,
         snapshots: Snapshots | bool = True,
@@ -163,6 +164,7 @@ class Learner:
             pin_memory=pin_memory,
             max_steps=max_steps,
             val_every_steps=val_every_steps,
+            balance=balance,
             snapshots=settings_of(snapshots),
         )
         train_size = dataset_size(train, "training")

@@ -26,10 +26,12 @@ import numpy as np
 import torch
 
 from phalanx import rng
+from phalanx.balance import Balancer
 from phalanx.checkpoint import Checkpointer, should_save
 from phalanx.early_stopping import EarlyStopping
 from phalanx.errors import CheckpointError
 from phalanx.events import (
+    Balanced,
     Emit,
     EpochEnded,
     EpochStarted,
@@ -68,21 +70,28 @@ class Vote:
     # members whose gradients were not finite ("16-mixed" precision): every member skips
     # the optimizer step of this step together (policy answer "skip")
     overflow: int = 0
+    # this member's seconds per sample (before a sum; see phalanx.balance), and, once the
+    # engine has counted the vote, every member's in rank order (the same on every member)
+    pace: float = 0.0
+    paces: list[float] = field(default_factory=list)
 
 
 # The vote's layout on the wire: these fields (booleans travel as 0/1 and come back as "any
-# member"), then the ledger fingerprint, then the metric sums. One member packs its own
+# member"), then the ledger fingerprint, this member's pace (:data:`PACE_AT`: its sum means
+# nothing; each member's is read from its own slot), then the metric sums. One member packs its own
 # vote; the sum of the members' packed votes (an all-reduce, or a sum over threads) unpacks
 # to the step's vote. A new field needs its name here and nowhere else.
 VOTE_FIELDS = ("failed", "stop", "regroup", "splittable", "contract", "overflow")
 _FLAGS = ("stop", "regroup")
+PACE_AT = len(VOTE_FIELDS) + len(EMPTY)  # where a member's pace sits in its packed vote
+VOTE_HEAD = PACE_AT + 1  # the values before the metric sums
 
 
 def vote_values(vote: Vote) -> list[float]:
     """One member's vote as the float64 values of its packed layout (see
     :data:`VOTE_FIELDS`; Python floats hold every float64 exactly)."""
     head = [float(getattr(vote, name)) for name in VOTE_FIELDS]
-    return [*head, *vote.ledger, *vote.sums]
+    return [*head, *vote.ledger, float(vote.pace), *vote.sums]
 
 
 def pack_vote(vote: Vote) -> np.ndarray:
@@ -96,12 +105,12 @@ def unpack_vote(
     """The vote of a packed sum over members (float64 values, on the CPU); ``failures`` are
     the ones seen locally."""
     flat = packed if isinstance(packed, list) else np.asarray(packed, np.float64).tolist()
-    n, m = len(VOTE_FIELDS), len(VOTE_FIELDS) + len(EMPTY)
+    n, m = len(VOTE_FIELDS), PACE_AT
     head = zip(VOTE_FIELDS, flat[:n], strict=True)
     fields: dict[str, Any] = {k: v > 0 if k in _FLAGS else round(v) for k, v in head}
     fingerprint = cast(Fingerprint, tuple(flat[n:m]))
     return Vote(
-        sums=flat[m:],
+        sums=flat[m + 1 :],
         failures=list(failures or []),
         ledger=fingerprint,
         **fields,
@@ -120,6 +129,10 @@ class Engine(Protocol):
         ...
 
     def begin_epoch(self, epoch: int, start_step: int) -> None: ...
+
+    def reshare(self, shares: list[float], epoch: int, start_step: int) -> None:
+        """Every member's share of each global batch from ``start_step`` of ``epoch`` on."""
+        ...
 
     def attempt(
         self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]
@@ -215,6 +228,7 @@ class LoopSettings:
     valid_batches: int = 0  # global batches of one validation pass
     max_steps: int | None = None  # end the run after this many committed steps
     val_every_steps: int | None = None  # validate after every N-th committed step too
+    balance: bool = True  # shares in proportion to each member's speed (phalanx.balance)
 
 
 @dataclass
@@ -262,6 +276,10 @@ class TrainLoop:
         # ddp: the member that writes its machine's snapshots of the committed state (see
         # phalanx.snapshot); None elsewhere.
         self.snapshots: Snapshotting | None = None
+        # The shares of the current generation's members (phalanx.balance), and the engine
+        # they are for: a new generation (a new engine) starts even.
+        self.balancer: Balancer | None = None
+        self._balanced: Engine | None = None
 
     def emit(self, event: Event) -> None:
         """Only the main member (rank 0 of the current group) speaks."""
@@ -398,6 +416,7 @@ class TrainLoop:
         st.step += 1
         st.global_step += 1
         self._emit_step(loss_sum, samples, time.perf_counter() - started, skipped)
+        self._balance(vote)
         metrics = self._validate_mid_epoch() if self._validating_now(vote) else None
         if self.checkpointer and should_save(st.global_step, False, self.checkpointer.config):
             self._checkpoint(epoch_end=False, metrics=metrics)
@@ -408,6 +427,27 @@ class TrainLoop:
             raise Interrupted(self.stop_requested() or "stop requested by another worker")
         if vote.regroup:
             raise Regroup()
+
+    def _balance(self, vote: Vote) -> None:
+        """Each member's pace in the committed vote, into this generation's balancer; new
+        shares apply from the next step (the same decision on every member)."""
+        if len(vote.paces) < 2:
+            return
+        if self._balanced is not self.engine or self.balancer is None:
+            self.balancer = Balancer(len(vote.paces), self.s.balance)
+            self._balanced = self.engine
+        decision = self.balancer.observe(vote.paces)
+        if decision is None:
+            return
+        st = self.state
+        if decision.changed and st.step < self.s.plan.steps:
+            self.fence()  # (a DataLoader with workers may fork: not beside a copying thread)
+            self.engine.reshare(decision.shares, st.epoch, st.step)
+        self.emit(
+            Balanced(
+                st.global_step, decision.shares, decision.paces, decision.slow, decision.changed
+            )
+        )
 
     def _validating_now(self, vote: Vote) -> bool:
         """After every ``val_every_steps``-th committed step, unless the epoch ends here (its

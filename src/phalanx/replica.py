@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -149,6 +150,9 @@ class LocalResult:
     failure: WorkerFailure | None = None
     splittable: bool = False  # out of memory, and the share can be cut smaller: try again
     ledger: Fingerprint = EMPTY  # of the samples computed
+    # Seconds per sample of this member's own work in the step, up to its vote (before the
+    # synchronised backward: no wait for a peer counts); 0 when unknown (phalanx.balance).
+    pace: float = 0.0
     # The failure is a collective that a fallen peer broke: no other collective may follow
     # on that group (a live peer may still wait in the broken one, and a message of another
     # size there aborts its process), so the ddp engine leaves without voting.
@@ -210,6 +214,7 @@ class Replica:
         # Raised after an out-of-memory error: this replica cuts its share into this many
         # times more micro-batches from then on (the global batch and the math stay the same).
         self.split_factor = 1
+        self._began = 0.0  # when the step in progress began (its pace counts from here)
         # This attempt's failure until a vote has carried it (the engine clears it then). A
         # peer falling in the same step breaks the collective first; the ddp worker then
         # reports this failure itself instead of losing it.
@@ -246,6 +251,7 @@ class Replica:
         # (the fingerprint once: the vote carries the very result this call returns)
         ledger = fingerprint(samples) if ledger is None else ledger
         done = LocalResult([0.0] * self.size, ledger=ledger)
+        self._began = time.perf_counter()
         self.step = step
         self.unvoted, self.unvoted_splittable = None, False
         tracker = _PhaseTracker(step, self.on_phase)
@@ -286,6 +292,8 @@ class Replica:
             return result
         if not tracker.synced:  # (nothing to compute: no samples)
             self.zero_pass(done, vote)
+        elif vote is None and samples:  # (in-process: no peer to wait for in the backward)
+            done.pace = (time.perf_counter() - self._began) / len(samples)
         return done
 
     def run_step(
@@ -361,6 +369,7 @@ class Replica:
                 if last and vote is not None:
                     with tracker.enter("sync"):
                         vote.check()
+                        result.pace = (time.perf_counter() - self._began) / len(samples)
                         ballot = vote.launch(result)
                         tracker.launched = True
                 share = (b - a) * self.world / global_samples  # (1.0 for even shares)

@@ -66,6 +66,7 @@ def build_loop(
         valid_batches=-(-(valid_size or 0) // config.batch_size),
         max_steps=config.max_steps,
         val_every_steps=config.val_every_steps,
+        balance=config.balance,
     )
     stopping = copy.deepcopy(config.early_stopping)
     return TrainLoop(engine, settings, emit, checkpointer, stopping, stop_requested, on_failure)

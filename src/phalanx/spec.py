@@ -101,6 +101,7 @@ class FitConfig:
     pin_memory: bool = False
     max_steps: int | None = None  # stop after this many committed steps (global step count)
     val_every_steps: int | None = None  # validate every N committed steps too
+    balance: bool = True  # members' shares in proportion to their speed (phalanx.balance)
     # ddp: snapshots of the committed state in each machine's shared memory (None: none)
     snapshots: Snapshots | None = field(default_factory=Snapshots)
 

@@ -26,3 +26,22 @@ def fmt_metric(key: str, value: float) -> str:
     if key.endswith("samples_per_s") and math.isfinite(value):
         return f"{value:,.0f}"
     return fmt_number(value)
+
+
+def balance_line(event: object, shares_too: bool = True) -> str:
+    """A :class:`~phalanx.events.Balanced` event in one line: the shares from the next step
+    (in percent, rank order) and each member named slow with how much slower than the
+    median of its peers it is."""
+    shares = list(getattr(event, "shares", []))
+    paces = list(getattr(event, "paces", []))
+    step = int(getattr(event, "global_step", 0))
+    parts = []
+    if shares_too and getattr(event, "changed", False):
+        cut = "/".join(f"{100 * s:.0f}" for s in shares)
+        parts.append(f"balance: shares {cut}% of each global batch (by rank) from step {step + 1}")
+    for rank in getattr(event, "slow", []):
+        others = sorted(p for i, p in enumerate(paces) if i != rank)
+        middle = others[len(others) // 2] if others else 0.0
+        times = f" ({paces[rank] / middle:.1f}x the time per sample of its peers)" if middle else ""
+        parts.append(f"rank {rank} is persistently slower{times}")
+    return "; ".join(parts)

@@ -36,6 +36,7 @@ from rich.progress import (
 from rich.text import Text
 
 from phalanx.events import (
+    Balanced,
     CheckpointSkipped,
     EpochEnded,
     EpochStarted,
@@ -53,7 +54,7 @@ from phalanx.events import (
     WorkersTick,
 )
 from phalanx.failures import cause
-from phalanx.sinks.format import fmt_metric, fmt_number
+from phalanx.sinks.format import balance_line, fmt_metric, fmt_number
 from phalanx.sinks.workers import LivePanel, Waiting, Workers
 
 _LEVEL_STYLE = {"warning": "yellow", "warn": "yellow", "error": "bold red"}
@@ -125,6 +126,7 @@ class ProgressSink:
             CheckpointSkipped: self._checkpoint_skipped,
             Resumed: self._resumed,
             Notice: self._notice,
+            Balanced: self._balanced,
             WorkerFailed: self._worker_failed,
             WorkerState: self._worker_state,
             WorkersTick: self._tick,
@@ -271,6 +273,9 @@ class ProgressSink:
             f"{self._epoch_label(e.epoch)} step {e.step + 1} (global {e.global_step + 1})",
             "cyan",
         )
+
+    def _balanced(self, e: Balanced) -> None:
+        self._say(balance_line(e))
 
     def _notice(self, e: Notice) -> None:
         prefix = "" if e.level == "info" else f"{e.level}: "

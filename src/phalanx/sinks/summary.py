@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from phalanx.events import (
+    Balanced,
     CheckpointSaved,
     EpochEnded,
     Event,
@@ -28,6 +29,7 @@ from phalanx.events import (
     WorkerState,
 )
 from phalanx.failures import WorkerFailure
+from phalanx.sinks.format import balance_line
 
 _SPLIT_ORDER = {"train": 0, "valid": 1, "test": 2}
 
@@ -178,6 +180,8 @@ class RunStory:
     states: list[WorkerState] = field(default_factory=list)
     checkpoints: int = 0
     resumed_from: int = 0  # global steps committed before this invocation (a resume)
+    balanced: Balanced | None = None  # the latest shares decided (phalanx.balance)
+    slow: dict[int, Balanced] = field(default_factory=dict)  # rank -> the event naming it
 
     def take(self, event: Event) -> None:
         if isinstance(event, RunOpened):
@@ -197,6 +201,9 @@ class RunStory:
             self.failures.append(event)
         elif isinstance(event, GenerationStarted):
             self.members, self.generation = list(event.members), event.number
+        elif isinstance(event, Balanced):
+            self.balanced = event if event.changed else self.balanced
+            self.slow.update({rank: event for rank in event.slow})
         elif isinstance(event, WorkerState):
             self.states.append(event)
         elif isinstance(event, CheckpointSaved):
@@ -276,6 +283,11 @@ def end_lines(story: RunStory, end: RunEnded) -> list[str]:
             + (f" (generation {story.generation})." if story.generation else ".")
         )
     lines += [f"Respawn: {fate}." for fate in story.respawn_fates()]
+    if story.balanced is not None:
+        shares = "/".join(f"{100 * s:.0f}" for s in story.balanced.shares)
+        lines.append(f"Balanced: the last shares were {shares}% of each global batch (by rank).")
+    for event in story.slow.values():
+        lines.append(f"Slow: {balance_line(event, shares_too=False)}.")
     if story.run_dir:
         folder = story.run_dir
         lines.append(

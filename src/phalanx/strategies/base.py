@@ -60,6 +60,8 @@ def member_vote(
         overflow=int(overflow),
         sums=result.sums,
         failures=[failure] if failure is not None else [],
+        pace=result.pace,
+        paces=[result.pace],
     )
 
 

@@ -48,6 +48,9 @@ class SingleEngine:
             self.train, self.plan, epoch, start_step, 0, 1, self.config.loading()
         )
 
+    def reshare(self, shares: list[float], epoch: int, start_step: int) -> None:
+        """One member computes every step whole: nothing to re-cut."""
+
     def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
         assert self.batches is not None
         self.step = global_step

@@ -159,6 +159,7 @@ class ThreadsEngine:
             )
         ]
         self.batches: list[LocalBatches] = []
+        self.shares: list[float] | None = None  # each replica's (None: even; balance)
         self.epoch = 0
         self.step = 0
         self.threads = [
@@ -179,10 +180,16 @@ class ThreadsEngine:
     def begin_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch = epoch
         n = len(self.replicas)
+        loading = self.config.loading()
         self.batches = [
-            LocalBatches(self.train, self.plan, epoch, start_step, i, n, self.config.loading())
+            LocalBatches(self.train, self.plan, epoch, start_step, i, n, loading, self.shares)
             for i in range(n)
         ]
+
+    def reshare(self, shares: list[float], epoch: int, start_step: int) -> None:
+        """Each replica's share of each global batch from ``start_step`` on (balance)."""
+        self.shares = shares
+        self.begin_epoch(epoch, start_step)
 
     def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
         assert self.batches, "begin_epoch was not called"
@@ -203,6 +210,7 @@ class ThreadsEngine:
         total = np.stack([pack_vote(v) for v in votes]).sum(axis=0)
         vote = unpack_vote(total, [f for v in votes for f in v.failures])
         vote.stop, vote.overflow = stop(), int(overflow)
+        vote.paces = [v.pace for v in votes[: len(self.replicas)]]
         return vote
 
     def _vote_of(

@@ -88,6 +88,11 @@ class Ballot(nn.Module):
             reduced = self._seen[1]
         return self._decode(reduced).tolist()
 
+    def each(self, at: int) -> list[float]:
+        """After :meth:`count`: value ``at`` of every member's own packed vote, in rank order
+        (each slot holds one member's vote exactly: the same list on every member)."""
+        return [float(v) for v in self._decode.votes[:, at]]
+
 
 def pieces(packed: np.ndarray) -> np.ndarray:
     """The bits of each float64 of ``packed`` as 16-bit unsigned integers, low first."""

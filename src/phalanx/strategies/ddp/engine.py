@@ -17,8 +17,7 @@ from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
-from phalanx.ledger import EMPTY
-from phalanx.loop import VOTE_FIELDS, Vote, unpack_vote, vote_values
+from phalanx.loop import PACE_AT, VOTE_HEAD, Vote, unpack_vote, vote_values
 from phalanx.plan import Plan
 from phalanx.ranks import acting_as
 from phalanx.replica import Cast, Identity, LocalResult, Replica
@@ -102,7 +101,7 @@ class DdpEngine:
         self.device = member.device
         # A later generation's members get their state from the hand-over, not from rank 0
         # (which may be the one behind): no sync at construction then.
-        size = len(VOTE_FIELDS) + len(EMPTY) + member.replica.size
+        size = VOTE_HEAD + member.replica.size
         self.ballot = Ballot(member.trainable.module, self.rank, self.world, size, self.device)
         ddp = group.wrap(self.ballot, init_sync=init_sync)
         self.ddp: DistributedDataParallel | None = ddp  # None once the group is left
@@ -113,6 +112,7 @@ class DdpEngine:
         self.micro = member.trainable.micro_batches
         self.has_buffers = any(True for _ in member.trainable.model.buffers())
         self.batches: LocalBatches | None = None
+        self.shares: list[float] | None = None  # this generation's (None: even; balance)
         self.epoch = 0
         self.step = 0
         # The attempt in progress: its stop request, and this member's own vote once cast.
@@ -130,8 +130,21 @@ class DdpEngine:
     def begin_epoch(self, epoch: int, start_step: int) -> None:
         self.epoch = epoch
         self.batches = LocalBatches(
-            self.train, self.plan, epoch, start_step, self.rank, self.world, self.config.loading()
+            self.train,
+            self.plan,
+            epoch,
+            start_step,
+            self.rank,
+            self.world,
+            self.config.loading(),
+            self.shares,
         )
+
+    def reshare(self, shares: list[float], epoch: int, start_step: int) -> None:
+        """Every member's share of each global batch from ``start_step`` of ``epoch`` on
+        (decided alike on every member: :mod:`phalanx.balance`)."""
+        self.shares = shares
+        self.begin_epoch(epoch, start_step)
 
     def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
         assert self.batches is not None
@@ -149,6 +162,7 @@ class DdpEngine:
         assert mine is not None, "Replica.run returned without launching the vote"
         self.m.replica.unvoted = None  # the vote carries it from here
         vote = unpack_vote(self.ballot.count(), mine.failures)
+        vote.paces = self.ballot.each(PACE_AT)  # (every member's: phalanx.balance)
         # After backward DDP has reduced the gradients: every member holds the same ones
         # (what keeps DDP's replicas equal), so each finds the same overflow, here counted for
         # every member (only read when nobody failed: then every member checked).

@@ -156,6 +156,7 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
         "checkpoint": repr(config.checkpoint),
         "resume": config.resume,
         "snapshots": repr(config.snapshots),
+        "balance": config.balance,
     }
 
 
