@@ -286,3 +286,61 @@ def slow_rank_step(model: nn.Module, batch: Any, rank: int, per_sample: float) -
     if px.rank() == rank:
         time.sleep(per_sample * len(x))
     return nn.functional.mse_loss(model(x), y)
+
+
+class BadSamples(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``make_data(n)`` with each sample's index: ``(x, y, index)``. Reading a sample in
+    ``raise_at`` raises (a corrupt record); a sample in ``nan_at`` has NaN features (its loss
+    is NaN)."""
+
+    def __init__(self, n: int, raise_at: tuple[int, ...] = (), nan_at: tuple[int, ...] = ()):
+        self.data = make_data(n)
+        self.raise_at, self.nan_at = set(raise_at), set(nan_at)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if i in self.raise_at:
+            raise ValueError(f"corrupt record {i}")
+        x, y = self.data[i]
+        if i in self.nan_at:
+            x = torch.full_like(x, float("nan"))
+        return x, y, i
+
+
+def indexed_step(model: nn.Module, batch: Any, drop: tuple[int, ...] = ()) -> torch.Tensor:
+    """mse over the batch's rows, without the samples in ``drop`` (the reference of a run
+    that leaves them out)."""
+    x, y, index = batch
+    if drop:
+        keep = ~torch.isin(index, torch.tensor(drop))
+        x, y = x[keep], y[keep]
+    return nn.functional.mse_loss(model(x), y)
+
+
+_CALLS = [0]  # (this process's calls of broken_worker_step)
+
+
+def broken_worker_step(model: nn.Module, batch: Any, folder: str) -> torch.Tensor:
+    """``indexed_step``; the first process that runs as rank 1 claims ``folder/broken`` and
+    raises on every step from its third call on (preflight and two steps pass): a worker at
+    fault, not the data. Its replacement (another process) is healthy."""
+    import phalanx as px
+
+    _CALLS[0] += 1
+    marker = os.path.join(folder, "broken")
+    if px.rank() == 1 and not os.path.exists(marker):
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+        except FileExistsError:
+            pass
+    claimed = ""
+    if os.path.exists(marker):
+        with open(marker) as fh:
+            claimed = fh.read()
+    if _CALLS[0] > 3 and claimed == str(os.getpid()):
+        raise RuntimeError("this worker's device is broken")
+    return indexed_step(model, batch)

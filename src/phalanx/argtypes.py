@@ -130,6 +130,8 @@ def fit_kinds() -> dict[str, Kind]:
         "max_steps": _optional(WHOLE),
         "val_every_steps": _optional(WHOLE),
         "balance": FLAG,
+        "on_bad_sample": TEXT,
+        "max_bad_samples": WHOLE,
         "min_free_memory": _optional(WHOLE),
         "on_failure": _optional(_instance(Recovery, "a px.Recovery")),
         "snapshots": Kind(

@@ -2,7 +2,8 @@
 
 One :class:`Explanation` per code: every code an error class in :mod:`phalanx.errors` uses,
 plus the kinds of :class:`~phalanx.errors.TrainingFailed` (PX201 crash, PX202 hang, PX203 out
-of memory, PX204 poison batch, PX205 preflight, PX206 a step that keeps failing), and the
+of memory, PX204 poison batch, PX205 preflight, PX206 a step that keeps failing, PX207 too many bad samples, PX208 a worker
+at fault), and the
 warnings a run gives by code (PX150 a rejected control message). The shape follows burn's
 error pages: what it means, when it happens, common causes, what to do, an
 example fix.
@@ -603,6 +604,52 @@ _ENTRIES = [
         example="# after fixing the machine, go on from the last checkpoint\n"
         "px.Learner(make_model, make_optimizer, step).fit(\n"
         "    train, batch_size=512, strategy='ddp', run_dir='runs/a', resume=True)",
+    ),
+    Explanation(
+        code="PX207",
+        title="too many bad samples",
+        meaning="With fit(on_bad_sample='skip'), more samples failed alone (an exception "
+        "while reading or in the step, a loss that is not finite) than max_bad_samples "
+        "allows. The data is broken wholesale (a wrong path or format, a decoder that cannot "
+        "read any record), not a few samples, and leaving them out would train on what is "
+        "left without saying so.",
+        when="During training, when the quarantine grows past max_bad_samples.",
+        causes=[
+            "A dataset pointed at files of another format or version.",
+            "A preprocessing bug that breaks many records (a wrong normalisation giving NaN).",
+            "A learning rate that makes the loss infinite on many batches (not a data fault).",
+        ],
+        fixes=[
+            "Read the quarantined samples and their errors in the report and in "
+            "run_dir/quarantine.json; fix the data or the reader.",
+            "If the loss diverges (NaN everywhere), lower the learning rate or clip "
+            "gradients (grad_clip_norm=) rather than skipping samples.",
+            "Raise max_bad_samples only when that many bad records are expected.",
+        ],
+        example="learner.fit(data, on_bad_sample='skip', max_bad_samples=100,\n"
+        "            run_dir='runs/a')  # each one listed in runs/a/quarantine.json",
+    ),
+    Explanation(
+        code="PX208",
+        title="a worker at fault",
+        meaning="With fit(on_bad_sample='skip'), a member's part of a step failed on it in "
+        "two attempts and then passed on another member: the worker is at fault, not the "
+        "data. Under ddp it is put out like a fallen worker (respawned or shrunk, as "
+        "on_failure says) and the step goes on without it; in one process (threads) nothing "
+        "can leave, so the run stops with this report.",
+        when="During training, right after the attempt that tried the part elsewhere.",
+        causes=[
+            "A faulty device (a GPU with memory errors, a throttled or misconfigured one).",
+            "Something on that worker only: its process state, its environment, a library "
+            "loaded there.",
+        ],
+        fixes=[
+            "Check the named device's health (nvidia-smi -q, dmesg) and take it out of the "
+            "device list if it keeps failing.",
+            "Under threads, train with strategy='ddp', which can put a worker out and go on.",
+        ],
+        example="learner.fit(data, strategy='ddp', devices='cuda:0,cuda:1,cuda:2',\n"
+        "            on_bad_sample='skip', on_failure=px.Recovery('shrink'))",
     ),
     Explanation(
         code="PX205",

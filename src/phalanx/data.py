@@ -91,6 +91,7 @@ class LocalBatches:
         shares: Sequence[float] | None = None,
     ) -> None:
         order = plan.order(epoch)
+        self.plan, self.epoch, self.order, self.shares = plan, epoch, order, shares
         self.start = start_step
         self.slices = [
             cut(plan.global_batch(epoch, s, order), shares, members)[member]
@@ -105,12 +106,36 @@ class LocalBatches:
         self._current: tuple[int, Any] | None = None
 
     def _iterate(self, step: int) -> Iterator[Any]:
-        """Collated slices from ``step`` on (empty slices are skipped: nothing to load)."""
+        """Collated slices from ``step`` on (empty slices are skipped: nothing to load);
+        ``_at``: the step whose slice it yields next."""
+        self._at = self._loaded_from(step)
         sampler = [s for s in self.slices[step - self.start :] if s]
         return self._loading.batches(self._dataset, sampler)
 
+    def _loaded_from(self, step: int) -> int:
+        """The first step from ``step`` on with a slice to load (past the end: the end)."""
+        while step - self.start < len(self.slices) and not self.slices[step - self.start]:
+            step += 1
+        return step
+
     def indices(self, step: int) -> list[int]:
         return self.slices[step - self.start]
+
+    def direct(self, samples: list[int]) -> Any:
+        """``samples`` read from the dataset here and collated (no DataLoader): an attempt
+        whose part differs from the plan's, or a bisection's piece."""
+        collate = self._loading.collate_fn or default_collate
+        return collate([self._dataset[i] for i in samples])
+
+    def twisted(
+        self, step: int, part: int, members: int, leave_out: frozenset[int]
+    ) -> tuple[list[int], int]:
+        """Part ``part`` of ``members`` of the global batch of ``step``, without the samples
+        in ``leave_out``, and how many samples of the global batch are kept in all."""
+        batch = self.plan.global_batch(self.epoch, step, self.order)
+        kept = len(batch) - sum(1 for i in batch if i in leave_out)
+        mine = cut(batch, self.shares, members)[part]
+        return [i for i in mine if i not in leave_out], kept
 
     def global_size(self, step: int) -> int:
         return self.global_sizes[step - self.start]
@@ -124,8 +149,11 @@ class LocalBatches:
 
         def load() -> Any:
             if self._current is None or self._current[0] != step:
+                if step != self._at:  # (a step read directly, as a bisection's attempt is,
+                    self._loader = self._iterate(step)  # left the loader behind: catch up)
                 try:
                     self._current = (step, next(self._loader))
+                    self._at = self._loaded_from(step + 1)
                 except Exception:
                     # The failed slice was consumed: start again at this step, so that a
                     # retry loads the same samples, not the next step's.

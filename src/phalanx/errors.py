@@ -69,6 +69,28 @@ class NonFiniteLossError(ConfigError):
     code = "PX107"
 
 
+class TooManyBadSamples(PhalanxError):
+    """More samples failed alone than ``fit(max_bad_samples=)`` allows under
+    ``on_bad_sample="skip"``: the data is broken wholesale (a wrong path, a wrong decoder),
+    not a few samples."""
+
+    code = "PX207"
+
+
+class WorkerAtFault(PhalanxError):
+    """A member's part of a step failed on it in two attempts and passed on another member:
+    the worker is at fault, not the data (``on_bad_sample="skip"``). Under ddp it is put out
+    like a fallen worker; in one process (threads) the run stops naming it."""
+
+    code = "PX208"
+
+
+class NonFiniteSampleLoss(NonFiniteLossError):
+    """A loss was NaN or infinite under ``fit(on_bad_sample="skip")``: a failure of the
+    step's samples like an exception (retried, then the samples found and left out), not a
+    broken step contract."""
+
+
 class InvalidSettingError(ConfigError):
     code = "PX108"
 

@@ -93,6 +93,9 @@ class WorkerFailure:
     # The fall that left no member (action "restarted"): how many committed steps the run
     # computed again from the snapshot or checkpoint it restarted from (set once it has).
     replayed_steps: int | None = None
+    # fit(on_bad_sample="skip"): the samples of its part this worker found failing alone,
+    # each as [dataset index, error] (they are left out from this step on: "quarantined").
+    bad_samples: list[list[Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

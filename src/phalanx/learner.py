@@ -112,6 +112,8 @@ class Learner:
         max_steps: int | None = None,
         val_every_steps: int | None = None,
         balance: bool = True,
+        on_bad_sample: str = "stop",
+        max_bad_samples: int = 8,
         min_free_memory: int | None = None,
         on_failure: Recovery | None = None,
         snapshots: Snapshots | bool = True,
@@ -165,6 +167,8 @@ class Learner:
             max_steps=max_steps,
             val_every_steps=val_every_steps,
             balance=balance,
+            on_bad_sample=on_bad_sample,
+            max_bad_samples=max_bad_samples,
             snapshots=settings_of(snapshots),
         )
         train_size = dataset_size(train, "training")
@@ -319,6 +323,7 @@ class Learner:
             ledger=st.ledger,
             failures=member.failures,
             seconds=member.seconds,
+            quarantine=dict(st.quarantine),
         )
 
     def _stop_reason(self) -> str | None:

@@ -92,10 +92,18 @@ def fingerprints(slices: Sequence[Sequence[int]]) -> list[Fingerprint]:
     return [(float(n), float(t), float(q), float(h)) if n else EMPTY for n, t, q, h in columns]
 
 
-def check(plan: Plan, entries: list[list[float]], epochs_done: int) -> list[str]:
+def check(
+    plan: Plan,
+    entries: list[list[float]],
+    epochs_done: int,
+    quarantine: dict[int, int] | None = None,
+) -> list[str]:
     """Problems found (empty: exactly once). ``entries`` are ``[epoch, step, global_step,
     *fingerprint]`` per committed step (an entry of a checkpoint written before the hash
-    term existed has three terms, and is checked on those)."""
+    term existed has three terms, and is checked on those). ``quarantine``: samples left out
+    (dataset index -> the global step from which): a step from then on must have computed
+    its global batch without them, and is checked so."""
+    quarantine = quarantine or {}
     problems: list[str] = []
     seen: dict[tuple[int, int], int] = {}
     orders: dict[int, list[int]] = {}
@@ -112,6 +120,8 @@ def check(plan: Plan, entries: list[list[float]], epochs_done: int) -> list[str]
             orders[epoch] = plan.order(epoch)
         order = orders[epoch]
         batch = plan.global_batch(epoch, step, order)
+        if quarantine:
+            batch = [i for i in batch if quarantine.get(i, global_step + 1) > global_step]
         expected = tuple(int(x) for x in fingerprint(batch))[: len(computed)]
         if computed != expected:
             problems.append(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -26,10 +26,11 @@ import numpy as np
 import torch
 
 from phalanx import rng
+from phalanx.badsamples import BAD_SLOTS, PLAIN, Triage, Twist
 from phalanx.balance import Balancer
 from phalanx.checkpoint import Checkpointer, should_save
 from phalanx.early_stopping import EarlyStopping
-from phalanx.errors import CheckpointError
+from phalanx.errors import CheckpointError, TooManyBadSamples, WorkerAtFault
 from phalanx.events import (
     Balanced,
     Emit,
@@ -74,24 +75,42 @@ class Vote:
     # engine has counted the vote, every member's in rank order (the same on every member)
     pace: float = 0.0
     paces: list[float] = field(default_factory=list)
+    # members whose failure repeats an earlier attempt's (the evidence of a bad sample)
+    repeated: int = 0
+    # samples this member found bad in its part (phalanx.badsamples), and once counted,
+    # which members failed and every member's found samples (the same on every member)
+    bad: list[int] = field(default_factory=list)
+    failed_ranks: list[int] = field(default_factory=list)
+    found: list[int] = field(default_factory=list)
+
+    def read_rows(self, rows: Sequence[Sequence[float]]) -> None:
+        """Every member's own packed vote (rank order): the paces, who failed, what each
+        found bad."""
+        self.paces = [float(r[PACE_AT]) for r in rows]
+        self.failed_ranks = [i for i, r in enumerate(rows) if r[0] > 0]
+        self.found = sorted({int(v) - 1 for r in rows for v in r[PACE_AT + 1 : VOTE_HEAD] if v > 0})
 
 
 # The vote's layout on the wire: these fields (booleans travel as 0/1 and come back as "any
-# member"), then the ledger fingerprint, this member's pace (:data:`PACE_AT`: its sum means
-# nothing; each member's is read from its own slot), then the metric sums. One member packs its own
+# member"), then the ledger fingerprint, this member's pace (:data:`PACE_AT`) and the
+# samples it found bad (index + 1, :data:`~phalanx.badsamples.BAD_SLOTS` values, 0 unused):
+# their sums mean nothing, each member's are read from its own row (Vote.read_rows); then
+# the metric sums. One member packs its own
 # vote; the sum of the members' packed votes (an all-reduce, or a sum over threads) unpacks
 # to the step's vote. A new field needs its name here and nowhere else.
-VOTE_FIELDS = ("failed", "stop", "regroup", "splittable", "contract", "overflow")
+VOTE_FIELDS = ("failed", "stop", "regroup", "splittable", "contract", "overflow", "repeated")
 _FLAGS = ("stop", "regroup")
 PACE_AT = len(VOTE_FIELDS) + len(EMPTY)  # where a member's pace sits in its packed vote
-VOTE_HEAD = PACE_AT + 1  # the values before the metric sums
+VOTE_HEAD = PACE_AT + 1 + BAD_SLOTS  # the values before the metric sums
 
 
 def vote_values(vote: Vote) -> list[float]:
     """One member's vote as the float64 values of its packed layout (see
     :data:`VOTE_FIELDS`; Python floats hold every float64 exactly)."""
     head = [float(getattr(vote, name)) for name in VOTE_FIELDS]
-    return [*head, *vote.ledger, float(vote.pace), *vote.sums]
+    bad = [float(i + 1) for i in vote.bad[:BAD_SLOTS]]
+    bad += [0.0] * (BAD_SLOTS - len(bad))
+    return [*head, *vote.ledger, float(vote.pace), *bad, *vote.sums]
 
 
 def pack_vote(vote: Vote) -> np.ndarray:
@@ -110,7 +129,7 @@ def unpack_vote(
     fields: dict[str, Any] = {k: v > 0 if k in _FLAGS else round(v) for k, v in head}
     fingerprint = cast(Fingerprint, tuple(flat[n:m]))
     return Vote(
-        sums=flat[m + 1 :],
+        sums=flat[VOTE_HEAD:],
         failures=list(failures or []),
         ledger=fingerprint,
         **fields,
@@ -122,6 +141,9 @@ class Engine(Protocol):
 
     is_main: bool
     rank: int
+    # A member can leave its group and be replaced (ddp); in one process (single, threads)
+    # nothing can leave: a member at fault stops the run instead.
+    can_leave: bool
 
     @property
     def identity(self) -> Who:
@@ -130,13 +152,18 @@ class Engine(Protocol):
 
     def begin_epoch(self, epoch: int, start_step: int) -> None: ...
 
+    def attempt(
+        self,
+        epoch: int,
+        step: int,
+        global_step: int,
+        stop: Callable[[], bool],
+        twist: Twist = PLAIN,
+    ) -> Vote: ...
+
     def reshare(self, shares: list[float], epoch: int, start_step: int) -> None:
         """Every member's share of each global batch from ``start_step`` of ``epoch`` on."""
         ...
-
-    def attempt(
-        self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]
-    ) -> Vote: ...
 
     def commit(self, skip: bool = False) -> None: ...
 
@@ -168,6 +195,8 @@ class TrainState:
     epoch_samples: int = 0
     # One entry per committed step: [epoch, step, global_step, *ledger.fingerprint]
     ledger: list[list[float]] = field(default_factory=list)
+    # fit(on_bad_sample="skip"): dataset index -> the global step from which it is left out
+    quarantine: dict[int, int] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -184,6 +213,10 @@ class TrainState:
             # (a float64 tensor, a row a step: as nested lists it cost every checkpoint,
             # hand-over and snapshot time in proportion to the run's length)
             "ledger": torch.tensor(self.ledger, dtype=torch.float64).reshape(-1, LEDGER_ROW),
+            # (an int64 tensor: [index, global step] a row)
+            "quarantine": torch.tensor(sorted(self.quarantine.items()), dtype=torch.int64).reshape(
+                -1, 2
+            ),
         }
 
     @classmethod
@@ -194,6 +227,9 @@ class TrainState:
         if isinstance(rows, torch.Tensor):  # (a list of rows in checkpoints before)
             ledger = [[int(e), int(s), int(g), *f] for e, s, g, *f in rows.tolist()]
             state = {**state, "ledger": ledger}
+        left = state.get("quarantine")
+        if isinstance(left, torch.Tensor):
+            state = {**state, "quarantine": {int(i): int(g) for i, g in left.tolist()}}
         return cls(**state)
 
 
@@ -229,6 +265,8 @@ class LoopSettings:
     max_steps: int | None = None  # end the run after this many committed steps
     val_every_steps: int | None = None  # validate after every N-th committed step too
     balance: bool = True  # shares in proportion to each member's speed (phalanx.balance)
+    on_bad_sample: str = "stop"  # "skip": find bad samples, leave them out (badsamples)
+    max_bad_samples: int = 8
 
 
 @dataclass
@@ -280,6 +318,7 @@ class TrainLoop:
         # they are for: a new generation (a new engine) starts even.
         self.balancer: Balancer | None = None
         self._balanced: Engine | None = None
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its order): quarantine
 
     def emit(self, event: Event) -> None:
         """Only the main member (rank 0 of the current group) speaks."""
@@ -364,45 +403,7 @@ class TrainLoop:
     def _step(self) -> None:
         st = self.state
         started = time.perf_counter()
-        attempt = self.failed_before.get(st.global_step, 0)
-        absorbed: list[WorkerFailure] = []  # this step's failures that a retry or split absorbed
-        while True:
-            self.attempt = attempt
-            rng.reseed(step_seed(self.s.seed, st.global_step, self.engine.rank))
-            # Read when the vote is built, after the local work: a stop asked for during
-            # this step ends the run after this step.
-            vote = self.engine.attempt(st.epoch, st.step, st.global_step, self._stopping)
-            contract = max(vote.contract, sum(f.breaks_step_contract for f in vote.failures))
-            for failure in vote.failures:
-                failure.attempt = attempt
-            # Evidence against the batch: a failure that repeats an earlier attempt's (this
-            # member's own, or one the supervisor announced). Under ddp a member sees only its
-            # own failure: the one whose failure repeats stops, and its peers cannot commit
-            # the retry without it (the supervisor ends the run when it reads the Aborted).
-            earlier = [*self.known_failures, *self.failures]
-            repeated = sum(repeats(f, earlier) for f in vote.failures)
-            action = decide(
-                attempt,
-                vote.failed,
-                vote.splittable,
-                contract,
-                repeated,
-                overflow=vote.overflow,
-            )
-            for failure in vote.failures:
-                failure.action = _ACTION_NAMES.get(action, action)
-                self.failures.append(failure)
-                self.on_failure(failure)
-            absorbed += vote.failures
-            if action in ("commit", "skip"):
-                break
-            self.engine.discard()
-            if action == "abort":
-                raise StepAborted(
-                    st.global_step, vote.failures, poison=bool(repeated) and not contract
-                )
-            if action == "retry":
-                attempt += 1
+        vote, action, absorbed, faulty = self._attempts()
         skipped = action == "skip"
         self.fence()
         self.engine.commit(skip=skipped)
@@ -423,10 +424,173 @@ class TrainLoop:
         if self.snapshots is not None and not vote.stop:
             # (at a regroup, maybe one whole before the member leaves: a replacement may take it)
             self.snapshots.after_commit(self.snapshot, st.global_step, regroup=vote.regroup)
+        if faulty:  # its part passed on another member: the worker is at fault, not the data
+            self._put_out(faulty, vote, committed=True)
         if vote.stop:
             raise Interrupted(self.stop_requested() or "stop requested by another worker")
         if vote.regroup:
             raise Regroup()
+
+    def _attempts(self) -> tuple[Vote, str, list[WorkerFailure], list[int]]:
+        """Attempts of the current step until one commits (or the run stops): its vote, the
+        action (commit or skip), the failures it absorbed, and the members found at fault
+        (``on_bad_sample="skip"``: to put out once the step is committed)."""
+        st = self.state
+        attempt = self.failed_before.get(st.global_step, 0)
+        absorbed: list[WorkerFailure] = []  # this step's failures that a retry or split absorbed
+        skip_bad = self.s.on_bad_sample == "skip"
+        base = self._left_out()  # samples of this global batch quarantined before
+        twist = Twist(leave_out=base) if base else PLAIN
+        triage = Triage(1)
+        while True:
+            self.attempt = attempt
+            rng.reseed(step_seed(self.s.seed, st.global_step, self.engine.rank))
+            if skip_bad and hasattr(self.engine, "judge"):
+                self.engine.judge = self._repeats_now  # (the evidence rides in the vote)
+            # Read when the vote is built, after the local work: a stop asked for during
+            # this step ends the run after this step.
+            vote = self.engine.attempt(st.epoch, st.step, st.global_step, self._stopping, twist)
+            contract = max(vote.contract, sum(f.breaks_step_contract for f in vote.failures))
+            for failure in vote.failures:
+                failure.attempt = attempt
+            # Evidence against the batch: a failure that repeats an earlier attempt's (this
+            # member's own, or one the supervisor announced). Under ddp a member sees only its
+            # own failure: the one whose failure repeats stops, and its peers cannot commit
+            # the retry without it (the supervisor ends the run when it reads the Aborted).
+            # With on_bad_sample="skip" every member counts the evidence from the vote.
+            earlier = [*self.known_failures, *self.failures]
+            repeated = sum(repeats(f, earlier) for f in vote.failures)
+            if skip_bad and not contract:
+                repeated = max(repeated, vote.repeated)
+                nxt = self._triage(triage, vote, repeated, base)
+                if nxt is not None:
+                    self._record(vote.failures, "retried")
+                    absorbed += vote.failures
+                    self.engine.discard()
+                    twist, attempt = nxt, attempt + 1
+                    continue
+            action = decide(
+                attempt,
+                vote.failed,
+                vote.splittable,
+                contract,
+                repeated,
+                overflow=vote.overflow,
+            )
+            self._record(vote.failures, _ACTION_NAMES.get(action, action))
+            absorbed += vote.failures
+            if action in ("commit", "skip"):
+                return vote, action, absorbed, triage.faulty
+            self.engine.discard()
+            if action == "abort":
+                raise StepAborted(
+                    st.global_step, vote.failures, poison=bool(repeated) and not contract
+                )
+            if action == "retry":
+                attempt += 1
+
+    def _record(self, failures: list[WorkerFailure], action: str) -> None:
+        """This attempt's failures, with what became of them (a failure whose bisection
+        found its bad samples: quarantined)."""
+        for failure in failures:
+            failure.action = "quarantined" if failure.bad_samples else action
+            self.failures.append(failure)
+            self.on_failure(failure)
+
+    # -- bad samples (fit(on_bad_sample="skip"), phalanx.badsamples) ---------------------
+    def _left_out(self) -> frozenset[int]:
+        """The quarantined samples of the current step's global batch."""
+        if not self.state.quarantine:
+            return frozenset()
+        return frozenset(self._batch_set() & set(self.state.quarantine))
+
+    def _repeats_now(self, failure: WorkerFailure) -> bool:
+        """Whether this member's failure of the attempt in progress repeats an earlier one."""
+        failure.attempt = self.attempt
+        return repeats(failure, [*self.known_failures, *self.failures])
+
+    def _triage(
+        self, triage: Triage, vote: Vote, repeated: int, base: frozenset[int]
+    ) -> Twist | None:
+        """The next attempt of a step under ``on_bad_sample="skip"`` (None: the usual rule
+        decides): after a repeat, one rotated and bisecting attempt (blame); the samples
+        found bad are quarantined and left out from then on; the members whose part passed
+        elsewhere are at fault (``triage.faulty``: put out now if the step failed, else once
+        it is committed)."""
+        triage.members = max(1, len(vote.paces))
+        if triage.stage == "plain":
+            return triage.after_repeat(vote.failed_ranks) if vote.failed and repeated else None
+        found = [i for i in vote.found if i not in self.state.quarantine]
+        self._quarantine(found, vote)
+        left = frozenset(base | (set(self.state.quarantine) & self._batch_set()))
+        if triage.stage == "blame":
+            triage.stage = "kept"
+            triage.faulty = triage.at_fault(vote.failed_ranks)
+            if not vote.failed:
+                return None  # (it passed whole: commit)
+            self._put_out(triage.faulty, vote)
+            return Twist(leave_out=left)
+        return Twist(leave_out=left) if vote.failed and found else None
+
+    def _batch_set(self) -> set[int]:
+        """The current step's global batch."""
+        st = self.state
+        if self._order[0] != st.epoch:
+            self._order = (st.epoch, self.s.plan.order(st.epoch))
+        return set(self.s.plan.global_batch(st.epoch, st.step, self._order[1]))
+
+    def _quarantine(self, found: list[int], vote: Vote) -> None:
+        st = self.state
+        for index in found:
+            st.quarantine[index] = st.global_step
+        if found:
+            self.emit(
+                Notice(
+                    f"quarantined sample(s) {found} at step {st.global_step + 1}: left out of "
+                    "their global batch from now on (fit(on_bad_sample='skip'))",
+                    level="warning",
+                )
+            )
+        if len(st.quarantine) > self.s.max_bad_samples:
+            failure = failure_of(
+                TooManyBadSamples(
+                    f"{len(st.quarantine)} samples failed alone (more than max_bad_samples="
+                    f"{self.s.max_bad_samples}): the data is broken wholesale, not a few "
+                    f"samples; the quarantined ones: {sorted(st.quarantine)[:20]}"
+                ),
+                self.engine.identity,
+                "data",
+                st.global_step,
+                st.epoch,
+            )
+            failure.attempt = self.attempt
+            self._record(vote.failures, "retried")
+            self._record([failure], "aborted")
+            raise StepAborted(st.global_step, [failure], poison=False)
+
+    def _put_out(self, faulty: list[int], vote: Vote, committed: bool = False) -> None:
+        """Members whose part failed twice on them and passed on another member are at fault:
+        under ddp the member leaves (FailedHere: respawned or shrunk like any fallen worker);
+        in one process (threads) nothing can leave, so the run stops naming it."""
+        if not faulty:
+            return
+        st = self.state
+        step = st.global_step - 1 if committed else st.global_step
+        names = ", ".join(f"rank {r}" for r in faulty)
+        text = (
+            f"{names}: its part of step {step + 1} failed on it in two attempts and passed on "
+            "another member: the worker is at fault, not the data"
+        )
+        if self.engine.can_leave:
+            if self.engine.rank in faulty:
+                failure = failure_of(
+                    WorkerAtFault(text), self.engine.identity, "forward", step, st.epoch
+                )
+                raise FailedHere(failure)
+            return
+        failure = failure_of(WorkerAtFault(text), self.engine.identity, "forward", step, st.epoch)
+        failure.attempt = self.attempt
+        raise StepAborted(step, [*vote.failures, failure], poison=False)
 
     def _balance(self, vote: Vote) -> None:
         """Each member's pace in the committed vote, into this generation's balancer; new

@@ -15,17 +15,19 @@ Failures are returned as values, never raised.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from phalanx.errors import NonFiniteLossError
+from phalanx.badsamples import find_bad
+from phalanx.errors import NonFiniteLossError, NonFiniteSampleLoss
 from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
 from phalanx.ledger import EMPTY, Fingerprint, fingerprint
@@ -153,6 +155,9 @@ class LocalResult:
     # Seconds per sample of this member's own work in the step, up to its vote (before the
     # synchronised backward: no wait for a peer counts); 0 when unknown (phalanx.balance).
     pace: float = 0.0
+    # Samples of this member's part found bad by bisection (phalanx.badsamples) and their
+    # errors (the local failure carries them); empty unless the attempt bisects.
+    bad: dict[int, str] = field(default_factory=dict)
     # The failure is a collective that a fallen peer broke: no other collective may follow
     # on that group (a live peer may still wait in the broken one, and a message of another
     # size there aborts its process), so the ddp engine leaves without voting.
@@ -215,6 +220,11 @@ class Replica:
         # times more micro-batches from then on (the global batch and the math stay the same).
         self.split_factor = 1
         self._began = 0.0  # when the step in progress began (its pace counts from here)
+        # fit(on_bad_sample="skip"): a non-finite loss is a failure of the step's samples
+        self.nan_is_data = False
+        # Set for one attempt that bisects (phalanx.badsamples): loads given samples,
+        # collated; a failed part is then searched for the samples that fail alone.
+        self.bisect: Callable[[list[int]], Any] | None = None
         # This attempt's failure until a vote has carried it (the engine clears it then). A
         # peer falling in the same step breaks the collective first; the ddp worker then
         # reports this failure itself instead of losing it.
@@ -280,11 +290,15 @@ class Replica:
                 pid=os.getpid(),
             )
             splittable = self._split_after(failure, len(samples), micro_batches)
+            if self.bisect is not None and failure.kind == "exception" and samples:
+                done.bad = find_bad(samples, functools.partial(self._fails, self.bisect))
+                failure.bad_samples = [[i, e] for i, e in sorted(done.bad.items())]
             self.unvoted, self.unvoted_splittable = failure, splittable
             # A broken collective (DDP's gradient all-reduce, or the bucket rebuild in its
             # second forward) is not followed by the zero pass's collectives.
             broken = self.forward is not self.module and is_secondary(failure)
             result = LocalResult([0.0] * self.size, failure, splittable, broken=broken)
+            result.bad = done.bad
             if tracker.launched:  # the vote said "ok": only leaving the group can undo it
                 result.after_vote = not broken
             elif not tracker.synced and not broken:
@@ -355,7 +369,8 @@ class Replica:
                     )
                     value = loss.item()
                     if not math.isfinite(value):
-                        raise NonFiniteLossError(
+                        error = NonFiniteSampleLoss if self.nan_is_data else NonFiniteLossError
+                        raise error(
                             f"the loss is {value} at step {step + 1} on samples "
                             f"{_short(samples[a:b])}; lower the learning rate, clip "
                             "gradients (grad_clip_norm=) or check these samples"
@@ -376,6 +391,27 @@ class Replica:
                 with tracker.enter("backward"), self.faults.inside_backward(step, self.module):
                     self.module.backward(loss if share == 1.0 else loss * share, ballot)
                     tracker.synced = last
+
+    def _fails(self, load: Callable[[list[int]], Any], part: list[int]) -> str | None:
+        """Whether ``part`` alone fails (read, forward, a finite loss): its error or None.
+        No gradient, no collective; buffers (BatchNorm's statistics) and the random
+        generators are as they were afterwards, so the training that follows is unchanged."""
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                loss, _, _ = self.module(to_device(load(part), self.device))
+                value = loss.item()
+            if not math.isfinite(value):
+                return f"NonFiniteSampleLoss: the loss is {value}"
+            return None
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            return f"{type(exc).__name__}: {first}"
+        finally:
+            with torch.no_grad():
+                for buf, saved in zip(self.module.buffers(), buffers, strict=True):
+                    buf.copy_(saved)
 
     def zero_pass(self, result: LocalResult | None = None, vote: VoteLaunch | None = None) -> None:
         """A backward of zero gradients through ``forward`` (keeps DDP's collectives

@@ -57,6 +57,8 @@ class FitResult:
     ledger_ok: bool | None = None  # every sample used exactly once in each finished epoch
     ledger_problems: list[str] = field(default_factory=list)
     model_path: str | None = None  # run_dir/model.pt: the final state dict of a finished run
+    # fit(on_bad_sample="skip"): the dataset indices found bad and left out (quarantine.json)
+    quarantined: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +77,8 @@ class RunEnd:
     # Across nodes, on a node other than the head: the final weights' file the head wrote
     # in the shared run_dir (None where this node cannot see it).
     model_path: str | None = None
+    # fit(on_bad_sample="skip"): dataset index -> the global step it is left out from
+    quarantine: dict[int, int] = field(default_factory=dict)
 
 
 def finish(end: RunEnd, run: RunInputs) -> FitResult:
@@ -83,8 +87,9 @@ def finish(end: RunEnd, run: RunInputs) -> FitResult:
     config = run.config
     if end.failures:
         report.write_json(config.run_dir, end.failures, None, config.devices, end.fates)
-    problems = ledger.check(run.plan, end.ledger, end.epochs)
+    problems = ledger.check(run.plan, end.ledger, end.epochs, end.quarantine)
     ledger.write(config.run_dir, end.ledger, problems)
+    write_quarantine(config.run_dir, end.quarantine, end.failures)
     return FitResult(
         model=end.model,
         history=end.history,
@@ -96,7 +101,29 @@ def finish(end: RunEnd, run: RunInputs) -> FitResult:
         seconds=end.seconds,
         ledger_ok=not problems,
         ledger_problems=problems,
+        quarantined=sorted(end.quarantine),
     )
+
+
+def write_quarantine(
+    run_dir: str | None, quarantine: dict[int, int], failures: list[WorkerFailure]
+) -> None:
+    """``run_dir/quarantine.json``: each sample left out, the step from which (1-based) and
+    the error it failed with alone (from the failure whose bisection found it)."""
+    if not run_dir or not quarantine:
+        return
+    errors = {int(index): str(error) for f in failures for index, error in (f.bad_samples or [])}
+    rows = [
+        {"index": i, "step": g + 1, "error": errors.get(i, "")}
+        for i, g in sorted(quarantine.items())
+    ]
+    import json
+    import os
+
+    path = os.path.join(run_dir, "quarantine.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"quarantined": rows}, fh, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def stopped(

@@ -67,6 +67,8 @@ def build_loop(
         max_steps=config.max_steps,
         val_every_steps=config.val_every_steps,
         balance=config.balance,
+        on_bad_sample=config.on_bad_sample,
+        max_bad_samples=config.max_bad_samples,
     )
     stopping = copy.deepcopy(config.early_stopping)
     return TrainLoop(engine, settings, emit, checkpointer, stopping, stop_requested, on_failure)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from phalanx.badsamples import ON_BAD_SAMPLE
 from phalanx.devices import check_one_backend
 from phalanx.errors import (
     BatchSizeError,
@@ -186,7 +187,17 @@ def _validate_loading(config: FitConfig) -> None:
 
 
 def _validate_schedule(config: FitConfig, has_valid: bool) -> None:
-    """``max_steps`` and ``val_every_steps``: whole numbers >= 1 or None."""
+    """``max_steps`` and ``val_every_steps``: whole numbers >= 1 or None; the bad-sample
+    settings."""
+    if config.on_bad_sample not in ON_BAD_SAMPLE:
+        raise InvalidSettingError(
+            f"on_bad_sample={config.on_bad_sample!r}; pass 'stop' (a sample that fails every "
+            "time stops the run, named) or 'skip' (found, left out and listed)"
+        )
+    if config.max_bad_samples < 0:
+        raise InvalidSettingError(
+            f"max_bad_samples={config.max_bad_samples}; pass a whole number >= 0"
+        )
     for name in ("max_steps", "val_every_steps"):
         value = getattr(config, name)
         if value is not None and (not _whole(value) or value < 1):

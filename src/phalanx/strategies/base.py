@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from phalanx.data import Loading, validation_batches
+from phalanx.badsamples import Twist
+from phalanx.data import Loading, LocalBatches, validation_batches
 from phalanx.failures import FailedHere, failure_of
 from phalanx.faults import FaultInjector
 from phalanx.loop import Vote
-from phalanx.replica import Identity, LocalResult, Replica
+from phalanx.replica import Identity, LocalResult, Replica, VoteLaunch
 from phalanx.trainable import Trainable
 
 
@@ -44,8 +46,39 @@ def evaluate_local(
     return sums
 
 
+def run_attempt(
+    replica: Replica,
+    batches: LocalBatches,
+    at: tuple[int, int, int],
+    micro: int,
+    twist: Twist,
+    member: tuple[int, int],
+    vote: VoteLaunch | None = None,
+) -> LocalResult:
+    """One member's attempt of step ``at = (step, global_step, epoch)``: its slice of the
+    plan, or, for an attempt with a :class:`~phalanx.badsamples.Twist`, part ``(rank -
+    rotation) % members`` of ``member = (rank, members)`` without the samples left out
+    (read directly), bisecting a failed part when the twist says so."""
+    step, global_step, epoch = at
+    if twist.plain:
+        return replica.run_step(batches, step, global_step, epoch, micro, vote)
+    rank, members = member
+    part = (rank - twist.rotation) % members
+    samples, kept = batches.twisted(step, part, members, twist.leave_out)
+    replica.bisect = batches.direct if part in twist.bisect else None
+    try:
+        load = functools.partial(batches.direct, samples) if samples else None
+        return replica.run(load, samples, kept, global_step, epoch, micro, vote)
+    finally:
+        replica.bisect = None
+
+
 def member_vote(
-    result: LocalResult, stop: bool, regroup: bool = False, overflow: bool = False
+    result: LocalResult,
+    stop: bool,
+    regroup: bool = False,
+    overflow: bool = False,
+    repeated: bool = False,
 ) -> Vote:
     """One member's vote on its own result, before it is summed with the others'
     (``overflow``: its gradients are not finite, under "16-mixed")."""
@@ -62,6 +95,10 @@ def member_vote(
         failures=[failure] if failure is not None else [],
         pace=result.pace,
         paces=[result.pace],
+        bad=list(result.bad),
+        failed_ranks=[0] if failure is not None else [],
+        found=sorted(result.bad),
+        repeated=int(repeated),
     )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from phalanx.badsamples import PLAIN, Twist
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.faults import FaultInjector
@@ -14,7 +15,7 @@ from phalanx.loop import Vote
 from phalanx.ranks import acting_as
 from phalanx.replica import Identity, Replica
 from phalanx.run import RunInputs
-from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
+from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote, run_attempt
 from phalanx.trainable import Trainable
 
 
@@ -23,6 +24,7 @@ class SingleEngine:
 
     is_main = True
     rank = 0
+    can_leave = False
 
     def __init__(self, run: RunInputs) -> None:
         config, spec = run.config, run.spec
@@ -38,6 +40,7 @@ class SingleEngine:
             self.trainable.module, device, self.identity, spec.summed_metrics(), self.faults
         )
         self.micro = spec.grad_accumulation
+        self.replica.nan_is_data = config.on_bad_sample == "skip"
         self.batches: LocalBatches | None = None
         self.epoch = 0
         self.step = 0
@@ -51,10 +54,18 @@ class SingleEngine:
     def reshare(self, shares: list[float], epoch: int, start_step: int) -> None:
         """One member computes every step whole: nothing to re-cut."""
 
-    def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
+    def attempt(
+        self,
+        epoch: int,
+        step: int,
+        global_step: int,
+        stop: Callable[[], bool],
+        twist: Twist = PLAIN,
+    ) -> Vote:
         assert self.batches is not None
         self.step = global_step
-        res = self.replica.run_step(self.batches, step, global_step, epoch, self.micro)
+        at = (step, global_step, epoch)
+        res = run_attempt(self.replica, self.batches, at, self.micro, twist, (0, 1))
         overflow = res.failure is None and self.trainable.overflowed()
         return member_vote(res, stop(), overflow=overflow)
 

@@ -51,15 +51,22 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from phalanx.badsamples import PLAIN, Twist
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.failures import FailedHere, WorkerFailure
 from phalanx.faults import FaultInjector
-from phalanx.loop import Vote, pack_vote, unpack_vote
+from phalanx.loop import Vote, pack_vote, unpack_vote, vote_values
 from phalanx.ranks import acting_as
 from phalanx.replica import Identity, LocalResult, Replica
 from phalanx.run import RunInputs
-from phalanx.strategies.base import evaluate_local, failure_of, guarded_commit, member_vote
+from phalanx.strategies.base import (
+    evaluate_local,
+    failure_of,
+    guarded_commit,
+    member_vote,
+    run_attempt,
+)
 from phalanx.trainable import Trainable
 
 T = TypeVar("T")
@@ -117,6 +124,7 @@ class ThreadsEngine:
 
     is_main = True
     rank = 0
+    can_leave = False
 
     @property
     def identity(self) -> Identity:
@@ -158,6 +166,8 @@ class ThreadsEngine:
                 self.trainables, self.devices, self.identities, self.faults, strict=True
             )
         ]
+        for replica in self.replicas:
+            replica.nan_is_data = config.on_bad_sample == "skip"
         self.batches: list[LocalBatches] = []
         self.shares: list[float] | None = None  # each replica's (None: even; balance)
         self.epoch = 0
@@ -191,11 +201,19 @@ class ThreadsEngine:
         self.shares = shares
         self.begin_epoch(epoch, start_step)
 
-    def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
+    def attempt(
+        self,
+        epoch: int,
+        step: int,
+        global_step: int,
+        stop: Callable[[], bool],
+        twist: Twist = PLAIN,
+    ) -> Vote:
         assert self.batches, "begin_epoch was not called"
         self.step = global_step
         seed = torch.initial_seed()  # the loop's seed for this step attempt
-        tasks = [self._task(i, step, global_step, epoch, seed) for i in range(len(self.replicas))]
+        at = (step, global_step, epoch)
+        tasks = [self._task(i, at, seed, twist) for i in range(len(self.replicas))]
         results = self._gather(tasks, global_step, epoch)
         votes = [self._vote_of(i, outcome, step, global_step) for i, outcome in enumerate(results)]
         overflow = False
@@ -210,7 +228,7 @@ class ThreadsEngine:
         total = np.stack([pack_vote(v) for v in votes]).sum(axis=0)
         vote = unpack_vote(total, [f for v in votes for f in v.failures])
         vote.stop, vote.overflow = stop(), int(overflow)
-        vote.paces = [v.pace for v in votes[: len(self.replicas)]]
+        vote.read_rows([vote_values(v) for v in votes[: len(self.replicas)]])
         return vote
 
     def _vote_of(
@@ -225,16 +243,18 @@ class ThreadsEngine:
         return member_vote(LocalResult([0.0] * self.replicas[i].size, failure), False)
 
     def _task(
-        self, i: int, step: int, global_step: int, epoch: int, seed: int
+        self, i: int, at: tuple[int, int, int], seed: int, twist: Twist
     ) -> Callable[[], LocalResult]:
         batches, replica = self.batches[i], self.replicas[i]
         device = self.devices[i]
+        step, global_step, epoch = at
+        member = (i, len(self.replicas))
 
         def run() -> LocalResult:
             self._entered(i, global_step, "data")
             if device.type == "cuda":
                 torch.cuda.manual_seed(_member_seed(seed, i))
-            result = replica.run_step(batches, step, global_step, epoch, self.micro)
+            result = run_attempt(replica, batches, at, self.micro, twist, member)
             if result.failure is None:
                 self._entered(i, global_step, "sync")
                 try:

@@ -88,10 +88,10 @@ class Ballot(nn.Module):
             reduced = self._seen[1]
         return self._decode(reduced).tolist()
 
-    def each(self, at: int) -> list[float]:
-        """After :meth:`count`: value ``at`` of every member's own packed vote, in rank order
-        (each slot holds one member's vote exactly: the same list on every member)."""
-        return [float(v) for v in self._decode.votes[:, at]]
+    def rows(self, upto: int) -> list[list[float]]:
+        """After :meth:`count`: the first ``upto`` values of every member's own packed vote,
+        in rank order (each slot holds one member's vote exactly: the same on every member)."""
+        return self._decode.votes[:, :upto].tolist()
 
 
 def pieces(packed: np.ndarray) -> np.ndarray:

@@ -13,16 +13,17 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
+from phalanx.badsamples import PLAIN, Twist
 from phalanx.data import LocalBatches
 from phalanx.devices import torch_device
 from phalanx.failures import WorkerFailure, from_exception
 from phalanx.faults import FaultInjector
-from phalanx.loop import PACE_AT, VOTE_HEAD, Vote, unpack_vote, vote_values
+from phalanx.loop import VOTE_HEAD, Vote, unpack_vote, vote_values
 from phalanx.plan import Plan
 from phalanx.ranks import acting_as
 from phalanx.replica import Cast, Identity, LocalResult, Replica
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote
+from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote, run_attempt
 from phalanx.strategies.ddp.ballot import Ballot
 from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
 from phalanx.trainable import Trainable
@@ -83,6 +84,8 @@ class DdpEngine:
     collective of its own; a failed step costs nothing extra and metrics need none either.
     """
 
+    can_leave = True  # (a member at fault leaves: respawned or shrunk)
+
     def __init__(
         self,
         *,
@@ -118,6 +121,10 @@ class DdpEngine:
         # The attempt in progress: its stop request, and this member's own vote once cast.
         self._stop: Callable[[], bool] = lambda: False
         self._pending: Vote | None = None
+        # Set by the loop: whether a failure repeats an earlier attempt's (it rides in the
+        # vote, so every member knows the evidence against the batch; phalanx.badsamples).
+        self.judge: Callable[[WorkerFailure], bool] | None = None
+        member.replica.nan_is_data = config.on_bad_sample == "skip"
 
     @property
     def trainable(self) -> Trainable:
@@ -146,11 +153,19 @@ class DdpEngine:
         self.shares = shares
         self.begin_epoch(epoch, start_step)
 
-    def attempt(self, epoch: int, step: int, global_step: int, stop: Callable[[], bool]) -> Vote:
+    def attempt(
+        self,
+        epoch: int,
+        step: int,
+        global_step: int,
+        stop: Callable[[], bool],
+        twist: Twist = PLAIN,
+    ) -> Vote:
         assert self.batches is not None
         self.step = global_step
         self._stop, self._pending = stop, None
-        res = self.m.replica.run_step(self.batches, step, global_step, epoch, self.micro, self)
+        at, member = (step, global_step, epoch), (self.rank, self.world)
+        res = run_attempt(self.m.replica, self.batches, at, self.micro, twist, member, self)
         mine, self._pending = self._pending, None
         if res.broken:  # no vote on a broken group: leave it (the failure is the peer's)
             raise GroupBroken(f"step {global_step + 1}: {res.failure and res.failure.message}")
@@ -162,7 +177,7 @@ class DdpEngine:
         assert mine is not None, "Replica.run returned without launching the vote"
         self.m.replica.unvoted = None  # the vote carries it from here
         vote = unpack_vote(self.ballot.count(), mine.failures)
-        vote.paces = self.ballot.each(PACE_AT)  # (every member's: phalanx.balance)
+        vote.read_rows(self.ballot.rows(VOTE_HEAD))  # (each member's own: paces, bad samples)
         # After backward DDP has reduced the gradients: every member holds the same ones
         # (what keeps DDP's replicas equal), so each finds the same overflow, here counted for
         # every member (only read when nobody failed: then every member checked).
@@ -182,7 +197,10 @@ class DdpEngine:
         it through the backward's all-reduce; counted after the backward (:meth:`attempt`).
         The stop and regroup requests are read here (flags: nothing here waits or fails on
         a peer, so the vote needs no failure path of its own)."""
-        self._pending = member_vote(result, self._stop(), self.hooks.regroup_requested())
+        failure = result.failure
+        repeated = failure is not None and self.judge is not None and self.judge(failure)
+        regroup = self.hooks.regroup_requested()
+        self._pending = member_vote(result, self._stop(), regroup, repeated=repeated)
         return self.ballot.cast(vote_values(self._pending))
 
     def commit(self, skip: bool = False) -> None:

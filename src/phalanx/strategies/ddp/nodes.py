@@ -157,6 +157,8 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
         "resume": config.resume,
         "snapshots": repr(config.snapshots),
         "balance": config.balance,
+        "on_bad_sample": config.on_bad_sample,
+        "max_bad_samples": config.max_bad_samples,
     }
 
 
@@ -679,6 +681,7 @@ def _node_end(run: RunInputs, frame: Frame, seconds: float) -> RunEnd:
         seconds=seconds,
         fates=fates,
         model_path=_shared(run.config.run_dir, doc.get("model_path")),
+        quarantine={int(i): int(g) for i, g in doc.get("quarantine", [])},
     )
 
 

@@ -319,6 +319,7 @@ class Done:
     epochs: int = 0
     interrupted: str | None = None
     ledger: list[list[float]] = field(default_factory=list)
+    quarantine: list[list[int]] = field(default_factory=list)  # [index, global step] rows
 
 
 @dataclass

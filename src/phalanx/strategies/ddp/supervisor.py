@@ -386,6 +386,7 @@ def _run_end(sup: Supervisor, outcome: FailureBook, fates: list[str], reason: st
         failures=outcome.failures,
         seconds=0.0,
         fates=fates,
+        quarantine={int(i): int(g) for i, g in done.quarantine},
     )
     if sup.hub is not None:
         doc = _ok_doc(end)
@@ -409,6 +410,7 @@ def _ok_doc(end: RunEnd) -> dict[str, Any]:
         "epochs": end.epochs,
         "interrupted": end.interrupted,
         "ledger": end.ledger,
+        "quarantine": [[i, g] for i, g in sorted(end.quarantine.items())],
         "failures": [f.to_dict() for f in end.failures],
         "fates": end.fates,
     }

@@ -700,7 +700,10 @@ def done_of(loop: TrainLoop, slot: int, weights_path: str, interrupted: str | No
         return Done(slot)
     torch.save(loop.engine.state_dict()["model"], weights_path)
     st = loop.state
-    return Done(slot, weights_path, st.history, st.global_step, st.epoch, interrupted, st.ledger)
+    quarantine = [[i, g] for i, g in sorted(st.quarantine.items())]
+    return Done(
+        slot, weights_path, st.history, st.global_step, st.epoch, interrupted, st.ledger, quarantine
+    )
 
 
 def wait_generation(
