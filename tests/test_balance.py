@@ -15,9 +15,10 @@ from rich.console import Console
 
 import phalanx as px
 from ddp_helpers import make_data, mlp, sgd, slow_rank_step
-from phalanx.balance import EVERY, WARMUP, Balancer, cut, sizes
+from phalanx.balance import EVERY, WARMUP, Balancer, cut, sizes, slower_than_peers
 from phalanx.events import Balanced
 from phalanx.sinks import ProgressSink, SummarySink
+from phalanx.sinks.format import balance_line
 from recorder import Recorder
 
 DATA = make_data(360)
@@ -76,6 +77,20 @@ def test_members_with_no_samples_keep_their_pace() -> None:
     b.observe([1e-3, 2e-3])
     b.observe([1e-3, 0.0])  # member 1 had nothing to compute: its average stays
     assert b.paces[1] == pytest.approx(2e-3)
+
+
+def test_the_line_compares_with_the_median_the_balancer_names_by() -> None:
+    """Two peers: their median is their mean (as :meth:`Balancer.slow_members` has it), not
+    the larger; a share under 1% is not shown as 0%."""
+    paces = [1e-3, 1.4e-3, 3e-3]
+    assert slower_than_peers(paces, 2) == pytest.approx(2.5)
+    b = Balancer(3, paces=list(paces))
+    assert b.slow_members() == [2]
+    event = Balanced(16, [0.6, 0.395, 0.005], paces, slow=[2])
+    assert balance_line(event) == (
+        "balance: shares 60/40/0.5% of each global batch (by rank) from step 17; "
+        "rank 2 is persistently slower (2.5x the time per sample of its peers)"
+    )
 
 
 def _fit(strategy: str, devices: str, balance: bool, sinks: list[Any]) -> px.FitResult:

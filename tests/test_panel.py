@@ -9,6 +9,7 @@ import re
 from rich.console import Console
 
 from phalanx.events import (
+    Balanced,
     Beat,
     EpochEnded,
     Event,
@@ -223,3 +224,88 @@ def test_a_replacement_row_starts_without_its_predecessors_rank_and_generation()
     assert (row.state, row.rank, row.generation) == ("joining", None, None)
     workers.update(WorkerState(1, "cpu:1", "training", rank=1, generation=2, pid=6, time=T0 + 4))
     assert (row.state, row.rank, row.generation) == ("training", 1, 2)
+
+
+# Balance (phalanx.balance): a member named slow, and the shares once they move from even.
+
+
+def rendered(workers: Workers, now: float) -> list[list[str]]:
+    """The panel's table as words, a list per line (the header first)."""
+    frame = Console(file=io.StringIO(), width=80, record=True)
+    frame.print(workers.table(now))
+    return [line.split() for line in frame.export_text().splitlines() if line.strip()]
+
+
+def test_a_slow_member_and_the_shares_show_in_its_row_within_80_columns() -> None:
+    """Worker 1 named slow after step 16 and given 40% of each batch: its row says so, and
+    says ``no progress`` still when the others wait on it."""
+    events = recorded_hang()
+    at = next(i for i, e in enumerate(events) if isinstance(e, WorkersTick))
+    decided = Balanced(16, [0.6, 0.4], [1e-3, 1.6e-3], slow=[1], changed=True, time=T0 + 9.95)
+    events.insert(at, decided)
+    clock = FakeClock()
+    console = Console(file=io.StringIO(), force_terminal=True, width=80, height=40)
+    sink = ProgressSink(console, clock=clock)
+    frames = []
+    for e in events:
+        clock.now = e.time
+        sink.handle(e)
+        if e.time in (T0 + 10.5, T0 + 13.5):  # a step in progress; the others wait on 1
+            frame = Console(file=io.StringIO(), width=80, record=True)
+            assert sink._progress is not None
+            frame.print(sink._progress.get_renderable())
+            frames.append(frame.export_text())
+    sink.close()
+    for text in frames:
+        assert all(len(line) <= 80 for line in text.splitlines()), text
+        header = r"^\s*worker\s+device\s+rank\s+gen\s+state\s+phase\s+step\s+idle\s+share\s*$"
+        assert re.search(header, text, re.M), text
+    rows = [[line.split() for line in f.splitlines() if re.match(r"\s*[01]\s+cpu:", line)]
+            for f in frames]  # fmt: skip
+    assert rows[0] == [
+        ["0", "cpu:0", "0", "0", "training", "sync", "21", "0.3s", "60%"],
+        ["1", "cpu:1", "1", "0", "slow", "forward", "21", "0.5s", "40%"],
+    ]
+    assert rows[1] == [
+        ["0", "cpu:0", "0", "0", "waiting", "sync", "21", "3.3s", "60%"],
+        ["1", "cpu:1", "1", "0", "no", "progress", "forward", "21", "3.5s", "40%"],
+    ]
+
+
+def test_ranks_become_rows_through_the_generation_and_a_new_one_starts_even() -> None:
+    """Generation 1 is workers 0 and 2 (worker 1 fell): rank 1 is worker 2's row. Named
+    with shares kept even: no share column. Generation 2 forgets both."""
+    devices = ["cpu:0", "cpu:1", "cpu:2"]
+    workers = Workers()
+    workers.update(GenerationStarted(0, [0, 1, 2], devices, "start", time=T0))
+    for w, device in enumerate(devices):
+        workers.update(WorkerState(w, device, "training", rank=w, generation=0, time=T0))
+    workers.update(WorkerState(1, "cpu:1", "fallen", time=T0 + 1))
+    workers.update(GenerationStarted(1, [0, 2], ["cpu:0", "cpu:2"], "worker 1 crash", time=T0 + 2))
+    for rank, w in enumerate((0, 2)):
+        workers.update(WorkerState(w, devices[w], "training", rank=rank, generation=1, time=T0 + 3))
+    workers.update(Balanced(24, [0.5, 0.5], [1e-3, 2e-3], slow=[1], changed=False, time=T0 + 4))
+    table = rendered(workers, T0 + 5)
+    assert table[0] == ["worker", "device", "rank", "gen", "state", "phase", "step", "idle"]
+    assert [row[4] for row in table[1:]] == ["training", "fallen", "slow"]
+    workers.update(Balanced(32, [0.7, 0.3], [1e-3, 2e-3], changed=True, time=T0 + 6))
+    table = rendered(workers, T0 + 7)
+    assert table[0][-1] == "share"
+    assert [(row[0], row[-1]) for row in table[1:]] == [("0", "70%"), ("1", "fallen"),
+                                                        ("2", "30%")]  # fmt: skip
+    workers.update(GenerationStarted(2, [0, 2], ["cpu:0", "cpu:2"], "rebuild", time=T0 + 8))
+    table = rendered(workers, T0 + 9)
+    assert table[0][-1] == "idle"
+    assert "slow" not in [word for row in table for word in row]
+    assert all(row.share is None and not row.slow for row in workers.rows.values())
+
+
+def test_in_process_members_are_found_by_their_rank() -> None:
+    """threads: no generations; the rows RunStarted made carry the ranks."""
+    workers = Workers()
+    devices = ["cpu:0", "cpu:1", "cpu:2"]
+    workers.update(RunStarted("runs/x", "threads", devices, 1, 10, 30, 300, 0, time=T0))
+    workers.update(Balanced(8, [0.4, 0.4, 0.2], [1e-3, 1e-3, 2e-3], slow=[2], time=T0 + 1))
+    table = rendered(workers, T0 + 2)
+    states = [(row[4], row[-1]) for row in table[1:]]
+    assert states == [("training", "40%"), ("training", "40%"), ("slow", "20%")]

@@ -8,6 +8,7 @@ import io
 import itertools
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from rich.console import Console
 import phalanx as px
 from phalanx import cli
 from phalanx.events import (
+    Balanced,
     EpochEnded,
     GenerationStarted,
     RunEnded,
@@ -32,7 +34,7 @@ from phalanx.events import (
     to_record,
 )
 from phalanx.failures import WorkerFailure
-from phalanx.plot import KIND_STYLE, load_run, plot_run
+from phalanx.plot import KIND_STYLE, SHARES_PANEL, SLOW_COLOUR, draw, load_run, plot_run
 from phalanx.runinfo import write_run
 from phalanx.runview import report_run
 
@@ -96,12 +98,18 @@ def valid_metrics(step: int) -> dict[str, float]:
 
 
 def hand_made_run(
-    run_dir: Path, *, failures: bool = True, valid: bool = False, val_every: int | None = None
+    run_dir: Path,
+    *,
+    failures: bool = True,
+    valid: bool = False,
+    val_every: int | None = None,
+    balance: bool = False,
 ) -> None:
     """A ddp run's log as the supervisor writes it: worker 1 killed in step 4 (respawned, its
     replacement rejoins), worker 0 hung in step 7 (shrunk), plus a line of another run.
     ``failures=False``: none of them; ``valid``: validation metrics at each epoch's end (steps
-    4 and 8) and, with ``val_every``, after every ``val_every``-th step in between."""
+    4 and 8) and, with ``val_every``, after every ``val_every``-th step in between;
+    ``balance``: :func:`balance_events` (with ``failures``, generation 2 is workers 1 and 0)."""
     run_dir.mkdir(parents=True)
     write_run(run_dir, {"run_id": "r2", "started": 100.0, "sessions": [100.0]})
     devices = ["cpu:0", "cpu:1"]
@@ -109,6 +117,7 @@ def hand_made_run(
                           time=104.5, action="respawned")  # fmt: skip
     hang = WorkerFailure(0, 0, "cpu:0", "hang", "no progress", "forward", step=6, epoch=1,
                          time=112.0, action="shrunk", last_progress=107.0)  # fmt: skip
+    members = [1, 0] if balance else [0, 1]  # (ranks by slot: the rejoined worker first)
     events = [
         RunOpened("r2", str(run_dir), time=100.0),
         GenerationStarted(0, [0, 1], devices, "start", time=100.5),
@@ -121,6 +130,8 @@ def hand_made_run(
             events.append(EpochEnded((g - 1) // 4, valid_metrics(g), 4.0, time=t + 0.2))
         elif valid and val_every and g % val_every == 0:
             events.append(Validated((g - 1) // 4, (g - 1) % 4 + 1, g, valid_metrics(g), time=t))
+        if balance:
+            events += balance_events(g, t)
         if not failures:
             continue
         if g == 4:
@@ -130,8 +141,12 @@ def hand_made_run(
                 GenerationStarted(1, [0], devices[:1], "worker 1 crash", time=104.6),
                 WorkerState(1, "cpu:1", "replaced", pid=7, time=104.6),
                 WorkerState(1, "cpu:1", "joining", pid=8, time=104.6),
-                WorkerState(1, "cpu:1", "training", rank=1, generation=2, time=105.5),
-                GenerationStarted(2, [0, 1], devices, "workers [1] rejoin", time=105.5),
+                WorkerState(
+                    1, "cpu:1", "training", rank=members.index(1), generation=2, time=105.5
+                ),
+                GenerationStarted(
+                    2, members, [devices[m] for m in members], "workers [1] rejoin", time=105.5
+                ),
             ]
         if g == 7:
             events += [
@@ -142,6 +157,19 @@ def hand_made_run(
     lines = [json.dumps({**to_record(StepEnded(0, 0, 1, 4, 9.0, 0.1, 8, 8.0)), "run": "r1"})]
     lines += [json.dumps({**to_record(e), "run": "r2"}) for e in events]
     (run_dir / "events.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def balance_events(g: int, t: float) -> list[Balanced]:
+    """The balance's decisions after step ``g`` (at ``t + 0.1``): after step 2, rank 1 named
+    slow (2.2x its peer), shares kept even; after step 3, 65/35; after step 6 (generation
+    2, where :func:`hand_made_run` makes worker 1 rank 0), rank 1 named (3x), 75/25."""
+    if g == 2:
+        return [Balanced(2, [0.5, 0.5], [1e-3, 2.2e-3], slow=[1], changed=False, time=t + 0.1)]
+    if g == 3:
+        return [Balanced(3, [0.65, 0.35], [1e-3, 1.9e-3], time=t + 0.1)]
+    if g == 6:
+        return [Balanced(6, [0.75, 0.25], [1e-3, 3e-3], slow=[1], time=t + 0.1)]
+    return []
 
 
 def test_plot_marks_a_kill_and_a_hang_and_shows_world_size_and_generations(
@@ -178,6 +206,35 @@ def test_report_tells_the_run_end_from_its_files(tmp_path: Path) -> None:
     assert f"checkpoints in {run_dir}/checkpoints, logs in {run_dir}" in out.replace("\n", " ")
     assert "To continue after an interruption" in out
     assert report_run(tmp_path / "nothing", console) == 1
+    assert "Slow members" not in out and "Balanced:" not in out
+
+
+def test_report_names_each_slow_member_where_it_ran_and_the_last_shares(tmp_path: Path) -> None:
+    """Rank 1 is worker 1 in generation 0 and worker 0 in generation 2: each naming says
+    which worker and device, how much slower than the median of its peers, its last share."""
+    run_dir = tmp_path / "run"
+    hand_made_run(run_dir, balance=True)
+    console = Console(file=io.StringIO(), width=100)
+    assert report_run(run_dir, console) == 0
+    lines = [x.rstrip() for x in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
+    title = lines.index("Slow members (persistently slower than their peers)")
+    cells = [re.split("[│┃]", line)[1:-1] for line in lines[title + 1 :]]
+    table = [[c.strip() for c in row] for row in cells if len(row) > 2]
+    assert table == [
+        ["rank", "worker", "device", "gen", "named after", "time/sample", "vs peers",
+         "last share"],
+        ["1", "1", "cpu:1", "0", "step 2", "2.200 ms", "2.20x", "35%"],
+        ["1", "0", "cpu:0", "2", "step 6", "3.000 ms", "3.00x", "25%"],
+    ]  # fmt: skip
+    assert "Balanced: the last shares were 75/25% of each global batch (by rank)." in lines
+    assert (
+        "Slow: rank 1 is persistently slower (2.2x the time per sample of its peers): worker 1 "
+        "on cpu:1, after step 2." in lines
+    )
+    assert (
+        "Slow: rank 1 is persistently slower (3.0x the time per sample of its peers): worker 0 "
+        "on cpu:0, after step 6." in lines
+    )
 
 
 @pytest.mark.slow
@@ -288,8 +345,9 @@ def plotted_points(ax: Any) -> np.ndarray:
     return points[inside & (points[:, 1] >= box.y0) & (points[:, 1] <= box.y1)]
 
 
-def test_the_legends_sit_off_the_data(tmp_path: Path) -> None:
-    hand_made_run(tmp_path / "run", valid=True)
+@pytest.mark.parametrize("balance", [False, True])
+def test_the_legends_sit_off_the_data(tmp_path: Path, balance: bool) -> None:
+    hand_made_run(tmp_path / "run", valid=True, balance=balance)
     fig = plot_run(tmp_path / "run").figure
     fig.draw_without_rendering()
     assert legends(fig)
@@ -341,9 +399,11 @@ def test_loss_and_validation_metrics_have_panels_of_their_own(tmp_path: Path) ->
     assert int.from_bytes(png[16:20], "big") == 1500  # 10 in at 150 dpi
 
 
-@pytest.mark.parametrize("failures", [False, True])
-def test_curves_and_failure_kinds_never_share_a_colour(tmp_path: Path, failures: bool) -> None:
-    hand_made_run(tmp_path / "run", failures=failures, valid=True)
+@pytest.mark.parametrize(("failures", "balance"), [(False, False), (True, False), (True, True)])
+def test_curves_and_failure_kinds_never_share_a_colour(
+    tmp_path: Path, failures: bool, balance: bool
+) -> None:
+    hand_made_run(tmp_path / "run", failures=failures, valid=True, balance=balance)
     drawn = plot_run(tmp_path / "run")
     entries = legend_entries(drawn.figure)
     kinds = {label for _, _, label in KIND_STYLE.values()}
@@ -355,7 +415,10 @@ def test_curves_and_failure_kinds_never_share_a_colour(tmp_path: Path, failures:
     shown = {text: colour_of(h) for text, h in entries if text in kinds}
     assert shown == ({"crash/kill": "#d62728", "hang": "#ff7f0e"} if failures else {})
     colours = [series.colour for series in drawn.series.values()]
-    assert len(drawn.series) == 5 and len(set(colours)) == 5
+    assert len(drawn.series) == 5 + 2 * balance and len(set(colours)) == len(colours)
+    if balance:
+        assert any(text.endswith(": share") for text in curves)
+        assert curves["named slow (w<n>: worker n)"] == SLOW_COLOUR
 
 
 def test_mid_epoch_validations_are_labelled_as_such(tmp_path: Path) -> None:
@@ -390,3 +453,58 @@ def test_mid_epoch_validations_are_labelled_as_such(tmp_path: Path) -> None:
 
 def _offsets(collection: Any) -> list[tuple[float, float]]:
     return [(float(x), float(y)) for x, y in collection.get_offsets()]
+
+
+# Balance (phalanx.balance): each worker's share of the batch, and the members named slow.
+
+
+def _nan_free(points: list[tuple[float, float]]) -> list[tuple[float, float | None]]:
+    return [(x, None if math.isnan(y) else y) for x, y in points]
+
+
+def test_plot_shows_each_workers_share_and_marks_the_members_named_slow(tmp_path: Path) -> None:
+    """Shares by worker slot (rank 0 of generation 2 is worker 1), even again at each new
+    generation, a gap where a worker was no member; a star where each was named slow."""
+    hand_made_run(tmp_path / "run", balance=True)
+    data = load_run(tmp_path / "run")
+    assert data.uneven and data.devices == ["cpu:0", "cpu:1"]
+    drawn = plot_run(tmp_path / "run")
+    # steps committed when each took effect: the start, the decision after step 3, gen 1
+    # (after step 3, by its time), gen 2, the decision after step 6, gen 3 (after step 7);
+    # on to the last step
+    xs = [0.0, 3.0, 3.0, 4.0, 6.0, 7.0, 8.0]
+    shares = {key: _nan_free(series.points) for key, series in drawn.series.items()
+              if series.panel == SHARES_PANEL}  # fmt: skip
+    assert shares == {
+        "share/worker 0": list(zip(xs, [0.5, 0.65, 1.0, 0.5, 0.25, None, None], strict=True)),
+        "share/worker 1": list(zip(xs, [0.5, 0.35, None, 0.5, 0.75, 1.0, 1.0], strict=True)),
+    }
+    assert drawn.series["share/worker 1"].label == "worker 1 (cpu:1): share"
+    # named after steps 2 and 6, on the world size (2 both times)
+    assert drawn.slow == [("w1 slow", 2.0, 2.0), ("w0 slow", 6.0, 2.0)]
+    by_time = [(label, round(x, 6)) for label, x, _ in drawn.slow_by_time]
+    assert by_time == [("w1 slow", 3.1), ("w0 slow", 7.1)]
+    fig = drawn.figure
+    (share_ax,) = [ax for ax in fig.axes[::2] if ax.get_ylabel() == SHARES_PANEL]
+    assert share_ax.get_ylim()[1] <= 1.05
+    assert "named slow: worker 0, worker 1" in fig.get_suptitle()
+    entries = dict(legend_entries(fig))
+    assert colour_of(entries["named slow (w<n>: worker n)"]) == SLOW_COLOUR
+    assert set(entries) >= {"worker 0 (cpu:0): share", "worker 1 (cpu:1): share"}
+    # without balance events: no shares' panel, no slow marks
+    hand_made_run(tmp_path / "plain")
+    drawn = plot_run(tmp_path / "plain")
+    assert SHARES_PANEL not in [ax.get_ylabel() for ax in drawn.figure.axes]
+    assert drawn.slow == [] and not [k for k in drawn.series if k.startswith("share/")]
+
+
+def test_a_slow_member_with_even_shares_is_marked_without_a_shares_panel(tmp_path: Path) -> None:
+    """``fit(balance=False)``: shares never move, the slow member is named all the same."""
+    hand_made_run(tmp_path / "run", balance=True)
+    data = load_run(tmp_path / "run")
+    data.uneven = False  # as if only the naming (a Balanced event with changed false) came
+    drawn = draw(data, tmp_path / "even.png")
+    assert SHARES_PANEL not in [ax.get_ylabel() for ax in drawn.figure.axes]
+    assert [label for label, _, _ in drawn.slow] == ["w1 slow", "w0 slow"]
+    texts = [t.get_text() for ax in drawn.figure.axes for t in ax.texts]
+    assert texts.count("w1 slow") == 2  # on the step axes and on the time axes

@@ -60,6 +60,26 @@ def sizes(total: int, shares: Sequence[float]) -> list[int]:
     return cut
 
 
+def peers_median(paces: Sequence[float], member: int) -> float:
+    """The median of the other members' paces (the mean of the middle two for an even
+    count; 0 without peers): what a member is compared with to be named slow."""
+    others = sorted(p for j, p in enumerate(paces) if j != member)
+    if not others:
+        return 0.0
+    half = len(others) // 2
+    return others[half] if len(others) % 2 else (others[half - 1] + others[half]) / 2
+
+
+def slower_than_peers(paces: Sequence[float], member: int) -> float | None:
+    """How many times the median of its peers' time per sample ``member``'s pace is (None
+    when unknown: no peers, or a pace that is not a positive number)."""
+    middle = peers_median(paces, member)
+    if not 0 <= member < len(paces) or middle <= 0 or not math.isfinite(middle):
+        return None
+    pace = paces[member]
+    return pace / middle if pace > 0 and math.isfinite(pace) else None
+
+
 def cut(batch: Sequence[int], shares: Sequence[float] | None, members: int) -> list[list[int]]:
     """``batch`` in ``members`` contiguous parts: even (:func:`phalanx.plan.split`) without
     ``shares``, else sized by :func:`sizes`."""
@@ -139,12 +159,7 @@ class Balancer:
             return []
         found = []
         for i, pace in enumerate(self.paces):
-            others = sorted(p for j, p in enumerate(self.paces) if j != i)
-            middle = (
-                others[len(others) // 2]
-                if len(others) % 2
-                else sum(others[len(others) // 2 - 1 : len(others) // 2 + 1]) / 2
-            )
+            middle = peers_median(self.paces, i)
             if middle > 0 and pace > SLOW * middle:
                 found.append(i)
         return found

@@ -13,16 +13,21 @@ wall time since the run began (right), and one row per panel, each with one y ax
 * the validation metrics: those within [0, 1] (accuracy, F1...) share a panel, any other
   one has its own; a validation at an epoch's end is a filled marker, one in the middle of
   an epoch (``fit(val_every_steps=N)``) a hollow one, and the legend says which is which;
-* the world size, each generation labelled ``g<n>``.
+* the shares of each global batch (``fit(balance=True)``), one step line per worker, only
+  when the balance moved them from even in some generation (each generation starts even; a
+  worker outside a generation has no share);
+* the world size, each generation labelled ``g<n>``, and each member named persistently
+  slower than its peers a star on it, labelled ``w<n> slow`` (worker ``n``).
 
 Each failure is also a dotted line across its column (a hang on the time axes is shaded
 from the worker's last progress). The curves' colours are pairwise distinct and none is a
 failure kind's colour; each row's legend sits to the right of its panels, off the data; the
-title names the run, its steps, workers and failures.
+title names the run, its steps, workers, failures and slow workers.
 
-:func:`draw` returns what it drew (:class:`Drawn`: the failure markers' and the curves'
-positions read back from the plot's artists, the panel and colour of each curve, and the
-figure itself), so a test can check the picture's content without reading pixels.
+:func:`draw` returns what it drew (:class:`Drawn`: the failure markers', the curves' and
+the slow marks' positions read back from the plot's artists, the panel and colour of each
+curve, and the figure itself), so a test can check the picture's content without reading
+pixels.
 """
 
 from __future__ import annotations
@@ -46,12 +51,16 @@ KIND_STYLE = {  # marker, colour, label
 }
 UNKNOWN_KIND = ("D", "#000000", "")  # a failure kind this module does not know
 WORLD_COLOUR = "#2ca02c"
+SLOW_COLOUR = "#e6ab02"  # a member named slow, on the world size
 KEY_COLOUR = "#444444"  # the legend's key to the validation markers
 # The curves' colours, in order (train loss first): none is a failure kind's, the world
 # size's or the key's; more curves than these get evenly spaced hues (see _colours).
 PALETTE = ("#1f77b4", "#17becf", "#e377c2", "#bcbd22", "#393b79", "#7f7f7f", "#637939")
 FIGSIZE = (10.0, 7.0)  # inches, with one validation panel; each more adds VALID_HEIGHT
 VALID_HEIGHT = 1.8
+SHARES_HEIGHT = 1.5  # the shares' panel, when there is one
+SHARES_PANEL = "share of each batch"
+SHARE_STYLES = ("-", "--", "-.")  # (equal shares draw one line over another: tell them apart)
 DPI = 150
 SHADE = 0.12  # the alpha of a hang's silence on the time axes
 SHAPES = ("o", "s", "D", "^", "p", "h")  # the validation metrics' markers, in each panel
@@ -67,6 +76,24 @@ class Failure:
     worker: int
     action: str
     silent_from: float | None = None  # a hang: seconds at the worker's last progress
+
+
+@dataclass(frozen=True)
+class SlowMark:
+    """A member named persistently slower than its peers, after committed step ``step``
+    (as the world size counts steps: committed so far), its rank then and the worker slot
+    that rank was (None when the log does not say), and its time per sample over its
+    peers' median."""
+
+    step: float
+    seconds: float
+    rank: int
+    worker: int | None
+    ratio: float | None
+
+    @property
+    def label(self) -> str:
+        return f"w{self.worker} slow" if self.worker is not None else f"rank {self.rank} slow"
 
 
 @dataclass
@@ -87,6 +114,12 @@ class RunData:
     failures: list[Failure] = field(default_factory=list)
     # (step, seconds, generation, world size): from the start, and at each new generation
     world: list[tuple[float, float, int, int]] = field(default_factory=list)
+    # (step, seconds, {worker slot: share}): the shares of each global batch from the start,
+    # at each new generation (even) and at each decision of the balance (Balanced events)
+    shares: list[tuple[float, float, dict[int, float]]] = field(default_factory=list)
+    uneven: bool = False  # the balance moved the shares at least once (a changed Balanced)
+    slow: list[SlowMark] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)  # each worker slot's (RunStarted)
 
     def loss_at(self, step: float) -> float:
         """The loss of the committed step nearest at or before ``step`` (NaN with none)."""
@@ -99,6 +132,11 @@ class RunData:
         """Steps committed by ``seconds`` (0 before the first)."""
         i = bisect.bisect_right(self.seconds, seconds)
         return float(self.steps[i - 1]) if i else 0.0
+
+    def world_at(self, x: float, column: int = 0) -> float:
+        """The world size in force at ``x`` (a step, or ``column`` 1: seconds)."""
+        sizes = [float(w[3]) for w in self.world if w[column] <= x]
+        return sizes[-1] if sizes else math.nan
 
     def val_every(self) -> int | None:
         """The steps between mid-epoch validations (``val_every_steps``), as the log shows
@@ -124,14 +162,19 @@ class Series:
 class Drawn:
     """What :func:`draw` put in the picture: per failure kind, the markers' positions on
     the step axes and on the time axes, read from the artists; the world size's steps; per
-    curve (``train/loss``, ``valid/<metric>``), a :class:`Series`; and the matplotlib
-    ``Figure`` as saved (its axes and legends, for a test to measure)."""
+    curve (``train/loss``, ``valid/<metric>``, ``share/worker <n>``: a worker's share of
+    each batch, NaN where it was no member), a :class:`Series`; each slow mark's label and
+    position; and the matplotlib ``Figure`` as saved (its axes and legends, for a test to
+    measure)."""
 
     path: Path
     by_step: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     by_time: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     world: list[tuple[float, float]] = field(default_factory=list)
     series: dict[str, Series] = field(default_factory=dict)
+    # the slow marks on the world size: (label, x, y) on the step axes and on the time axes
+    slow: list[tuple[str, float, float]] = field(default_factory=list)
+    slow_by_time: list[tuple[str, float, float]] = field(default_factory=list)
     figure: Any = None
 
 
@@ -163,13 +206,18 @@ def load_run(run_dir: str | Path) -> RunData:
         return data
     start = min(float(r.get("time", 0.0)) for r in records)
     steps_per_epoch = 0
+    members: list[int] | None = None  # the current generation's slots, by rank
     for r in records:
         seconds = float(r.get("time", start)) - start
         kind = r.get("event")
         if kind == "RunStarted":
             steps_per_epoch = int(r["steps_per_epoch"])
+            data.devices = [str(d) for d in r["devices"]]
             if not data.world:
                 data.world.append((0.0, seconds, 0, len(r["devices"])))
+            if not data.shares:
+                members = list(range(len(r["devices"])))
+                data.shares.append((0.0, seconds, _even(members)))
         elif kind == "StepEnded":
             data.steps.append(int(r["global_step"]))
             data.seconds.append(seconds)
@@ -180,7 +228,39 @@ def load_run(run_dir: str | Path) -> RunData:
             data.failures.append(_failure(r, seconds, data))
         elif kind == "GenerationStarted":
             data.world.append((data.step_at(seconds), seconds, int(r["number"]), len(r["members"])))
+            members = [int(m) for m in r["members"]]
+            data.shares.append((data.step_at(seconds), seconds, _even(members)))
+        elif kind == "Balanced":
+            _balanced(r, seconds, members, data)
     return data
+
+
+def _even(members: list[int]) -> dict[int, float]:
+    return {m: 1.0 / len(members) for m in members}
+
+
+def _balanced(
+    record: dict[str, Any], seconds: float, members: list[int] | None, data: RunData
+) -> None:
+    """A decision of the balance: its shares from the next step (by worker slot), and the
+    members it names slow."""
+    from phalanx.balance import slower_than_peers
+
+    def slot(rank: int) -> int | None:
+        if members is None:
+            return rank  # (no generation, no RunStarted: ranks are all the log knows)
+        return members[rank] if 0 <= rank < len(members) else None
+
+    step = float(record["global_step"])
+    shares = [float(x) for x in record["shares"]]
+    if record.get("changed", True):
+        data.uneven = True
+        by_slot = {slot(rank): share for rank, share in enumerate(shares)}
+        data.shares.append((step, seconds, {w: x for w, x in by_slot.items() if w is not None}))
+    paces = [float(x) for x in record.get("paces", [])]
+    for rank in record.get("slow", []):
+        ratio = slower_than_peers(paces, int(rank))
+        data.slow.append(SlowMark(step, seconds, int(rank), slot(int(rank)), ratio))
 
 
 def _validation(
@@ -237,7 +317,8 @@ def _colours(n: int) -> list[str]:
     key's: :data:`PALETTE`, then evenly spaced hues."""
     import colorsys
 
-    taken = {c for _, c, _ in KIND_STYLE.values()} | {UNKNOWN_KIND[1], WORLD_COLOUR, KEY_COLOUR}
+    taken = {c for _, c, _ in KIND_STYLE.values()}
+    taken |= {UNKNOWN_KIND[1], WORLD_COLOUR, KEY_COLOUR, SLOW_COLOUR}
     colours = list(PALETTE[:n])
     extra = n - len(colours)
     for i in range(extra):
@@ -261,6 +342,10 @@ def _title(data: RunData) -> str:
     )
     names = ", ".join(k if n == 1 else f"{k} x{n}" for k, n in sorted(kinds.items()))
     parts.append(f"{_count(len(data.failures), 'failure')} ({names})" if kinds else "no failures")
+    slow = sorted({(m.worker is None, m.rank if m.worker is None else m.worker) for m in data.slow})
+    if slow:
+        who = (f"rank {n}" if unknown else f"worker {n}" for unknown, n in slow)
+        parts.append("named slow: " + ", ".join(who))
     return f"{name}: " + ", ".join(parts)
 
 
@@ -274,13 +359,16 @@ def draw(data: RunData, path: str | Path) -> Drawn:
     from matplotlib.figure import Figure
 
     panels = _panels(data)
-    heights = [3.0] + [2.0] * (len(panels) - 1) + [1.0]
+    workers = _share_workers(data)
+    heights = [3.0] + [2.0] * (len(panels) - 1) + [1.2] * bool(workers) + [1.0]
     height = FIGSIZE[1] + (len(panels) - 2) * VALID_HEIGHT  # (less without a metric's panel)
+    height += SHARES_HEIGHT if workers else 0.0
     fig = Figure(figsize=(FIGSIZE[0], height), layout="constrained")
     axes = fig.subplots(
-        len(panels) + 1, 2, sharex="col", sharey="row", gridspec_kw={"height_ratios": heights}
+        len(heights), 2, sharex="col", sharey="row", gridspec_kw={"height_ratios": heights}
     )
     keys = ["train/loss", *(k for p in panels for k in p.metrics)]
+    keys += [f"share/worker {w}" for w in workers]
     colours = dict(zip(keys, _colours(len(keys)), strict=True))
     drawn = Drawn(Path(path), figure=fig)
     for column in (0, 1):
@@ -291,14 +379,26 @@ def draw(data: RunData, path: str | Path) -> Drawn:
                 ax.set_ylabel(panel.ylabel)
             else:
                 _legend(ax, handles + _key(data, panel))
+        if workers:
+            ax = axes[-2][column]
+            lines = _draw_shares(ax, data, workers, column, colours, drawn)
+            _mark_failures(ax, data, column)
+            if column == 0:
+                ax.set_ylabel(SHARES_PANEL)
+            else:
+                _legend(ax, lines)
         bottom = axes[-1][column]
         world = _draw_world(bottom, data, column)
+        slow, stars = _draw_slow(bottom, data, column)
         _mark_failures(bottom, data, column)
         if column == 0:
-            drawn.world = world
+            drawn.world, drawn.slow = world, slow
             bottom.set_ylabel("workers")
         else:
-            _legend(bottom, bottom.lines[:1], ["world size (g<n>: generation n)"])
+            drawn.slow_by_time = slow
+            handles = [*bottom.lines[:1], *stars]
+            labels = ["world size (g<n>: generation n)", "named slow (w<n>: worker n)"]
+            _legend(bottom, handles, labels[: len(handles)])
         bottom.set_xlabel(("step (1-based)", "wall time since the run began (s)")[column])
         axes[0][column].set_title(("against the step", "against the wall time")[column])
     fig.suptitle(_title(data))
@@ -450,6 +550,64 @@ def _draw_world(ax: Any, data: RunData, column: int) -> list[tuple[float, float]
     ax.set_ylim(0, max(ys) + 1)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     return _xy(line)
+
+
+def _share_workers(data: RunData) -> list[int]:
+    """The worker slots whose shares the plot shows: every one that had a share, when the
+    balance moved the shares at least once; none otherwise (even all along: no panel)."""
+    if not data.uneven:
+        return []
+    return sorted({w for _, _, shares in data.shares for w in shares})
+
+
+def _draw_shares(
+    ax: Any, data: RunData, workers: list[int], column: int, colours: dict[str, str],
+    drawn: Drawn,
+) -> list[Any]:  # fmt: skip
+    """Each worker's share of each global batch as a step line (a gap while it is no
+    member; solid, dashed, dash-dotted in turn, so equal shares stay apart); fills in
+    ``drawn.series`` from the step axes. Returns the lines."""
+    from matplotlib.colors import to_hex
+    from matplotlib.ticker import PercentFormatter
+
+    ends = (data.steps, data.seconds)[column]
+    xs = [p[0] if column == 0 else p[1] for p in data.shares]
+    if ends and float(ends[-1]) > xs[-1]:
+        xs.append(float(ends[-1]))
+    lines = []
+    for w, style in zip(workers, itertools.cycle(SHARE_STYLES), strict=False):
+        ys = [p[2].get(w, math.nan) for p in data.shares]
+        ys += ys[-1:] * (len(xs) - len(ys))
+        device = f" ({data.devices[w]})" if 0 <= w < len(data.devices) else ""
+        key = f"share/worker {w}"
+        (line,) = ax.step(xs, ys, where="post", color=colours[key], linewidth=1.4,
+                          linestyle=style, label=f"worker {w}{device}: share")  # fmt: skip
+        lines.append(line)
+        if column == 0:
+            colour = to_hex(line.get_color())
+            drawn.series[key] = Series(line.get_label(), colour, SHARES_PANEL, _xy(line))
+    ax.set_ylim(0, 1.05)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    return lines
+
+
+def _draw_slow(
+    ax: Any, data: RunData, column: int
+) -> tuple[list[tuple[str, float, float]], list[Any]]:
+    """Each member named slow, a star on the world size where it was named, labelled: the
+    labels and the positions as the artists hold them, and the stars' artist (if any)."""
+    if not data.slow:
+        return [], []
+    xs = [m.step if column == 0 else m.seconds for m in data.slow]
+    ys = [data.world_at(x, column) for x in xs]
+    artist = ax.scatter(xs, ys, marker="*", s=110, color=SLOW_COLOUR, zorder=5,
+                        label="named slow")  # fmt: skip
+    labels = []
+    for m, x, y in zip(data.slow, xs, ys, strict=True):
+        note = ax.annotate(m.label, (x, y), fontsize=7, color=SLOW_COLOUR, xytext=(3, -9),
+                           textcoords="offset points")  # fmt: skip
+        labels.append(note.get_text())
+    return [(label, x, y) for label, (x, y) in zip(labels, _xy(artist), strict=True)], [artist]
 
 
 def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Drawn:

@@ -2,10 +2,12 @@
 
 The run's events (``events.jsonl``, the lines of the run ``run.json`` names) are replayed
 into a :class:`~phalanx.sinks.SummarySink`, so the summary table, the failures and
-recoveries, the world size, each respawn's fate and where the files are read exactly as at
-the end of the live run. Failures take their ``recovery_seconds`` from ``run.json`` (known
-only after the event was logged). A run whose log has no ``RunEnded`` (still running, or its
-process was killed) is told as such, with what it had done so far.
+recoveries, the world size, each respawn's fate, the balance (the last shares, the members
+named slow: rank, worker and device, how much slower than their peers) and where the files
+are read exactly as at the end of the live run. Failures take their ``recovery_seconds``
+from ``run.json`` (known only after the event was logged). A run whose log has no
+``RunEnded`` (still running, or its process was killed) is told as such, with what it had
+done so far.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from phalanx.balance import slower_than_peers
+
 
 def fmt_number(value: float) -> str:
     """4 significant digits: ``0.5`` -> ``0.5000``, ``2e-05`` -> ``2.000e-05``, ``1234.5`` ->
@@ -28,20 +30,25 @@ def fmt_metric(key: str, value: float) -> str:
     return fmt_number(value)
 
 
+def fmt_share(share: float) -> str:
+    """A share of the global batch in percent: ``0.42`` -> ``42%``; under 1% with one
+    decimal (``0.4%``: every member keeps at least one sample, never ``0%``)."""
+    return f"{100 * share:.0f}%" if share >= 0.01 or share <= 0 else f"{100 * share:.1f}%"
+
+
 def balance_line(event: object, shares_too: bool = True) -> str:
     """A :class:`~phalanx.events.Balanced` event in one line: the shares from the next step
     (in percent, rank order) and each member named slow with how much slower than the
-    median of its peers it is."""
+    median of its peers' it is (:func:`~phalanx.balance.slower_than_peers`)."""
     shares = list(getattr(event, "shares", []))
     paces = list(getattr(event, "paces", []))
     step = int(getattr(event, "global_step", 0))
     parts = []
     if shares_too and getattr(event, "changed", False):
-        cut = "/".join(f"{100 * s:.0f}" for s in shares)
+        cut = "/".join(fmt_share(s).rstrip("%") for s in shares)
         parts.append(f"balance: shares {cut}% of each global batch (by rank) from step {step + 1}")
     for rank in getattr(event, "slow", []):
-        others = sorted(p for i, p in enumerate(paces) if i != rank)
-        middle = others[len(others) // 2] if others else 0.0
-        times = f" ({paces[rank] / middle:.1f}x the time per sample of its peers)" if middle else ""
+        ratio = slower_than_peers(paces, rank)
+        times = f" ({ratio:.1f}x the time per sample of its peers)" if ratio else ""
         parts.append(f"rank {rank} is persistently slower{times}")
     return "; ".join(parts)

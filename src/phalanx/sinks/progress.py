@@ -2,7 +2,8 @@
 
 Terminal (``console.is_terminal``): a rich live display with an epoch bar and a step bar
 (with ETA) showing loss, lr and samples/s, updated on every ``StepEnded``, and under them
-the worker panel (:mod:`phalanx.sinks.workers`): one row per worker and, while the others
+the worker panel (:mod:`phalanx.sinks.workers`): one row per worker (a member named slow
+says so; each member's share once the balance has moved the shares) and, while the others
 wait on a silent worker, a line naming it. Narrow terminals get fewer columns (under 120:
 no sample count; under 100: loss and throughput only), never broken bars. Epoch results,
 failures, notices, resumes and skipped checkpoints are printed above the bars, wrapped at
@@ -136,7 +137,7 @@ class ProgressSink:
     # -- Sink protocol -------------------------------------------------------------------
 
     def handle(self, event: Event) -> None:
-        if isinstance(event, (RunStarted, StepEnded, GenerationStarted)):
+        if isinstance(event, (RunStarted, StepEnded, GenerationStarted, Balanced)):
             self.workers.update(event)  # (in-process strategies: rows follow the steps)
         handler = self._handlers.get(type(event))
         if handler is None:

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from phalanx.balance import slower_than_peers
 from phalanx.events import (
     Balanced,
     CheckpointSaved,
@@ -29,7 +30,7 @@ from phalanx.events import (
     WorkerState,
 )
 from phalanx.failures import WorkerFailure
-from phalanx.sinks.format import balance_line
+from phalanx.sinks.format import fmt_number, fmt_share
 
 _SPLIT_ORDER = {"train": 0, "valid": 1, "test": 2}
 
@@ -163,6 +164,58 @@ def render_failures(failures: list[WorkerFailure], console: Console) -> None:
 
 
 @dataclass
+class SlowMember:
+    """A member named persistently slower than its peers (a ``Balanced`` event's ``slow``):
+    its rank in generation ``generation``, the worker slot and device that rank was (None
+    when the events do not say), the committed step it was named after (1-based), its pace
+    (seconds per sample) and how many times its peers' median that is, and its last share
+    of each global batch in that generation."""
+
+    rank: int
+    worker: int | None
+    device: str | None
+    generation: int
+    step: int
+    pace: float | None
+    ratio: float | None
+    share: float | None
+
+    def line(self) -> str:
+        """``rank 2 is persistently slower (2.0x ...): worker 2 on cpu:2, after step 16``
+        (the step it was named after)."""
+        times = f" ({self.ratio:.1f}x the time per sample of its peers)" if self.ratio else ""
+        where = f"worker {self.worker} on {self.device}, " if self.worker is not None else ""
+        return f"rank {self.rank} is persistently slower{times}: {where}after step {self.step}"
+
+
+def render_slow(slow: list[SlowMember], console: Console) -> None:
+    """The members named slow ("Slow members"), one row each: where it ran, when it was
+    named, its time per sample against its peers' median, its last share."""
+    table = Table(title="Slow members (persistently slower than their peers)", title_justify="left")
+    for column in ("rank", "worker", "device", "gen", "named after"):
+        table.add_column(column)
+    for column in ("time/sample", "vs peers", "last share"):
+        table.add_column(column, justify="right")
+    for m in slow:
+        table.add_row(
+            str(m.rank),
+            "-" if m.worker is None else str(m.worker),
+            m.device or "-",
+            str(m.generation),
+            f"step {m.step}",
+            "-" if m.pace is None else f"{fmt_number(m.pace * 1e3)} ms",
+            "-" if m.ratio is None else f"{m.ratio:.2f}x",
+            "-" if m.share is None else fmt_share(m.share),
+        )
+    console.print(table)
+    console.print(
+        "vs peers: its time per sample over the median of the other members'",
+        highlight=False,
+        style="dim",
+    )
+
+
+@dataclass
 class RunStory:
     """What the end of a run tells, gathered from its events (also replayed from files by
     ``phalanx report``)."""
@@ -181,13 +234,18 @@ class RunStory:
     checkpoints: int = 0
     resumed_from: int = 0  # global steps committed before this invocation (a resume)
     balanced: Balanced | None = None  # the latest shares decided (phalanx.balance)
-    slow: dict[int, Balanced] = field(default_factory=dict)  # rank -> the event naming it
+    slow: list[SlowMember] = field(default_factory=list)  # in the order they were named
+    # the current generation's (worker slot, device) of each rank: a GenerationStarted's
+    # members, else (in-process strategies) the devices in order
+    ranks: list[tuple[int, str]] = field(default_factory=list)
 
     def take(self, event: Event) -> None:
         if isinstance(event, RunOpened):
             self.run_id, self.run_dir = event.run_id, event.run_dir
         elif isinstance(event, RunStarted):
             self.devices, self.steps_per_epoch = list(event.devices), event.steps_per_epoch
+            if self.members is None:
+                self.ranks = list(enumerate(event.devices))
             self.run_dir = event.run_dir or self.run_dir
             self.committed = event.start_epoch * event.steps_per_epoch + event.start_step
             self.epochs_done = event.start_epoch
@@ -201,13 +259,27 @@ class RunStory:
             self.failures.append(event)
         elif isinstance(event, GenerationStarted):
             self.members, self.generation = list(event.members), event.number
+            self.ranks = list(zip(event.members, event.devices, strict=False))
         elif isinstance(event, Balanced):
-            self.balanced = event if event.changed else self.balanced
-            self.slow.update({rank: event for rank in event.slow})
+            self._balanced(event)
         elif isinstance(event, WorkerState):
             self.states.append(event)
         elif isinstance(event, CheckpointSaved):
             self.checkpoints += 1
+
+    def _balanced(self, e: Balanced) -> None:
+        self.balanced = e if e.changed else self.balanced
+        for m in self.slow:  # the shares of those named in this generation, kept up
+            if m.generation == self.generation and m.rank < len(e.shares):
+                m.share = e.shares[m.rank]
+        for rank in e.slow:
+            worker, device = self.ranks[rank] if 0 <= rank < len(self.ranks) else (None, None)
+            pace = e.paces[rank] if 0 <= rank < len(e.paces) else None
+            share = e.shares[rank] if 0 <= rank < len(e.shares) else None
+            ratio = slower_than_peers(e.paces, rank)
+            self.slow.append(
+                SlowMember(rank, worker, device, self.generation, e.global_step, pace, ratio, share)
+            )
 
     def survived(self, failed: bool) -> list[WorkerFailure]:
         """Failures the run went on after (all but the one that stopped it)."""
@@ -284,10 +356,9 @@ def end_lines(story: RunStory, end: RunEnded) -> list[str]:
         )
     lines += [f"Respawn: {fate}." for fate in story.respawn_fates()]
     if story.balanced is not None:
-        shares = "/".join(f"{100 * s:.0f}" for s in story.balanced.shares)
+        shares = "/".join(fmt_share(s).rstrip("%") for s in story.balanced.shares)
         lines.append(f"Balanced: the last shares were {shares}% of each global batch (by rank).")
-    for event in story.slow.values():
-        lines.append(f"Slow: {balance_line(event, shares_too=False)}.")
+    lines += [f"Slow: {m.line()}." for m in story.slow]
     if story.run_dir:
         folder = story.run_dir
         lines.append(
@@ -308,9 +379,11 @@ class SummarySink:
 
     The end says steps, epochs and time (a failed run: the steps committed before it
     stopped, and that the error report follows), the failures survived with the table of
-    failures and recoveries, the final world size, each respawn's fate, where checkpoints
-    and logs are and how to resume; an interrupted run adds its ``interrupted`` line
-    (``Training interrupted: <reason>``, as ``FitResult`` has it).
+    failures and recoveries, the final world size, each respawn's fate, the last shares of
+    the global batch and the members named slow (with the table of slow members: where
+    each ran, how much slower), where checkpoints and logs are and how to resume; an
+    interrupted run adds its ``interrupted`` line (``Training interrupted: <reason>``, as
+    ``FitResult`` has it).
 
     ``timestamps``: start every line with the run's end time (``HH:MM:SS``), as the progress
     sink's plain lines do; None (the default) does so when the console is not a terminal
@@ -340,6 +413,8 @@ class SummarySink:
         render_summary(event.history or self.story.history, self.console)
         if self.story.failures:
             render_failures([e.failure for e in self.story.failures], self.console)
+        if self.story.slow:
+            render_slow(self.story.slow, self.console)
         for line in end_lines(self.story, event):  # a log file gets whole lines
             self.console.print(line, highlight=False, soft_wrap=not self.console.is_terminal)
         if event.interrupted:

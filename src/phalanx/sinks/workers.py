@@ -3,11 +3,16 @@ since its last progress), and the line that says who the others wait on. While t
 wait on one worker, its state reads ``no progress`` and theirs ``waiting`` (healthy, blocked
 in a collective until it comes), though their idle seconds count up alike.
 
+Balance (:mod:`phalanx.balance`): a member named persistently slower than its peers reads
+``slow`` (yellow) instead of ``training``, and once the shares of the global batch have
+moved from even, a ``share`` column gives each member's part of it. Both are the current
+generation's: a new generation starts even, with no one named.
+
 :class:`Workers` is fed by events (:class:`~phalanx.events.WorkerState`,
-:class:`~phalanx.events.WorkersTick`, ``GenerationStarted``, and for in-process strategies
-``RunStarted`` and ``StepEnded``) and reads the time only from the ``now`` it is given, so a
-recorded event stream and a fake clock replay exactly what a user saw. Steps are shown
-1-based.
+:class:`~phalanx.events.WorkersTick`, ``GenerationStarted``, ``Balanced``, and for
+in-process strategies ``RunStarted`` and ``StepEnded``) and reads the time only from the
+``now`` it is given, so a recorded event stream and a fake clock replay exactly what a user
+saw. Steps are shown 1-based.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from phalanx.events import (
+    Balanced,
     Event,
     GenerationStarted,
     RunStarted,
@@ -29,6 +35,7 @@ from phalanx.events import (
     WorkersTick,
 )
 from phalanx.failures import phase_rank
+from phalanx.sinks.format import fmt_share
 
 NOTICE_AFTER = 2.0  # seconds of silence of every watched worker before a waiting line shows
 NOTICE_FRACTION = 0.05  # ... or this share of the hang limit, when that is longer
@@ -49,6 +56,8 @@ class Row:
     step: int | None = None
     since: float | None = None
     limit: float | None = None
+    slow: bool = False  # named persistently slower than its peers in this generation
+    share: float | None = None  # its part of each global batch (a member's, balance on)
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,8 @@ class Workers:
     def __init__(self) -> None:
         self.rows: dict[int, Row] = {}
         self.regrouped: float | None = None  # when the latest generation was announced
+        self.members: list[int] | None = None  # the latest generation's slots, by rank
+        self.uneven = False  # this generation's shares have moved (Balanced, changed)
 
     def update(self, event: Event) -> str | None:
         """Take in ``event``; return a line describing a change of a worker's state, if any."""
@@ -99,6 +110,11 @@ class Workers:
                 )
         elif isinstance(event, GenerationStarted):
             self.regrouped = event.time
+            self.members, self.uneven = list(event.members), False
+            for row in self.rows.values():  # balance starts even in every generation
+                row.slow, row.share = False, None
+        elif isinstance(event, Balanced):
+            self._balanced(event)
         elif isinstance(event, RunStarted) and event.strategy == "threads" and not self.rows:
             for i, device in enumerate(event.devices):
                 self.rows[i] = Row(i, device, "training", rank=i, generation=0, since=event.time)
@@ -108,11 +124,36 @@ class Workers:
                     row.phase, row.step, row.since = "step", event.global_step - 1, event.time
         return None
 
+    def _balanced(self, e: Balanced) -> None:
+        """The shares decided and the members named slow, from ranks to the rows."""
+        self.uneven = self.uneven or e.changed
+        for row in self.rows.values():
+            row.share = None
+        for rank, share in enumerate(e.shares):
+            member = self.member(rank)
+            if member is not None:
+                member.share = share
+        for rank in e.slow:
+            member = self.member(rank)
+            if member is not None:
+                member.slow = True
+
+    def member(self, rank: int) -> Row | None:
+        """The row of the current generation's member ``rank``: its slot in the latest
+        ``GenerationStarted``; without one (in-process strategies), the one live row that
+        has that rank."""
+        if self.members is not None:
+            slot = self.members[rank] if 0 <= rank < len(self.members) else None
+            return self.rows.get(slot) if slot is not None else None
+        found = [r for r in self.rows.values() if r.rank == rank and r.state not in QUIET_STATES]
+        return found[0] if len(found) == 1 else None
+
     def _state(self, e: WorkerState) -> str:
         row = self.rows.setdefault(e.worker, Row(e.worker, e.device))
         row.device, row.state = e.device, e.state
         if e.state in ("starting", "joining"):  # a new process, or a new group: as told
             row.rank, row.generation = e.rank, e.generation
+            row.slow, row.share = False, None
         else:
             row.rank = e.rank if e.rank is not None else row.rank
             row.generation = e.generation if e.generation is not None else row.generation
@@ -155,22 +196,27 @@ class Workers:
         return Waiting(silent.worker, silent.device, idle, silent.phase, silent.step, silent.limit)
 
     def table(self, now: float) -> Table:
-        """The panel's rows (fits 80 columns: 8 narrow columns)."""
+        """The panel's rows (fits 80 columns: 8 narrow columns, a 9th, ``share``, once this
+        generation's shares have moved from even)."""
         table = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
         for name in ("worker", "device", "rank", "gen", "state", "phase", "step"):
             table.add_column(name, no_wrap=True)
         table.add_column("idle", justify="right", no_wrap=True)
+        if self.uneven:
+            table.add_column("share", justify="right", no_wrap=True)
         wait = self.waiting(now)
         for row in sorted(self.rows.values(), key=lambda r: r.worker):
             quiet = row.state in QUIET_STATES or row.since is None
             waits = row.state in ("starting", "joining")  # no step of its own yet
             state = Text(row.state, style=_STATE_STYLE.get(row.state, ""))
+            if row.slow and row.state == "training":
+                state = Text("slow", "yellow")  # (persistently slower than its peers)
             if wait is not None and row.state == "training" and row.limit:
                 # Silent alike, told apart: the one the others wait on makes no progress;
                 # the others are healthy, blocked in a collective until it comes.
                 stuck = row.worker == wait.worker
                 state = Text(*(("no progress", "bold yellow") if stuck else ("waiting", "dim")))
-            table.add_row(
+            cells: list[RenderableType] = [
                 str(row.worker),
                 row.device,
                 _opt(row.rank),
@@ -179,7 +225,10 @@ class Workers:
                 row.phase if not quiet else "",
                 str(row.step + 1) if row.step is not None and not (quiet or waits) else "",
                 f"{now - (row.since or now):.1f}s" if not quiet else "",
-            )
+            ]
+            if self.uneven:
+                cells.append(fmt_share(row.share) if row.share is not None else "")
+            table.add_row(*cells)
         return table
 
     def renderable(self, now: float) -> RenderableType:
