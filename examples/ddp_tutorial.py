@@ -3,9 +3,10 @@
 The tutorial (pytorch.org, "Getting Started with Distributed Data Parallel") spawns one
 process per device, sets MASTER_ADDR/MASTER_PORT, calls init_process_group, wraps the model
 in DistributedDataParallel, and trains ``ToyModel`` (10 -> 10 -> 5) on random data with MSE
-and SGD. Here phalanx does the processes, the group, DDP, the data split and the checkpoints;
-what stays is the model, the loss and the optimizer. On top of the tutorial: fp16 mixed
-precision with a gradient scaler on CUDA devices (float32 on CPU), and AdamW with weight decay on the weights only.
+and SGD. Here phalanx does the processes, the group, DDP, the data split and the
+checkpoints; what stays is the model, the loss and the optimizer. On top of the tutorial:
+fp16 mixed precision with a gradient scaler on CUDA devices (float32 on CPU), and AdamW with
+weight decay on the weights only.
 
     .venv/bin/python examples/ddp_tutorial.py                    # 2 CPU workers
     .venv/bin/python examples/ddp_tutorial.py --devices cuda:0,cuda:1

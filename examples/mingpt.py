@@ -2,11 +2,12 @@
 
 minGPT's DDP trainer (Karpathy's minGPT, as adapted in PyTorch's DDP tutorial series) builds
 a GPT, an AdamW optimizer whose weight decay applies to Linear weights only (``configure_
-optimizers`` splits the parameters by name), trains with fp16 autocast and a GradScaler
-(on CUDA devices; float32 on CPU, where float16 is several times slower), clips gradients, and saves snapshots to resume from. Here phalanx does the processes, the
-data split, the scaler's vote (an overflowing step is skipped by every worker together) and
-the checkpoints; the model, its optimizer groups and the step are the user's. The text is the
-Zen of Python (``import this``): offline, and small enough to train on a CPU in a minute.
+optimizers`` splits the parameters by name), trains with fp16 autocast and a GradScaler (on
+CUDA devices; float32 on CPU, where float16 is several times slower), clips gradients, and
+saves snapshots to resume from. Here phalanx does the processes, the data split, the
+scaler's vote (an overflowing step is skipped by every worker together) and the checkpoints;
+the model, its optimizer groups and the step are the user's. The text is the Zen of Python
+(``import this``): offline, and small enough to train on a CPU in a minute.
 
     .venv/bin/python examples/mingpt.py                    # 2 CPU workers (after make demo)
     .venv/bin/python examples/mingpt.py --fault kill:0@30  # rank 0 killed: training goes on

@@ -1,12 +1,11 @@
 """The error catalog behind ``phalanx explain CODE``.
 
 One :class:`Explanation` per code: every code an error class in :mod:`phalanx.errors` uses,
-plus the kinds of :class:`~phalanx.errors.TrainingFailed` (PX201 crash, PX202 hang, PX203 out
-of memory, PX204 poison batch, PX205 preflight, PX206 a step that keeps failing, PX207 too many bad samples, PX208 a worker
-at fault), and the
-warnings a run gives by code (PX150 a rejected control message). The shape follows burn's
-error pages: what it means, when it happens, common causes, what to do, an
-example fix.
+plus the kinds of :class:`~phalanx.errors.TrainingFailed` (PX201 crash, PX202 hang, PX203
+out of memory, PX204 poison batch, PX205 preflight, PX206 a step that keeps failing, PX207
+too many bad samples, PX208 a worker at fault), and the warnings a run gives by code (PX150
+a rejected control message). The shape follows burn's error pages: what it means, when it
+happens, common causes, what to do, an example fix.
 """
 
 from __future__ import annotations
