@@ -148,3 +148,31 @@ def test_balance_off_keeps_even_shares_and_names_the_slow_member() -> None:
     assert decided and not any(d.changed for d in decided)
     assert any(2 in d.slow for d in decided)
     assert result.ledger_ok
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_worker_over_slow_worker_is_put_out_and_the_model_is_unchanged(
+    alone: px.FitResult,
+) -> None:
+    """Rank 2 four times slower, slow_worker=2.5: put out (shrink), the others finish."""
+    step = functools.partial(slow_rank_step, rank=2, per_sample=4e-3)
+    result = px.Learner(mlp, sgd, step).fit(
+        DATA,
+        strategy="ddp",
+        devices="cpu:0,cpu:1,cpu:2",
+        slow_worker=2.5,
+        on_failure=px.Recovery("shrink"),
+        sinks=[],
+        **FIT,
+    )
+    slow = [f for f in result.failures if f.exception_type == "WorkerTooSlow"]
+    assert len(slow) == 1 and slow[0].worker == 2 and slow[0].action == "shrunk"
+    assert "over slow_worker=2.5" in slow[0].message
+    assert result.ledger_ok and result.steps == alone.steps
+    assert _rel(result.model, alone.model) <= 1e-5
+
+
+def test_slow_worker_is_checked() -> None:
+    with pytest.raises(px.ConfigError, match=r"slow_worker=0\.5"):
+        px.Learner(mlp, sgd, px.mse_step).fit(DATA, slow_worker=0.5, sinks=[])

@@ -130,6 +130,7 @@ def fit_kinds() -> dict[str, Kind]:
         "max_steps": _optional(WHOLE),
         "val_every_steps": _optional(WHOLE),
         "balance": FLAG,
+        "slow_worker": _optional(NUMBER),
         "on_bad_sample": TEXT,
         "max_bad_samples": WHOLE,
         "min_free_memory": _optional(WHOLE),

@@ -103,6 +103,7 @@ class Decision:
     slow: list[int]
     paces: list[float]
     changed: bool
+    too_slow: list[int] = field(default_factory=list)  # over fit(slow_worker=): put out
 
 
 @dataclass
@@ -112,6 +113,8 @@ class Balancer:
 
     members: int
     enabled: bool = True
+    # fit(slow_worker=F): a member F times slower than the median of its peers is put out
+    limit: float | None = None
     shares: list[float] = field(default_factory=list)
     paces: list[float] = field(default_factory=list)  # smoothed seconds per sample
     seen: int = 0  # committed steps observed
@@ -149,9 +152,20 @@ class Balancer:
         )
         if moved:
             self.shares = shares
-        if not moved and not slow:
+        too_slow = self.too_slow()
+        if not moved and not slow and not too_slow:
             return None
-        return Decision(list(self.shares), slow, list(self.paces), moved)
+        return Decision(list(self.shares), slow, list(self.paces), moved, too_slow)
+
+    def too_slow(self) -> list[int]:
+        """Members slower than the ``limit`` (times the median of their peers), if set."""
+        if self.limit is None:
+            return []
+        return [
+            i
+            for i in range(self.members)
+            if (ratio := slower_than_peers(self.paces, i)) is not None and ratio > self.limit
+        ]
 
     def slow_members(self) -> list[int]:
         """Members whose smoothed pace is above :data:`SLOW` times the median of the others'."""

@@ -3,9 +3,9 @@
 One :class:`Explanation` per code: every code an error class in :mod:`phalanx.errors` uses,
 plus the kinds of :class:`~phalanx.errors.TrainingFailed` (PX201 crash, PX202 hang, PX203
 out of memory, PX204 poison batch, PX205 preflight, PX206 a step that keeps failing, PX207
-too many bad samples, PX208 a worker at fault), and the warnings a run gives by code (PX150
-a rejected control message). The shape follows burn's error pages: what it means, when it
-happens, common causes, what to do, an example fix.
+too many bad samples, PX208 a worker at fault, PX209 a worker too slow), and the warnings a
+run gives by code (PX150 a rejected control message). The shape follows burn's error pages:
+what it means, when it happens, common causes, what to do, an example fix.
 """
 
 from __future__ import annotations
@@ -649,6 +649,28 @@ _ENTRIES = [
         ],
         example="learner.fit(data, strategy='ddp', devices='cuda:0,cuda:1,cuda:2',\n"
         "            on_bad_sample='skip', on_failure=px.Recovery('shrink'))",
+    ),
+    Explanation(
+        code="PX209",
+        title="a worker too slow",
+        meaning="With fit(slow_worker=F), a member's time per sample (measured every step, "
+        "smoothed) stayed above F times the median of its peers'. Balance (on by default) "
+        "already gives it a smaller share; past F it is put out like a failed worker: under "
+        "ddp respawned or shrunk as on_failure says, so the others stop waiting for it.",
+        when="During training, at a balance decision (every 8 committed steps).",
+        causes=[
+            "A throttled or faulty GPU (thermal throttling, a slower model in the mix).",
+            "A noisy neighbour on that machine, a degraded network link to it.",
+        ],
+        fixes=[
+            "Check the device (nvidia-smi -q -d PERFORMANCE, dmesg) and take it out of the "
+            "device list if it stays slow.",
+            "With on_failure=px.Recovery('shrink') the run goes on without it; respawn starts "
+            "a replacement on the same device, which helps only when the slowness was the "
+            "process's.",
+        ],
+        example="learner.fit(data, strategy='ddp', devices=devices, slow_worker=3.0,\n"
+        "            on_failure=px.Recovery('shrink'))",
     ),
     Explanation(
         code="PX205",

@@ -85,6 +85,14 @@ class WorkerAtFault(PhalanxError):
     code = "PX208"
 
 
+class WorkerTooSlow(PhalanxError):
+    """A member's time per sample stayed above ``fit(slow_worker=F)`` times the median of
+    its peers': it is put out like a failed worker (respawned or shrunk, as ``on_failure``
+    says)."""
+
+    code = "PX209"
+
+
 class NonFiniteSampleLoss(NonFiniteLossError):
     """A loss was NaN or infinite under ``fit(on_bad_sample="skip")``: a failure of the
     step's samples like an exception (retried, then the samples found and left out), not a

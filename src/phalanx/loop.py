@@ -27,10 +27,10 @@ import torch
 
 from phalanx import rng
 from phalanx.badsamples import BAD_SLOTS, PLAIN, Triage, Twist
-from phalanx.balance import Balancer
+from phalanx.balance import Balancer, Decision, slower_than_peers
 from phalanx.checkpoint import Checkpointer, should_save
 from phalanx.early_stopping import EarlyStopping
-from phalanx.errors import CheckpointError, TooManyBadSamples, WorkerAtFault
+from phalanx.errors import CheckpointError, TooManyBadSamples, WorkerAtFault, WorkerTooSlow
 from phalanx.events import (
     Balanced,
     Emit,
@@ -265,6 +265,7 @@ class LoopSettings:
     max_steps: int | None = None  # end the run after this many committed steps
     val_every_steps: int | None = None  # validate after every N-th committed step too
     balance: bool = True  # shares in proportion to each member's speed (phalanx.balance)
+    slow_worker: float | None = None  # put out a member this many times slower than its peers
     on_bad_sample: str = "stop"  # "skip": find bad samples, leave them out (badsamples)
     max_bad_samples: int = 8
 
@@ -598,7 +599,7 @@ class TrainLoop:
         if len(vote.paces) < 2:
             return
         if self._balanced is not self.engine or self.balancer is None:
-            self.balancer = Balancer(len(vote.paces), self.s.balance)
+            self.balancer = Balancer(len(vote.paces), self.s.balance, self.s.slow_worker)
             self._balanced = self.engine
         decision = self.balancer.observe(vote.paces)
         if decision is None:
@@ -612,6 +613,28 @@ class TrainLoop:
                 st.global_step, decision.shares, decision.paces, decision.slow, decision.changed
             )
         )
+        if decision.too_slow:
+            self._too_slow(decision)
+
+    def _too_slow(self, decision: Decision) -> None:
+        """Members over ``fit(slow_worker=)``: under ddp each leaves like a failed worker
+        (respawned or shrunk); in one process nothing can leave: a warning says so."""
+        assert self.s.slow_worker is not None
+        ranks = ", ".join(f"rank {r}" for r in decision.too_slow)
+        times = max(slower_than_peers(decision.paces, r) or 0.0 for r in decision.too_slow)
+        text = (
+            f"{ranks}: {times:.1f}x the time per sample of its peers, over slow_worker="
+            f"{self.s.slow_worker:g}: put out like a failed worker"
+        )
+        if not self.engine.can_leave:
+            self.emit(Notice(f"{text} (not in one process: it stays)", level="warning"))
+            return
+        if self.engine.rank in decision.too_slow:
+            st = self.state
+            failure = failure_of(
+                WorkerTooSlow(text), self.engine.identity, "forward", st.global_step - 1, st.epoch
+            )
+            raise FailedHere(failure)
 
     def _validating_now(self, vote: Vote) -> bool:
         """After every ``val_every_steps``-th committed step, unless the epoch ends here (its

@@ -68,6 +68,7 @@ def build_loop(
         val_every_steps=config.val_every_steps,
         balance=config.balance,
         on_bad_sample=config.on_bad_sample,
+        slow_worker=config.slow_worker,
         max_bad_samples=config.max_bad_samples,
     )
     stopping = copy.deepcopy(config.early_stopping)

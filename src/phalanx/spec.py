@@ -102,6 +102,7 @@ class FitConfig:
     max_steps: int | None = None  # stop after this many committed steps (global step count)
     val_every_steps: int | None = None  # validate every N committed steps too
     balance: bool = True  # members' shares in proportion to their speed (phalanx.balance)
+    slow_worker: float | None = None  # put out a member this many times slower (balance)
     on_bad_sample: str = "stop"  # or "skip": find bad samples, leave them out (badsamples)
     max_bad_samples: int = 8  # with "skip": more than this stops the run (data broken)
     # ddp: snapshots of the committed state in each machine's shared memory (None: none)

@@ -194,6 +194,11 @@ def _validate_schedule(config: FitConfig, has_valid: bool) -> None:
             f"on_bad_sample={config.on_bad_sample!r}; pass 'stop' (a sample that fails every "
             "time stops the run, named) or 'skip' (found, left out and listed)"
         )
+    if config.slow_worker is not None and not config.slow_worker > 1:
+        raise InvalidSettingError(
+            f"slow_worker={config.slow_worker}; pass how many times slower than its peers a "
+            "worker may be before it is put out, a number above 1 (e.g. 3.0), or None"
+        )
     if config.max_bad_samples < 0:
         raise InvalidSettingError(
             f"max_bad_samples={config.max_bad_samples}; pass a whole number >= 0"

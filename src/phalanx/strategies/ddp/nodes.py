@@ -157,6 +157,7 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
         "resume": config.resume,
         "snapshots": repr(config.snapshots),
         "balance": config.balance,
+        "slow_worker": config.slow_worker,
         "on_bad_sample": config.on_bad_sample,
         "max_bad_samples": config.max_bad_samples,
     }
