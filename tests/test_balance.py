@@ -15,7 +15,7 @@ from rich.console import Console
 
 import phalanx as px
 from ddp_helpers import make_data, mlp, sgd, slow_rank_step
-from phalanx.balance import EVERY, WARMUP, Balancer, cut, sizes, slower_than_peers
+from phalanx.balance import CONFIRM, EVERY, WARMUP, Balancer, cut, sizes, slower_than_peers
 from phalanx.events import Balanced
 from phalanx.sinks import ProgressSink, SummarySink
 from phalanx.sinks.format import balance_line
@@ -45,10 +45,15 @@ def test_sizes_cover_the_batch_in_proportion_and_never_leave_a_member_empty(
 
 def test_a_member_twice_as_slow_gets_half_the_share_after_the_decision() -> None:
     b = Balancer(3)
-    decisions = [b.observe([1e-3, 1e-3, 2e-3]) for _ in range(EVERY)]
-    assert all(d is None for d in decisions[:-1])  # decided every EVERY steps, not before
-    last = decisions[-1]
-    assert last is not None and last.changed and last.slow == [2]
+    decisions = [b.observe([1e-3, 1e-3, 2e-3]) for _ in range(CONFIRM * EVERY)]
+    # Decided every EVERY steps, not between: the first decision names the slow member,
+    # the shares move once CONFIRM decisions in a row wanted them to.
+    assert [i + 1 for i, d in enumerate(decisions) if d is not None] == [
+        EVERY * k for k in range(1, CONFIRM + 1)
+    ]
+    first, last = decisions[EVERY - 1], decisions[-1]
+    assert first is not None and first.slow == [2] and not first.changed
+    assert last is not None and last.changed and last.slow == []
     assert last.shares == pytest.approx([0.4, 0.4, 0.2])
     # The same paces again: nothing new to say (the slow member was named once).
     assert all(b.observe([1e-3, 1e-3, 2e-3]) is None for _ in range(EVERY))

@@ -14,8 +14,9 @@ the replicas' votes). :class:`Balancer` turns those paces into shares, on every 
   pace is unknown for a member (no samples) leave its average as it was;
 - every :data:`EVERY` committed steps the shares are re-decided: each member's share in
   proportion to its speed (1 / pace), and changed only when one share would move by more
-  than :data:`DEAD_BAND` of itself (noise does not move them); every share keeps at least
-  one sample (:func:`sizes`);
+  than :data:`DEAD_BAND` of itself in :data:`CONFIRM` decisions in a row (noise does not
+  move them, so two runs on an even machine split alike and give the same bits); every
+  share keeps at least one sample (:func:`sizes`);
 - a member persistently slower than its peers (its pace above :data:`SLOW` times the
   median of the others') is named once, when first seen.
 
@@ -32,7 +33,8 @@ from dataclasses import dataclass, field
 
 EVERY = 8  # committed steps between two decisions
 SMOOTHING = 0.3  # weight of a step's pace in the running average
-DEAD_BAND = 0.1  # a share moves only when it would change by more than this of itself
+DEAD_BAND = 0.15  # a share moves only when it would change by more than this of itself,
+CONFIRM = 2  # in this many decisions in a row (noise moves no share: runs stay repeatable)
 SLOW = 1.5  # a member this many times slower than the median of its peers is named
 WARMUP = 3  # steps observed before the first decision (the first steps warm caches up)
 
@@ -119,6 +121,7 @@ class Balancer:
     paces: list[float] = field(default_factory=list)  # smoothed seconds per sample
     seen: int = 0  # committed steps observed
     named: set[int] = field(default_factory=set)
+    beyond: int = 0  # decisions in a row whose proposal left the dead band
 
     def __post_init__(self) -> None:
         if not self.shares:
@@ -147,11 +150,13 @@ class Balancer:
         slow = [i for i in self.slow_members() if i not in self.named]
         self.named.update(slow)
         shares = self._proposed() if self.enabled else self.shares
-        moved = any(
+        outside = any(
             abs(new - old) > DEAD_BAND * old for new, old in zip(shares, self.shares, strict=True)
         )
+        self.beyond = self.beyond + 1 if outside else 0
+        moved = self.beyond >= CONFIRM
         if moved:
-            self.shares = shares
+            self.shares, self.beyond = shares, 0
         too_slow = self.too_slow()
         if not moved and not slow and not too_slow:
             return None
