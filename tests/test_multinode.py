@@ -616,6 +616,9 @@ def test_a_rogue_client_changes_nothing_in_a_two_node_run(tmp_path: Path) -> Non
         forged = json.dumps({"format": ENVELOPE, "seq": 99, "payload": fake, "mac": "ab" * 32})
         earlier = Signer.for_run(b"t", new_run_id())  # what a run before, same token, wrote
         written += [
+            # A counter that does not verify: the workers read every key each tick from now
+            # (the head writes it with set: it never reads back what a rogue left there).
+            (CONTROL_KEY, b"rogue: look again", False),
             (f"{GEN_PREFIX}1", forged.encode(), True),  # a fake generation
             (STOP_KEY, b"rogue says stop", False),  # unsigned
             (ABORT_KEY, b'{"format": "px-signed/1", "seq": 5, "payload": "x", "mac": ""}', False),
@@ -627,7 +630,6 @@ def test_a_rogue_client_changes_nothing_in_a_two_node_run(tmp_path: Path) -> Non
             rogue.set(key, raw)
             if bump:
                 rogue.add(GEN_LATEST, 1)
-            rogue.add(CONTROL_KEY, 1)
             deadline = time.monotonic() + 20
             while digest(raw) not in logs[0].read_text():
                 assert time.monotonic() < deadline and procs[0].poll() is None, f"no word of {key}"

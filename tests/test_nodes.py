@@ -3,11 +3,14 @@ messages as data, the coordinator's rule for a lost node, and the run's token fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import stat
 import threading
+import time
+import tracemalloc
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +25,9 @@ from phalanx.errors import NoTokenError
 from phalanx.events import Notice, StepEnded
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
+from phalanx.strategies.ddp import link as link_mod
 from phalanx.strategies.ddp.actions import Announce, Record, SetAbort, Spawn
+from phalanx.strategies.ddp.control import Signer
 from phalanx.strategies.ddp.coordinator import (
     Exited,
     NodeCoordinator,
@@ -30,8 +35,15 @@ from phalanx.strategies.ddp.coordinator import (
     Received,
     Spawned,
 )
-from phalanx.strategies.ddp.link import HEADER, Link, LinkError, Listener
-from phalanx.strategies.ddp.nodes import disagreements, head_token, node_token
+from phalanx.strategies.ddp.link import (
+    ACCEPT_RETRY,
+    HEADER,
+    MAX_UNPROVEN,
+    Link,
+    LinkError,
+    Listener,
+)
+from phalanx.strategies.ddp.nodes import NodeHub, disagreements, head_token, node_token
 from phalanx.strategies.ddp.protocol import (
     Aborted,
     Broke,
@@ -111,6 +123,169 @@ def test_a_peer_without_the_token_cannot_make_the_head_read_a_huge_frame() -> No
         raw.close()
     finally:
         lis.close()
+
+
+def head_answers(lis: Listener, answer: dict[str, Any]) -> threading.Thread:
+    """The head's part for one node that joins: its hello taken, ``answer`` sent back."""
+
+    def head() -> None:
+        peer, _ = lis.joined.get(timeout=10)
+        peer.send("welcome", answer)
+
+    t = threading.Thread(target=head, daemon=True)
+    t.start()
+    return t
+
+
+def is_closed(sock: socket.socket) -> bool:
+    """Whether the other end closed ``sock`` (read at once, without waiting)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_flood_of_idle_connections_does_not_keep_a_node_out() -> None:
+    """Connections that never prove themselves hold at most MAX_UNPROVEN places; a newer
+    one pushes out the oldest at once, so a node's handshake (milliseconds) gets through
+    while the flood stays open, and the flood is one warning, not one per connection."""
+    lis = listener()
+    flood = [socket.create_connection(("127.0.0.1", lis.port)) for _ in range(40)]
+    try:
+        time.sleep(0.3)  # (every one of them accepted)
+        head = head_answers(lis, {"devices": ["cpu:0"]})
+        started = time.monotonic()
+        link, answer = Link.connect(("127.0.0.1", lis.port), TOKEN, {"node": 1}, 10)
+        joined_in = time.monotonic() - started
+        head.join(10)
+        assert answer.kind == "welcome" and joined_in < 2.0, joined_in
+        link.close()
+        time.sleep(0.3)
+        # The 24 oldest were pushed out by the flood, one more by the node; the rest wait.
+        open_ = [sock for sock in flood if not is_closed(sock)]
+        assert len(open_) == MAX_UNPROVEN - 1
+        assert open_ == flood[-(MAX_UNPROVEN - 1) :]
+        address, why = lis.rejected.get(timeout=5)
+        assert address.startswith("127.0.0.1:") and f"more than {MAX_UNPROVEN}" in why
+        assert lis.rejected.empty()  # (once for the address, however many were pushed out)
+    finally:
+        for sock in flood:
+            sock.close()
+        lis.close()
+
+
+def test_a_connection_that_drips_its_handshake_is_cut_off_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The deadline is the whole handshake's, not one read's: a byte every 0.2 s (each read
+    well within any per-read timeout) is cut off HANDSHAKE_TIMEOUT after connecting."""
+    monkeypatch.setattr(link_mod, "HANDSHAKE_TIMEOUT", 1.0)
+    lis = listener()
+    try:
+        raw = socket.create_connection(("127.0.0.1", lis.port))
+        started = time.monotonic()
+        raw.sendall(b"px-link/1" + b"n" * 16)
+        raw.settimeout(5)
+        assert len(raw.recv(16)) == 16  # the head's nonce
+        raw.settimeout(0.2)
+        cut_after = None
+        while time.monotonic() - started < 5:
+            try:
+                if raw.recv(1) == b"":
+                    cut_after = time.monotonic() - started
+                    break
+            except TimeoutError:
+                raw.sendall(b"\x00")  # the next byte of a header that never ends
+            except OSError:
+                cut_after = time.monotonic() - started
+                break
+        raw.close()
+        assert cut_after is not None and 0.9 <= cut_after < 2.0, cut_after
+        address, why = lis.rejected.get(timeout=5)
+        assert address.startswith("127.0.0.1:") and "no verified hello within 1s" in why
+    finally:
+        lis.close()
+
+
+def test_a_joining_node_refuses_a_huge_first_frame_from_an_unproved_head() -> None:
+    """A fake head (no token) answers a node's hello with a header announcing 64 MiB (the
+    most a proved peer may send) and streams it: the node refuses the frame from its header,
+    at once, without reading (or allocating) any of it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    chunk = b"\x00" * (1 << 20)
+
+    def fake_head() -> None:
+        conn, _ = server.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.recv(len(b"px-link/1") + 16)
+            conn.sendall(b"h" * 16)  # its nonce
+            conn.sendall(HEADER.pack(1, 64 << 20, 0))
+            for _ in range(64):
+                conn.sendall(chunk)
+
+    t = threading.Thread(target=fake_head, daemon=True)
+    t.start()
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(LinkError) as info:
+            Link.connect(("127.0.0.1", server.getsockname()[1]), TOKEN, {"node": 1}, 5)
+        took = time.monotonic() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        server.close()
+    assert info.value.rejected and "larger than" in str(info.value)
+    assert str(64 << 20) in str(info.value)
+    assert took < 2.0 and peak < 4 << 20, (took, peak)
+    t.join(5)
+
+
+def test_the_node_port_outlives_a_failed_accept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of file descriptors (EMFILE), ``accept`` fails while a connection waits: the
+    accept loop says so once (a warning note for the head's sinks) and goes on; a node that
+    comes once descriptors are free again joins."""
+    import resource
+
+    lis = listener()
+    hub = NodeHub(lis, 2, timedelta(seconds=5))
+    waiting = socket.socket()  # (made now: no descriptor can be made below)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        lowest_free = os.dup(0)
+        os.close(lowest_free)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+        try:
+            waiting.connect(("127.0.0.1", lis.port))
+            deadline = time.monotonic() + 5
+            while lis.troubles.empty() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(3 * ACCEPT_RETRY)  # (it tries again meanwhile: still told once)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        head = head_answers(lis, {})
+        _, answer = Link.connect(("127.0.0.1", lis.port), TOKEN, {"node": 1}, 10)
+        head.join(10)
+        assert answer.kind == "welcome"
+        hub.poll()
+        [(level, text)] = hub.notes
+        assert level == "warning" and "failed to accept" in text
+        assert "Too many open files" in text and "it listens on" in text
+    finally:
+        waiting.close()
+        lis.close()
+
+
+def test_a_closed_listener_stops_accepting() -> None:
+    lis = listener()
+    port = lis.port
+    lis.close()
+    time.sleep(0.2)
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
 
 
 def pair() -> tuple[Link, Link, socket.socket]:
@@ -428,7 +603,12 @@ def test_under_torchrun_the_head_uses_torchruns_agent_store_under_its_own_prefix
         assert agent.client and agent.store_at == ("127.0.0.1", server.port)
         assert agent.prefix == "phalanx/run7"  # (torch joins it to each key with a /)
         agent.set_stop("test")  # lands in torchrun's store, under the run's prefix only
-        assert int(server.add("phalanx/run7/control/version", 0)) == 1
+        # Signed (every worker reads it): written at the start, and after the stop.
+        signer = Signer.for_run(b"t", "run7")
+        version = bytes(server.get("phalanx/run7/control/version"))
+        assert signer.open("control/version", version) == (3, "3")
+        stop = bytes(server.get("phalanx/run7/control/stop"))
+        assert signer.open("control/stop", stop) == (2, "test")
         assert not server.check(["control/version"])
     finally:
         agent.close()

@@ -15,7 +15,10 @@ import pickle
 import sys
 import threading
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -38,12 +41,15 @@ from phalanx.strategies.ddp.control import (
 )
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
+    ARRIVED_PREFIX,
     CONTROL_KEY,
     GEN_LATEST,
     GEN_PREFIX,
     STOP_KEY,
     Announcement,
+    Generation,
 )
+from phalanx.strategies.ddp.worker import arrive
 from procs import alive, started_by
 from recorder import Recorder
 from recovery_helpers import linear, make_data, sgd, slow_step
@@ -56,6 +62,13 @@ DATA = make_data(400)
 FIT: dict[str, Any] = dict(batch_size=20, epochs=5, seed=3, balance=False)  # 100 steps, 0.04 s each
 STEPS = 100
 TOLERANCE = 1e-5
+# Planted where ``control/version`` belongs: a counter that does not verify is no proof that
+# nothing moved, so every worker reads every control key each tick while it is there (a
+# rogue can no longer move the counter the way the head does: it is signed).
+LOOK = b"rogue: look again"
+# A plausible envelope whose MAC is made up.
+FORGED = json.dumps({"format": ENVELOPE, "seq": 99, "payload": "7", "mac": "ab" * 32}).encode()
+GARBAGE = bytes(range(256))  # not UTF-8, not JSON, not a number
 
 
 # -- the envelope, without processes ------------------------------------------------------
@@ -169,6 +182,88 @@ def test_a_message_of_an_earlier_run_with_the_same_token_is_refused() -> None:
     assert Signer.for_run(token, "r").token == Signer.for_run(token, "r").token  # every node
 
 
+def test_a_bad_arrival_is_named_and_the_generation_forms_with_the_genuine_one() -> None:
+    """``arrived/g<n>/<rank>`` is read only while a generation forms (so it is tested here,
+    on a real store, with the workers' own :func:`arrive`, not timed into a run): a bad value
+    where a peer's arrival belongs is named once each and is no arrival; the peer's own
+    arrival, when it comes, is."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    reports: list[tuple[str, str, str]] = []
+    signer = Signer(b"token")
+
+    def member() -> SignedStore:
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+        return SignedStore(client, signer, lambda *r: reports.append(r))
+
+    gen, watcher = Generation(0, [0, 1]), SimpleNamespace(latest=0)
+    key = f"{ARRIVED_PREFIX}g0/1"  # rank 1's, read by rank 0
+    other = Signer(b"other").seal(key, "1", 0).encode()
+    outcome: list[BaseException | None] = []
+
+    def rank(n: int) -> None:
+        try:
+            arrive(member(), gen, n, watcher, timedelta(seconds=20))  # type: ignore[arg-type]
+            outcome.append(None)
+        except BaseException as exc:  # (asserted below)
+            outcome.append(exc)
+
+    first = threading.Thread(target=rank, args=(0,))
+    first.start()
+    written = [b"not a number", FORGED, GARBAGE, other]
+    for raw in written:
+        server.set(key, raw)
+        deadline = time.monotonic() + 10
+        while not any(r[2] == digest(raw) for r in reports):
+            assert time.monotonic() < deadline, f"no report of {raw[:20]!r}"
+            time.sleep(0.01)
+    assert first.is_alive() and outcome == []  # none of them is an arrival
+    second = threading.Thread(target=rank, args=(1,))
+    second.start()
+    first.join(10)
+    second.join(10)
+    assert outcome == [None, None]  # the generation formed
+    assert [(r[0], r[2]) for r in reports] == [(key, digest(raw)) for raw in written]
+
+
+def test_the_heads_writes_never_read_what_a_rogue_left_in_the_counters() -> None:
+    """The head writes the counters with ``set`` (the store's ``add`` of a value that is not
+    a number fails and closes the head's client: the head died on its next write), and the
+    workers read them back as before."""
+    agent = agent_mod.Agent()
+    try:
+        assert agent.store is not None and agent.store_at is not None
+        rogue = dist.TCPStore("127.0.0.1", agent.store_at[1], is_master=False)
+        for raw in (b"not a number", GARBAGE):
+            rogue.set(CONTROL_KEY, raw)
+            rogue.set(GEN_LATEST, raw)
+            agent.announce(Announcement(0, (0, 1)))
+            agent.set_stop("a user's stop")
+            agent.set_abort("decided")
+        reports: list[tuple[str, str, str]] = []
+        client = dist.TCPStore("127.0.0.1", agent.store_at[1], is_master=False)
+        worker = SignedStore(client, agent.signer, lambda *r: reports.append(r))
+        assert worker.get(CONTROL_KEY) == str(agent.seq)
+        assert latest_generation(worker, -1) == 0 and worker.hint(GEN_LATEST) == 0
+        assert (worker.get(STOP_KEY), worker.get(ABORT_KEY)) == ("a user's stop", "decided")
+        assert reports == []
+    finally:
+        agent.close()
+
+
+def test_a_counter_that_is_not_a_number_is_a_hint_ignored_and_named_once() -> None:
+    store, reports = signed()
+    store.store.set(GEN_LATEST, b"not a number")
+    assert store.hint(GEN_LATEST) is None and store.hint(GEN_LATEST) is None
+    assert latest_generation(store, -1) == -1
+    assert [(r[0], r[2]) for r in reports] == [(GEN_LATEST, digest(b"not a number"))]
+    assert "not a number" in reports[0][1]
+    # A signed value that its reader cannot parse (only a bug of the head's could write it)
+    # is named too, never raised into the watch thread.
+    store.set(f"{GEN_PREFIX}0", "[1, 2", seq=1)
+    assert store.read(f"{GEN_PREFIX}0", lambda t: Announcement.from_json(0, t)) is None
+    assert len(reports) == 2 and "does not parse" in reports[1][1]
+
+
 # -- a rogue client during a real run -----------------------------------------------------
 
 
@@ -194,15 +289,18 @@ def warnings_about(rec: Recorder) -> list[str]:
     return [e.text for e in rec.of(Notice) if e.text.startswith("PX150")]
 
 
+Messages = list[tuple[str, bytes, bool]]  # (key, value, move gen/latest after writing it)
+
+
 class Rogue(Recorder):
     """A sink (it runs in the supervisor: this process) that, at step 5, starts a rogue
-    client of the run's store. Each value it writes is followed by the counters a genuine
-    write moves, so the workers look; it waits for that value's warning before the next
-    (each write under a key replaces the one before)."""
+    client of the run's store and writes each of ``messages(client, seen)`` (``seen``: what
+    the store held when it was made, see :func:`attacked`), waiting for that value's
+    warning before the next (each write under a key replaces the one before)."""
 
-    def __init__(self, port: list[int], planted: Path) -> None:
+    def __init__(self, seen: dict[str, Any], messages: Callable[..., Messages]) -> None:
         super().__init__()
-        self.port, self.planted = port, planted
+        self.seen, self.messages = seen, messages
         self.written: list[tuple[str, bytes]] = []
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -216,26 +314,11 @@ class Rogue(Recorder):
 
     def _attack(self) -> None:
         try:
-            store = dist.TCPStore("127.0.0.1", self.port[0], is_master=False)
-            genuine = bytes(store.get(f"{GEN_PREFIX}0"))  # the run's own first announcement
-            fake = Announcement(1, (0,), cause="rogue").to_json()
-            forged = json.dumps({"format": ENVELOPE, "seq": 99, "payload": fake, "mac": "ab" * 32})
-            messages = [
-                (f"{GEN_PREFIX}1", forged.encode(), True),  # a fake generation
-                (STOP_KEY, b"rogue says stop", False),  # the old, unsigned format
-                (
-                    ABORT_KEY,
-                    b'{"format": "px-signed/1", "seq": 5, "payload": "x", "mac": ""}',
-                    False,
-                ),
-                (ABORT_KEY, genuine, False),  # a genuine signed message under another key
-                (f"{GEN_PREFIX}1", pickle.dumps(Planted(str(self.planted))), False),
-            ]
-            for key, raw, bump_generation in messages:
+            store = dist.TCPStore("127.0.0.1", self.seen["port"], is_master=False)
+            for key, raw, bump_generation in self.messages(store, self.seen):
                 store.set(key, raw)
                 if bump_generation:
                     store.add(GEN_LATEST, 1)
-                store.add(CONTROL_KEY, 1)
                 self.written.append((key, raw))
                 deadline = time.monotonic() + 20
                 while not any(digest(raw) in text for text in warnings_about(self)):
@@ -258,41 +341,40 @@ def assert_exact(result: px.FitResult, rec: Recorder) -> None:
     assert result.ledger_ok is True and result.ledger_problems == []
 
 
-@pytest.mark.timeout(240)
-def test_a_rogue_client_of_the_store_changes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    clean_rec = Recorder()
-    clean = fit([clean_rec], tmp_path / "clean")
-    assert_exact(clean, clean_rec)
-    assert warnings_about(clean_rec) == []  # a run alone warns about nothing
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> px.FitResult:
+    """The run no one attacks, once for every test here."""
+    rec = Recorder()
+    result = fit([rec], tmp_path_factory.mktemp("clean"))
+    assert_exact(result, rec)
+    assert warnings_about(rec) == []  # a run alone warns about nothing
+    return result
 
-    port: list[int] = []  # the run's store port, as a test can find it
-    opened = agent_mod.Agent.__post_init__
+
+def attacked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, messages: Callable[..., Messages]
+) -> tuple[px.FitResult, Rogue]:
+    """A run with a :class:`Rogue` writing ``messages``; checks that it wrote them all
+    during the run, each warned about, and that it changed nothing: every step, an exact
+    ledger, no worker left."""
+    seen: dict[str, Any] = {}  # the run's store port, as a test can find it, and what the
+    opened = agent_mod.Agent.__post_init__  # store held then (a genuine early counter)
 
     def record_port(self: agent_mod.Agent) -> None:
         opened(self)
-        port.append(self.store.port)
+        assert self.store is not None
+        seen["port"] = self.store_at[1] if self.store_at else None
+        early = self.store.check([CONTROL_KEY])
+        seen["early version"] = bytes(self.store.get(CONTROL_KEY)) if early else b""
 
     monkeypatch.setattr(agent_mod.Agent, "__post_init__", record_port)
-    planted = tmp_path / "planted-by-a-pickle"
-    rogue = Rogue(port, planted)
+    rogue = Rogue(seen, messages)
     result = fit([rogue], tmp_path / "attacked")
     assert rogue.thread is not None
     rogue.thread.join(timeout=5)
     assert rogue.error is None, repr(rogue.error)
-    assert len(rogue.written) == 5
     assert rogue.done_at_step is not None and rogue.done_at_step < STEPS  # during the run
-
     assert_exact(result, rogue)
-    diff = rel_diff(params(result.model), params(clean.model))
-    assert diff <= TOLERANCE, f"the model differs from the clean run by {diff:.2e}"
-    assert not planted.exists()
-    warned = warnings_about(rogue)
-    assert len(warned) == 5, warned
-    for key, raw in rogue.written:  # each rejected value exactly once, naming its key
-        assert sum(digest(raw) in text and repr(key) in text for text in warned) == 1, key
-    assert [g for g in rogue.of(Notice) if "rogue" in g.text] == []  # no generation formed
 
     deadline = time.monotonic() + 10  # no worker left behind
     while True:
@@ -301,3 +383,81 @@ def test_a_rogue_client_of_the_store_changes_nothing(
             break
         time.sleep(0.1)
     assert left == []
+    return result, rogue
+
+
+def assert_same_model(result: px.FitResult, clean: px.FitResult) -> None:
+    diff = rel_diff(params(result.model), params(clean.model))
+    assert diff <= TOLERANCE, f"the model differs from the clean run by {diff:.2e}"
+
+
+def assert_each_named_once(rogue: Rogue) -> list[str]:
+    """Every value written is warned about exactly once, naming its key; nothing else is."""
+    warned = warnings_about(rogue)
+    for key, raw in rogue.written:
+        assert sum(digest(raw) in text and repr(key) in text for text in warned) == 1, key
+    assert len(warned) == len(set(rogue.written)), warned
+    return warned
+
+
+@pytest.mark.timeout(240)
+def test_a_rogue_client_of_the_store_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: px.FitResult
+) -> None:
+    planted = tmp_path / "planted-by-a-pickle"
+
+    def messages(store: dist.TCPStore, seen: dict[str, Any]) -> Messages:
+        genuine = bytes(store.get(f"{GEN_PREFIX}0"))  # the run's own first announcement
+        fake = Announcement(1, (0,), cause="rogue").to_json()
+        forged = json.dumps({"format": ENVELOPE, "seq": 99, "payload": fake, "mac": "ab" * 32})
+        return [
+            (CONTROL_KEY, LOOK, False),  # so the workers read every key from now on
+            (f"{GEN_PREFIX}1", forged.encode(), True),  # a fake generation
+            (STOP_KEY, b"rogue says stop", False),  # the old, unsigned format
+            (
+                ABORT_KEY,
+                b'{"format": "px-signed/1", "seq": 5, "payload": "x", "mac": ""}',
+                False,
+            ),
+            (ABORT_KEY, genuine, False),  # a genuine signed message under another key
+            (f"{GEN_PREFIX}1", pickle.dumps(Planted(str(planted))), False),
+        ]
+
+    result, rogue = attacked(tmp_path, monkeypatch, messages)
+    assert len(rogue.written) == 6
+    assert_same_model(result, clean)
+    assert not planted.exists()
+    assert_each_named_once(rogue)
+    assert [g for g in rogue.of(Notice) if "rogue" in g.text] == []  # no generation formed
+
+
+def bad_values(key: str) -> Callable[..., Messages]:
+    """What a rogue writes under ``key``: a value that is not a number, a forged envelope,
+    bytes that are neither; the counter first moved by :data:`LOOK` (except when it is
+    ``key``: then its own values do that), and for ``control/version`` also a replay of the
+    head's own earlier counter (older than the one the workers accepted since)."""
+
+    def messages(store: dist.TCPStore, seen: dict[str, Any]) -> Messages:
+        values = [b"not a number", FORGED, GARBAGE]
+        if key == CONTROL_KEY:
+            return [(key, raw, False) for raw in [*values, seen["early version"]]]
+        return [(CONTROL_KEY, LOOK, False), *[(key, raw, False) for raw in values]]
+
+    return messages
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key", [CONTROL_KEY, GEN_LATEST, STOP_KEY, ABORT_KEY, f"{GEN_PREFIX}1"])
+def test_a_bad_value_under_any_key_a_worker_reads_is_named_and_the_run_goes_on(
+    key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean: px.FitResult
+) -> None:
+    """The values a worker reads from the store, each written bad during a real run (the
+    store has no authentication: anyone who reaches its port can): the run ends as a clean
+    one does, and a PX150 warning names the key for each value."""
+    result, rogue = attacked(tmp_path, monkeypatch, bad_values(key))
+    assert_same_model(result, clean)
+    warned = assert_each_named_once(rogue)
+    assert sum(repr(key) in text for text in warned) >= 3
+    if key == CONTROL_KEY:
+        replayed = [t for t in warned if digest(rogue.seen["early version"]) in t]
+        assert len(replayed) == 1 and "replay of an older message" in replayed[0]

@@ -1149,15 +1149,17 @@ _ENTRIES = [
         code="PX150",
         title="a control message that is not this run's was ignored",
         meaning="A ddp worker read a value from the run's store (a generation announcement, "
-        "the stop or abort key, a member's arrival) that was not signed with this run's "
-        "token: a bad MAC, not a signed message at all (a pickle, say), a message of an "
-        "earlier run (each run signs with its own key, made from the token), or a genuine "
-        "message replayed under another key or older than one already read. The worker "
+        "the stop or abort key, the control counter, a member's arrival) that was not signed "
+        "with this run's token: a bad MAC, not a signed message at all (a pickle, say), a "
+        "message of an earlier run (each run signs with its own key, made from the token), a "
+        "genuine message replayed under another key or older than one already read, or "
+        "under the unsigned hint gen/latest a value that is not a number. The worker "
         "ignored it and the run went on; this warning is given once per such value. "
         "torch's store does not record who writes a key, so the address is not known.",
         when="During a ddp run, when a worker reads the store's control keys; across "
         "machines also when the head refuses a connection to its node port that does not "
-        "prove the token (then the address is named).",
+        "prove the token in time, or pushes one out because more than 16 were proving "
+        "themselves at once (then the address is named).",
         causes=[
             "Another process that can reach the store's port wrote to it: a stray script, "
             "a second run pointed at the same port, or someone probing the port.",

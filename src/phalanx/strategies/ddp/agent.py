@@ -168,6 +168,8 @@ class Agent:
             self.store = dist.TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT)
         if self.store is not None and self.prefix:
             self.store = dist.PrefixStore(self.prefix, self.store)
+        if self.store is not None:
+            self._bump()  # (a verified counter from the start: see Watcher._run)
 
     def snapshot_folder(self) -> str | None:
         """This machine's snapshot folder (made on first use; stale ones of agents that
@@ -328,11 +330,11 @@ class Agent:
         self.store.set(key, self.signer.seal(key, payload, self.seq))
 
     def announce(self, doc: Announcement) -> None:
-        """Written before the counter moves, so a reader sees it whole."""
+        """Written before the counters move, so a reader sees it whole."""
         self._signed(f"{GEN_PREFIX}{doc.number}", doc.to_json())
         assert self.store is not None
-        self.store.add(GEN_LATEST, 1 if doc.number > 0 else 0)
-        self.store.add(CONTROL_KEY, 1)
+        self.store.set(GEN_LATEST, str(doc.number))  # (a hint: see control.latest_generation)
+        self._bump()
 
     def set_stop(self, reason: str) -> None:
         self._signed(STOP_KEY, reason)
@@ -343,8 +345,10 @@ class Agent:
         self._bump()
 
     def _bump(self) -> None:
-        assert self.store is not None
-        self.store.add(CONTROL_KEY, 1)
+        """Move ``control/version``: signed, its payload the number of this write (every
+        watch thread reads it each tick). Written with ``set``, never the store's ``add``:
+        the head never reads or parses a value a rogue may have left there."""
+        self._signed(CONTROL_KEY, str(self.seq + 1))
 
 
 def oom_kill_count(vmstat: str = "/proc/vmstat", cgroups: str = "/sys/fs/cgroup") -> int | None:

@@ -16,9 +16,19 @@ signs with its own key, ``HMAC(token, "px-run/1" | run id)``, the run id fresh f
 (:meth:`Signer.for_run`), so a value recorded from an earlier run with the same
 ``PHALANX_TOKEN`` does not check out in this one. That key goes to the workers in their spawn
 arguments, and the run id to the nodes in the head's authenticated ``welcome``; neither goes
-through the store. The counters ``gen/latest`` and ``control/version`` are
-hints only (when to look again): a worker learns of generation n only from a verified
-``gen/<n>``, walking up from the last one it verified.
+through the store.
+
+``control/version``, which every worker's watch thread reads each tick to learn whether to
+read the other keys, is signed too (its payload the sequence number of the head's last
+write): a rogue who could set it could hide a stop, an abort or a generation from the
+workers by setting the number the head writes next. ``gen/latest`` is a hint only, never
+signed: a worker learns of generation n only from a verified ``gen/<n>``, walking up from
+the last one it verified, and reads the counter only to report a forged announcement beyond
+it. The head writes both with ``set``, never with the store's ``add`` (which fails, and
+closes the client's connection, when a rogue left a value that is not a number there), and
+reads nothing back. No value read from the store is parsed outside this module's readers
+(:meth:`SignedStore.get`, :meth:`SignedStore.read`, :meth:`SignedStore.hint`): a value that
+does not parse or verify is reported (PX150) and ignored, never raised.
 """
 
 from __future__ import annotations
@@ -30,11 +40,12 @@ import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from phalanx.events import Notice
 from phalanx.strategies.ddp.protocol import GEN_LATEST, GEN_PREFIX, Rejected
 
+T = TypeVar("T")
 TOKEN_ENV = "PHALANX_TOKEN"
 ENVELOPE = "px-signed/1"
 RUN_KEY = "px-run/1"
@@ -115,21 +126,55 @@ class SignedStore:
 
     def get(self, key: str) -> str | None:
         """The verified payload under ``key``, or None (absent, or rejected and reported)."""
-        if not self.store.check([key]):
+        raw = self._raw(key)
+        if raw is None:
             return None
-        raw = bytes(self.store.get(key))
         try:
             seq, payload = self.signer.open(key, raw)
             if seq < self.accepted.get(key, seq):
                 raise Rejection(f"a replay of an older message (seq {seq})")
         except Rejection as exc:
-            name = digest(raw)
-            if (key, name) not in self.rejected:
-                self.rejected.add((key, name))
-                self.report(key, str(exc), name)
+            self._reject(key, str(exc), raw)
             return None
         self.accepted[key] = seq
         return payload
+
+    def read(self, key: str, parse: Callable[[str], T]) -> T | None:
+        """``parse`` of the verified payload under ``key``, or None: absent, rejected, or a
+        signed payload that ``parse`` refuses (reported as well: only a bug of the head's
+        could write one, and the reader must not die of it)."""
+        payload = self.get(key)
+        if payload is None:
+            return None
+        try:
+            return parse(payload)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raw = payload.encode()
+            self._reject(key, f"a signed value that does not parse ({type(exc).__name__})", raw)
+            return None
+
+    def hint(self, key: str) -> int | None:
+        """The number under an unsigned counter (``gen/latest``), or None: absent, or not a
+        number (reported once, as a rejected value: a counter is only a hint)."""
+        raw = self._raw(key)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            self._reject(key, "not a number (a counter the head writes)", raw)
+            return None
+
+    def _raw(self, key: str) -> bytes | None:
+        if not self.store.check([key]):
+            return None
+        return bytes(self.store.get(key))
+
+    def _reject(self, key: str, reason: str, raw: bytes) -> None:
+        name = digest(raw)
+        if (key, name) not in self.rejected:
+            self.rejected.add((key, name))
+            self.report(key, reason, name)
 
     def all_present(self, keys: list[str]) -> bool:
         """Every key holds a verified value."""
@@ -140,12 +185,12 @@ def latest_generation(store: SignedStore, known: int) -> int:
     """The newest generation announced, by verified ``gen/<n>`` only: announcements are
     numbered one after another, so walk up from ``known`` while the next one checks out.
     The counter is a hint: when it points past that, its ``gen/<n>`` is read too, only so a
-    forged one is reported."""
+    forged one is reported (a counter that is not a number is reported and ignored)."""
     n = known
     while store.get(f"{GEN_PREFIX}{n + 1}") is not None:
         n += 1
-    hint = int(store.store.add(GEN_LATEST, 0))
-    if hint > n + 1:
+    hint = store.hint(GEN_LATEST)
+    if hint is not None and hint > n + 1:
         store.get(f"{GEN_PREFIX}{hint}")
     return n
 

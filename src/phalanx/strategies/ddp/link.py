@@ -13,6 +13,16 @@ file that is loaded with ``weights_only=True``): nothing read from the network i
 
 Every read has a deadline (a socket timeout): a silently cut link is seen as silence, never
 as a call blocked for the kernel's TCP timeout (about 15 minutes).
+
+Before a peer has proved the token, what it can cost is bounded on both sides: the whole
+handshake (from the connection to a verified first frame) has one deadline,
+:data:`HANDSHAKE_TIMEOUT`, however slowly the bytes drip in; that first frame may announce at
+most :data:`MAX_HELLO` bytes (the head reading a node's hello, and a node reading the head's
+answer alike); and the head's :class:`Listener` lets at most :data:`MAX_UNPROVEN` connections
+prove themselves at once (a newer one pushes out the oldest, so a flood of idle connections
+holds no place for long: a node's handshake takes milliseconds). Its accept loop outlives a
+failed ``accept`` (out of descriptors, a connection aborted before it was taken): it says so
+once per kind of error and goes on, until the listener is closed.
 """
 
 from __future__ import annotations
@@ -35,10 +45,12 @@ HEADER = struct.Struct("!QII")  # sequence number, document length, payload leng
 MAC_SIZE = 32
 MAX_DOC = 64 << 20  # a document bigger than this is not one of ours
 MAX_PAYLOAD = 1 << 34
-# A node's hello is a small document with no payload: a peer that has not proved the token
-# yet cannot make the head read more than this.
+# A node's hello (and the head's answer to it) is a small document: a peer that has not
+# proved the token yet cannot make the head (or a joining node) read more than this.
 MAX_HELLO = 1 << 20
-HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection has to prove itself
+MAX_UNPROVEN = 16  # connections the head lets prove themselves at once
+HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection has, in all, to prove itself
+ACCEPT_RETRY = 0.1  # seconds the head's accept loop waits after a failed accept
 
 
 class LinkError(Exception):
@@ -60,9 +72,16 @@ class Frame:
     payload: bytes = b""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; by the monotonic ``deadline`` when given (else each read within the
+    socket's timeout): TimeoutError past it, however the bytes are spread."""
     chunks, got = [], 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("past the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(min(n - got, 1 << 20))
         if not chunk:
             raise LinkError("the connection was closed")
@@ -103,35 +122,49 @@ class Link:
         cls, address: tuple[str, int], token: bytes, hello: dict[str, Any], timeout: float
     ) -> tuple[Link, Frame]:
         """A node's side: connect, prove the token, send ``hello``; returns the link and the
-        head's answer to the hello (its first frame)."""
+        head's answer to the hello (its first frame). Until that answer's MAC proves the
+        head holds the token, the head is a stranger: the answer may be at most
+        :data:`MAX_HELLO` bytes, and all of it must come within :data:`HANDSHAKE_TIMEOUT`."""
         sock = socket.create_connection(address, timeout=timeout)
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         sock.settimeout(HANDSHAKE_TIMEOUT)
         try:
             nonce = secrets.token_bytes(16)
             sock.sendall(PROTOCOL.encode() + nonce)
-            head_nonce = _recv_exact(sock, 16)
+            head_nonce = _recv_exact(sock, 16, deadline)
             link = cls(sock, session_key(token, nonce, head_nonce), f"{address[0]}:{address[1]}")
             link.send("hello", hello)
-            answer = link.recv()
+            answer = link.recv(MAX_HELLO, MAX_HELLO, deadline)
+        except (TimeoutError, LinkSilent):
+            sock.close()
+            raise LinkError(f"no answer from the head within {HANDSHAKE_TIMEOUT:g}s") from None
         except (OSError, LinkError):
             sock.close()
             raise
+        sock.settimeout(HANDSHAKE_TIMEOUT)  # (proved: reads have their usual timeout again)
         return link, answer
 
     @classmethod
     def accept(cls, sock: socket.socket, token: bytes) -> tuple[Link, Frame]:
-        """The head's side of a new connection: the node's hello, checked. Raises LinkError
-        (``rejected``) for a peer that does not hold the token."""
+        """The head's side of a new connection: the node's hello, checked, all of it within
+        :data:`HANDSHAKE_TIMEOUT` of the connection (a peer that drips its bytes is cut off
+        there). Raises LinkError (``rejected``) for a peer that does not hold the token."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         sock.settimeout(HANDSHAKE_TIMEOUT)
-        host, port = sock.getpeername()[:2]
         try:
-            opening = _recv_exact(sock, len(PROTOCOL) + 16)
+            host, port = sock.getpeername()[:2]
+            opening = _recv_exact(sock, len(PROTOCOL) + 16, deadline)
             if not opening.startswith(PROTOCOL.encode()):
                 raise LinkError("not a phalanx node (no px-link/1 opening)", rejected=True)
             nonce = secrets.token_bytes(16)
             sock.sendall(nonce)
             link = cls(sock, session_key(token, opening[len(PROTOCOL) :], nonce), f"{host}:{port}")
-            hello = link.recv(MAX_HELLO, 0)  # (not proved yet: no room for a huge frame)
+            # (not proved yet: no room for a huge frame)
+            hello = link.recv(MAX_HELLO, 0, deadline)
+        except (TimeoutError, LinkSilent):
+            sock.close()
+            why = f"no verified hello within {HANDSHAKE_TIMEOUT:g}s of connecting"
+            raise LinkError(f"the handshake failed: {why}", rejected=True) from None
         except (OSError, LinkError) as exc:
             sock.close()
             if isinstance(exc, LinkError) and not exc.rejected:
@@ -140,6 +173,7 @@ class Link:
         if hello.kind != "hello":
             sock.close()
             raise LinkError(f"expected a hello, got {hello.kind!r}", rejected=True)
+        sock.settimeout(HANDSHAKE_TIMEOUT)  # (proved: reads have their usual timeout again)
         return link, hello
 
     # -- frames ---------------------------------------------------------------------------
@@ -155,17 +189,24 @@ class Link:
             except OSError as exc:
                 raise LinkError(f"sending to {self.peer}: {exc}") from None
 
-    def recv(self, max_doc: int = MAX_DOC, max_payload: int = MAX_PAYLOAD) -> Frame:
-        """The next frame (blocks up to the socket's timeout: then LinkError). A frame
-        whose header announces more than ``max_doc``/``max_payload`` bytes is refused before
-        any of it is read (its MAC comes last)."""
+    def recv(
+        self, max_doc: int = MAX_DOC, max_payload: int = MAX_PAYLOAD, deadline: float | None = None
+    ) -> Frame:
+        """The next frame (blocks up to the socket's timeout, or until the monotonic
+        ``deadline`` for the whole frame: then LinkSilent). A frame whose header announces
+        more than ``max_doc``/``max_payload`` bytes is refused before any of it is read (its
+        MAC comes last)."""
         try:
-            seq, size, psize = HEADER.unpack(_recv_exact(self.sock, HEADER.size))
+            seq, size, psize = HEADER.unpack(_recv_exact(self.sock, HEADER.size, deadline))
             if size > max_doc or psize > max_payload:
-                raise LinkError("a frame larger than any phalanx sends", rejected=True)
-            body = _recv_exact(self.sock, size)
-            payload = _recv_exact(self.sock, psize)
-            mac = _recv_exact(self.sock, MAC_SIZE)
+                raise LinkError(
+                    f"a frame larger than any phalanx sends here ({size} + {psize} bytes "
+                    f"announced, at most {max_doc} + {max_payload})",
+                    rejected=True,
+                )
+            body = _recv_exact(self.sock, size, deadline)
+            payload = _recv_exact(self.sock, psize, deadline)
+            mac = _recv_exact(self.sock, MAC_SIZE, deadline)
         except TimeoutError:
             raise LinkSilent(f"no word from {self.peer}") from None
         except OSError as exc:
@@ -228,14 +269,24 @@ class Link:
 @dataclass
 class Listener:
     """The head's listening socket for node agents: accepts and checks connections in a
-    thread; good ones wait in :attr:`joined`, rejected ones in :attr:`rejected` (address,
-    why) for one warning each."""
+    thread each; good ones wait in :attr:`joined`, rejected ones in :attr:`rejected` (address,
+    why) for one warning each. At most :data:`MAX_UNPROVEN` connections prove themselves at
+    once: a newer one pushes out the oldest (named once per address: a flood is one warning,
+    not thousands). A failed ``accept`` is put in :attr:`troubles` (once per kind of error)
+    and the loop goes on; only :meth:`close` ends it."""
 
     sock: socket.socket
     token: bytes = field(repr=False)
     joined: queue.Queue[tuple[Link, Frame]] = field(default_factory=queue.Queue)
     rejected: queue.Queue[tuple[str, str]] = field(default_factory=queue.Queue)
+    troubles: queue.Queue[str] = field(default_factory=queue.Queue)
     closed: bool = False
+    # The connections proving themselves now, oldest first; those pushed out of that place.
+    unproven: list[socket.socket] = field(default_factory=list)
+    pushed_out: set[socket.socket] = field(default_factory=set)
+    named: set[str] = field(default_factory=set)  # hosts warned about for being pushed out
+    troubled: set[str] = field(default_factory=set)  # kinds of accept error told already
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def open(cls, host: str, port: int, token: bytes) -> Listener:
@@ -252,17 +303,78 @@ class Listener:
         while not self.closed:
             try:
                 conn, addr = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._check, args=(conn, addr), daemon=True).start()
+            except OSError as exc:
+                if self.closed:
+                    return
+                self._trouble(exc)  # (out of descriptors, a connection reset before it was
+                time.sleep(ACCEPT_RETRY)  # taken: the port stays open, try again)
+                continue
+            self._admit(conn, addr)
+
+    def _admit(self, conn: socket.socket, addr: Any) -> None:
+        """Give ``conn`` its own thread to prove itself in, pushing out the oldest
+        connection that is still proving itself when :data:`MAX_UNPROVEN` are."""
+        with self.lock:
+            self.unproven.append(conn)
+            oldest = self.unproven.pop(0) if len(self.unproven) > MAX_UNPROVEN else None
+            if oldest is not None:
+                self.pushed_out.add(oldest)
+        if oldest is not None:  # (its thread's read ends now, and reports it)
+            with contextlib.suppress(OSError):
+                oldest.shutdown(socket.SHUT_RDWR)
+        try:
+            thread = threading.Thread(target=self._check, args=(conn, addr), daemon=True)
+            thread.start()
+        except RuntimeError as exc:  # (no thread to be had: out of resources)
+            self._done(conn)
+            conn.close()
+            self._trouble(exc)
 
     def _check(self, conn: socket.socket, addr: Any) -> None:
+        address = f"{addr[0]}:{addr[1]}"
         try:
-            self.joined.put(Link.accept(conn, self.token))
+            link, hello = Link.accept(conn, self.token)
         except (LinkError, OSError) as exc:
-            self.rejected.put((f"{addr[0]}:{addr[1]}", str(exc)))
+            if self._done(conn):
+                self._pushed_out(addr[0], address)
+            else:
+                self.rejected.put((address, str(exc)))
+            return
+        if self._done(conn):  # (pushed out as it finished: its socket is shut, it retries)
+            link.close()
+            self._pushed_out(addr[0], address)
+        else:
+            self.joined.put((link, hello))
+
+    def _pushed_out(self, host: str, address: str) -> None:
+        with self.lock:
+            if host in self.named:
+                return
+            self.named.add(host)
+        why = (
+            f"more than {MAX_UNPROVEN} connections were proving themselves at once: the "
+            "oldest are closed (no further warning for this address)"
+        )
+        self.rejected.put((address, why))
+
+    def _done(self, conn: socket.socket) -> bool:
+        """``conn`` no longer proves itself; whether it had been pushed out."""
+        with self.lock:
+            if conn in self.unproven:
+                self.unproven.remove(conn)
+            pushed = conn in self.pushed_out
+            self.pushed_out.discard(conn)
+        return pushed
+
+    def _trouble(self, exc: BaseException) -> None:
+        kind = type(exc).__name__ + (f" {exc.errno}" if isinstance(exc, OSError) else "")
+        if kind not in self.troubled:
+            self.troubled.add(kind)
+            self.troubles.put(f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         self.closed = True
+        with contextlib.suppress(OSError):  # (wakes the accept loop: it ends)
+            self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()

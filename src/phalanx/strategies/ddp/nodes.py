@@ -431,6 +431,10 @@ class NodeHub:
     def _rejected(self) -> None:
         while not self.listener.rejected.empty():
             self.rejected.append(self.listener.rejected.get())
+        while not self.listener.troubles.empty():
+            why = self.listener.troubles.get()
+            note = f"head: the node port failed to accept a connection ({why}); it listens on"
+            self.notes.append(("warning", note))
 
     def all_exited(self) -> bool:
         return all(node.lost or not node.alive for node in self.nodes.values())

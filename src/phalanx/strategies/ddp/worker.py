@@ -16,6 +16,7 @@ Exit codes: 0 done or stopped by the step policy (an :class:`Aborted` was sent),
 from __future__ import annotations
 
 import faulthandler
+import functools
 import gc
 import os
 import pickle
@@ -252,19 +253,20 @@ class Watcher:
             group.abort()
 
     def _run(self, store: SignedStore) -> None:
-        """One store read a tick (the control counter); the keys only when it moved, or while
-        a CUDA worker is behind the newest generation (its abort may have to wait for the
-        group to exist)."""
-        seen = 0
+        """One store read a tick (the control counter, signed); the keys only when it moved,
+        or while a CUDA worker is behind the newest generation (its abort may have to wait
+        for the group to exist). A counter that does not verify (a rogue's: reported once)
+        is no proof that nothing moved: the keys are read each tick while it is there."""
+        seen: str | None = None
         while True:
             time.sleep(WATCH_INTERVAL.total_seconds())
             if not self.agent.alive():
                 os._exit(1)  # the supervisor died: no orphans
             try:
-                version = int(store.store.add(CONTROL_KEY, 0))
+                version = store.get(CONTROL_KEY)
                 pending = self.latest > self.generation
-                if version == seen and not pending:  # (try the abort again each tick)
-                    continue
+                if version is not None and version == seen and not pending:
+                    continue  # (a pending generation: try the abort again each tick)
                 seen = version
                 abort = self._read(store)
             except Exception:
@@ -308,10 +310,9 @@ class Watcher:
         group, members = self.group, list(self.members)
         if self.aborted_for >= self.latest or group is None or self.generation >= self.latest:
             return
-        text = store.get(f"{GEN_PREFIX}{self.latest}")
-        if text is None:
+        doc = announcement(store, self.latest)
+        if doc is None:
             return
-        doc = Announcement.from_json(self.latest, text)
         if doc.rebuild or set(members) - set(doc.members):
             self.aborted_for = self.latest
             group.abort()
@@ -467,8 +468,8 @@ class Worker:
             return False
         limit = self.a.config.node_timeout + timedelta(seconds=5)
 
-        def probe() -> None:
-            self.a.connect(PROBE_TIMEOUT).add(CONTROL_KEY, 0)
+        def probe() -> None:  # (a read that parses nothing: see control)
+            self.a.connect(PROBE_TIMEOUT).check([CONTROL_KEY])
 
         return await_verdict(lambda: self.watcher.head_lost, probe, limit)
 
@@ -706,6 +707,11 @@ def done_of(loop: TrainLoop, slot: int, weights_path: str, interrupted: str | No
     )
 
 
+def announcement(store: SignedStore, number: int) -> Announcement | None:
+    """The verified ``gen/<number>``, or None (absent, or rejected and reported)."""
+    return store.read(f"{GEN_PREFIX}{number}", functools.partial(Announcement.from_json, number))
+
+
 def wait_generation(
     store: SignedStore, args: WorkerArgs, watcher: Watcher, after: int, timeout: timedelta
 ) -> Generation:
@@ -718,13 +724,13 @@ def wait_generation(
             raise HeadGone()
         try:
             latest = latest_generation(store, after)  # (verified announcements only)
-            text = store.get(f"{GEN_PREFIX}{latest}") if latest > after else None
+            doc = announcement(store, latest) if latest > after else None
         except Exception:
             if not args.spans_nodes:
                 raise
-            text = None  # across machines: the head may be lost (the agent decides)
-        if text is not None:
-            gen = Announcement.from_json(latest, text).generation()
+            doc = None  # across machines: the head may be lost (the agent decides)
+        if doc is not None:
+            gen = doc.generation()
             if args.slot in gen.members or not args.replacement:
                 return gen
             after = latest  # a replacement waits for the generation that lets it in
