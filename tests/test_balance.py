@@ -181,3 +181,16 @@ def test_a_worker_over_slow_worker_is_put_out_and_the_model_is_unchanged(
 def test_slow_worker_is_checked() -> None:
     with pytest.raises(px.ConfigError, match=r"slow_worker=0\.5"):
         px.Learner(mlp, sgd, px.mse_step).fit(DATA, slow_worker=0.5, sinks=[])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_balance_with_gradient_accumulation_keeps_the_math(alone: px.FitResult) -> None:
+    """Shares move while each member cuts its share into micro-batches: the same model."""
+    step = functools.partial(slow_rank_step, rank=2, per_sample=2e-3)
+    rec = Recorder()
+    result = px.Learner(mlp, sgd, step, grad_accumulation=2).fit(
+        DATA, strategy="threads", devices="cpu:0,cpu:1,cpu:2", sinks=[rec], **FIT
+    )
+    assert any(d.changed for d in rec.of(Balanced))
+    assert result.ledger_ok and _rel(result.model, alone.model) <= 1e-5
