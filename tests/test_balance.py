@@ -140,7 +140,8 @@ def test_a_slow_member_gets_a_smaller_share_and_the_model_is_unchanged(
     assert _rel(result.model, alone.model) <= 1e-5
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert "balance: shares " in out and "% of each global batch (by rank) from step " in out
-    assert "rank 2 is persistently slower (" in out  # said when seen, and in the end lines:
+    assert "rank 2 is persistently slower (" in out  # said when seen, where it runs,
+    assert "x the time per sample of its peers): worker 2 on cpu:2" in out  # and at the end:
     assert "Balanced: the last shares were " in out and "Slow: rank 2 is persistently" in out
 
 

@@ -4,6 +4,7 @@ of 2e-5 must not read ``0.0000``), and throughput as a whole number."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from phalanx.balance import slower_than_peers
 
@@ -36,10 +37,13 @@ def fmt_share(share: float) -> str:
     return f"{100 * share:.0f}%" if share >= 0.01 or share <= 0 else f"{100 * share:.1f}%"
 
 
-def balance_line(event: object, shares_too: bool = True) -> str:
+def balance_line(
+    event: object, shares_too: bool = True, where: Callable[[int], str | None] | None = None
+) -> str:
     """A :class:`~phalanx.events.Balanced` event in one line: the shares from the next step
     (in percent, rank order) and each member named slow with how much slower than the
-    median of its peers' it is (:func:`~phalanx.balance.slower_than_peers`)."""
+    median of its peers' it is (:func:`~phalanx.balance.slower_than_peers`), and, with
+    ``where`` (a rank -> ``"worker 2 on cpu:2"``), where it runs."""
     shares = list(getattr(event, "shares", []))
     paces = list(getattr(event, "paces", []))
     step = int(getattr(event, "global_step", 0))
@@ -50,5 +54,6 @@ def balance_line(event: object, shares_too: bool = True) -> str:
     for rank in getattr(event, "slow", []):
         ratio = slower_than_peers(paces, rank)
         times = f" ({ratio:.1f}x the time per sample of its peers)" if ratio else ""
-        parts.append(f"rank {rank} is persistently slower{times}")
+        place = where(rank) if where is not None else None
+        parts.append(f"rank {rank} is persistently slower{times}" + (f": {place}" if place else ""))
     return "; ".join(parts)

@@ -276,7 +276,12 @@ class ProgressSink:
         )
 
     def _balanced(self, e: Balanced) -> None:
-        self._say(balance_line(e))
+        self._say(balance_line(e, where=self._worker_of))
+
+    def _worker_of(self, rank: int) -> str | None:
+        """Where the current generation's member ``rank`` runs, as the panel knows it."""
+        row = self.workers.member(rank)
+        return None if row is None else f"worker {row.worker} on {row.device}"
 
     def _notice(self, e: Notice) -> None:
         prefix = "" if e.level == "info" else f"{e.level}: "
