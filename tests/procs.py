@@ -78,3 +78,31 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def started_in_test(test: str) -> list[int]:
+    """Live processes (not zombies) whose environment says they were started while ``test``
+    ran (pytest's ``PYTEST_CURRENT_TEST``, inherited by every descendant, orphans too), other
+    than this one and its lifetime helpers (phalanx's fork server: the one that preloads the
+    worker module; the resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        line = cmdline(int(entry))
+        if "phalanx.strategies.ddp.worker" in line and "forkserver" in line:
+            continue
+        if is_resource_tracker(int(entry)):
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        info = proc_stat(int(entry))
+        if (
+            info is not None
+            and info[0] != "Z"
+            and f"PYTEST_CURRENT_TEST={test}".encode() in environ
+        ):
+            found.append(int(entry))
+    return found

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from phalanx.data import fingerprint
 from phalanx.plan import same_data
+from procs import started_in_test
 
 
 class Augmented(Dataset[Any]):
@@ -231,3 +234,10 @@ def test_num_workers_load_in_subprocesses_under_ddp_too() -> None:
     assert ddp.steps == 12 and ddp.ledger_ok
     for a, b in zip(single.model.parameters(), ddp.model.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+    # Nothing is left: the DataLoader workers end with their ddp worker (forked by it: they
+    # once were started by a fork server of their own, and both outlived the run for good).
+    test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+    deadline = time.monotonic() + 20
+    while started_in_test(test) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started_in_test(test) == []

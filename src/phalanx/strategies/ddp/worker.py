@@ -18,6 +18,7 @@ from __future__ import annotations
 import faulthandler
 import functools
 import gc
+import multiprocessing
 import os
 import pickle
 import signal
@@ -764,6 +765,18 @@ def listen_for_stack_dumps(path: str) -> None:
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
 
+def fork_children() -> None:
+    """Processes this worker starts (DataLoader workers, the user's own) are forked, as in a
+    plain DDP script. A process the fork server started inherits "forkserver" as its start
+    method; a DataLoader's workers started that way are children of a second fork server,
+    each holding that server's alive pipe, and watch only that server as their parent: when
+    this worker exits, neither ever ends (the server waits for its children to close the
+    pipe, the children for their parent to die). Forked, their parent is this worker, whose
+    end they notice (torch's worker watchdog)."""
+    if "fork" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method("fork", force=True)
+
+
 def main(args: WorkerArgs) -> None:
     """Entry point of a spawned worker. Ctrl-C and a SIGTERM sent to the whole process group
     (Slurm, ``kill -TERM -<pgid>``) are the supervisor's to act on: it relays the stop
@@ -777,6 +790,7 @@ def main(args: WorkerArgs) -> None:
         os.environ.clear()
         os.environ.update(args.environ)
     listen_for_stack_dumps(args.stack_file)
+    fork_children()
     code = Worker(args).run()
     args.conn.close()
     sys.stdout.flush()
