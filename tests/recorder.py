@@ -11,12 +11,13 @@ from phalanx.events import Event
 class Recorder:
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self.closed = False
 
     def handle(self, event: Event) -> None:
         self.events.append(event)
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
     def of(self, kind: type) -> list[Any]:
         """The events of one type, in the order they came."""

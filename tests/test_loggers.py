@@ -33,6 +33,7 @@ from phalanx.events import (
 )
 from phalanx.failures import WorkerFailure
 from procs import child_env
+from recorder import Recorder
 
 # -- the environment: nothing may reach a network ----------------------------------------------
 
@@ -396,18 +397,6 @@ def test_mlflow_run_status_follows_the_runs_end(
 # -- loggers= adds, sinks= replaces -------------------------------------------------------------
 
 
-class Recording:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.closed = False
-
-    def handle(self, event: Event) -> None:
-        self.events.append(event)
-
-    def close(self) -> None:
-        self.closed = True
-
-
 def _fit(**kwargs: Any) -> px.FitResult:
     data = TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
     learner = px.Learner(
@@ -416,14 +405,14 @@ def _fit(**kwargs: Any) -> px.FitResult:
     return learner.fit(data, epochs=1, batch_size=4, **kwargs)
 
 
-def _steps(sink: Recording) -> list[int]:
+def _steps(sink: Recorder) -> list[int]:
     return [e.global_step for e in sink.events if isinstance(e, StepEnded)]
 
 
 def test_loggers_add_to_the_default_sinks_and_sinks_replace_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    logger = Recording()
+    logger = Recorder()
     _fit(run_dir=str(tmp_path / "added"), loggers=[logger])
     out = capsys.readouterr().out
     assert "Learner Summary" in out and "Trained 1 epoch(s), 4 step(s)" in out
@@ -431,13 +420,13 @@ def test_loggers_add_to_the_default_sinks_and_sinks_replace_them(
     assert (tmp_path / "added" / "steps.csv").is_file()
     assert _steps(logger) == [1, 2, 3, 4] and logger.closed
 
-    replacing = Recording()
+    replacing = Recorder()
     _fit(run_dir=str(tmp_path / "replaced"), sinks=[replacing])
     assert capsys.readouterr().out == ""
     assert not (tmp_path / "replaced" / "events.jsonl").exists()
     assert _steps(replacing) == [1, 2, 3, 4]
 
-    given, added = Recording(), Recording()
+    given, added = Recorder(), Recorder()
     _fit(sinks=[given], loggers=[added])  # both: the given sinks, then the loggers
     assert capsys.readouterr().out == ""
     assert added.events == given.events and _steps(added) == [1, 2, 3, 4]
