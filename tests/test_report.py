@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from phalanx.failures import WorkerFailure
@@ -78,3 +80,21 @@ def test_a_broken_step_contract_is_the_root_cause_of_the_attempt_it_stopped() ->
     err = build([other, nan])
     assert isinstance(err, InvalidStepError) and isinstance(err, ConfigError)
     assert err.code == "PX107" and err.root_cause is nan
+
+
+def test_a_failures_json_that_cannot_be_written_keeps_the_report(tmp_path: Path) -> None:
+    """The run folder cannot take failures.json (here its temporary file's name is taken
+    by a folder): the error still names the root cause, and says the file is missing."""
+    from phalanx.failures import WorkerFailure
+    from phalanx.run import stopped
+    from phalanx.spec import FitConfig
+
+    (tmp_path / "failures.json.tmp").mkdir()
+    failure = WorkerFailure(1, 1, "cpu:1", "exception", "boom", "forward", step=4, action="aborted")
+    config = FitConfig(epochs=1, batch_size=8, devices=["cpu:0", "cpu:1"], strategy="ddp",
+                       run_dir=str(tmp_path))  # fmt: skip
+    error = stopped([failure], False, config)
+    text = str(error)
+    assert "failed at step 5 (forward)" in text.splitlines()[0]
+    assert "failures.json could not be written" in text
+    assert not (tmp_path / "failures.json").exists()
