@@ -148,6 +148,15 @@ def linear_except_in_a_replacement() -> nn.Module:
     return linear()
 
 
+def linear_slow_in_a_replacement() -> nn.Module:
+    """The model factory takes a second in a replacement process (a cold device, say)."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name.endswith("-replacement"):
+        time.sleep(1.0)
+    return linear()
+
+
 def nan_loss_on_rank_1_at_step_3(model: nn.Module, batch: Any) -> torch.Tensor:
     """The MSE step, except that the loss is NaN in worker 1 (rank 1 of the first
     generation) at the fourth optimizer step. Calls are counted per replica; the first one

@@ -41,6 +41,7 @@ from recovery_helpers import (
     SecondReadFails,
     linear,
     linear_except_in_a_replacement,
+    linear_slow_in_a_replacement,
     make_data,
     mse_step,
     nan_loss_on_rank_1_at_step_3,
@@ -125,9 +126,10 @@ def fit(
     devices: str = THREE,
     step: Any = mse_step,
     hang_timeout: timedelta = HANG_TIMEOUT,
+    model: Any = linear,
 ) -> tuple[px.FitResult, Recorder]:
     rec = Recorder()
-    result = px.Learner(linear, sgd, step).fit(
+    result = px.Learner(model, sgd, step).fit(
         DATA,
         devices=devices,
         strategy="ddp",
@@ -362,12 +364,17 @@ def test_a_replacement_killed_in_the_step_after_it_joined_breaks_no_survivor(
 ) -> None:
     """The step after a join is DDP's second forward, where it rebuilds its buckets with two
     broadcasts from rank 0. The replacement is killed there (the fault meant for step 6
-    fires in the step after it joined, which is always later: a start takes seconds).
+    fires in the step after it joined).
     Rank 0's broadcast meets the closed socket; it must not run another collective on that
     group (a zero pass would broadcast again, and the survivor still waiting for the second
-    broadcast aborts: gloo's "12 vs 4 ... collective mismatch"). Only worker 1 falls."""
+    broadcast aborts: gloo's "12 vs 4 ... collective mismatch"). Only worker 1 falls.
+    The replacement takes a second to build its model, so that it surely joins after step 6
+    (a warm start can take less than a step: then the fault would fire in its first step)."""
     faults = [px.Fault("kill", worker=1, step=5), px.Fault("kill", worker=1, step=6)]
-    result, rec = fit(tmp_path, faults, px.Recovery(mode="respawn"), step=slow_step)
+    result, rec = fit(
+        tmp_path, faults, px.Recovery(mode="respawn"), step=slow_step,
+        model=linear_slow_in_a_replacement,
+    )  # fmt: skip
     assert [(f.worker, f.kind, f.action) for f in result.failures] == [
         (1, "crash", "respawned"),
         (1, "crash", "respawned"),
