@@ -19,6 +19,7 @@ from phalanx.ranks import is_main, rank, world_size
 from phalanx.runinfo import start_over
 from phalanx.snapshot import Snapshots
 from phalanx.step import StepOutput, cross_entropy_step, mse_step
+from phalanx.stream import Stream
 
 __all__ = [
     "Checkpoints",
@@ -34,6 +35,7 @@ __all__ = [
     "Recovery",
     "Snapshots",
     "StepOutput",
+    "Stream",
     "TrainingFailed",
     "WorkerFailure",
     "cross_entropy_step",

@@ -18,6 +18,8 @@ from phalanx import rng
 from phalanx.balance import cut
 from phalanx.ledger import Fingerprint, fingerprints
 from phalanx.plan import DataPrint, Plan, split
+from phalanx.stream import Stream
+from phalanx.stream.reader import ahead
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,22 @@ class Loading:
         process is indexed once per batch instead (``[t[idx] for t in tensors]``, the same
         values, dtypes and layout as ``default_collate`` of its samples), without a sample
         fetch, a stack and the DataLoader's machinery per batch."""
+        if isinstance(dataset, Stream):
+            return self._streamed(dataset, batch_sampler)
         tensors = self._direct(dataset)
         if tensors is None:
             return iter(self.loader(dataset, batch_sampler))
         base, mapping = tensors
         return (_index(base, mapping, batch) for batch in batch_sampler)
+
+    def _streamed(self, stream: Stream, batch_sampler: list[list[int]]) -> Iterator[Any]:
+        """A stream's batches: read ahead by a thread of this process (``num_workers=0``)
+        or by one DataLoader process (more would each read the same shards: one is used)."""
+        if self.num_workers:
+            single = Loading(1, self.collate_fn, self.pin_memory)
+            return iter(single.loader(stream, batch_sampler))
+        collate = self.collate_fn or default_collate
+        return ahead(lambda batch: collate([stream[i] for i in batch]), batch_sampler)
 
     def _direct(self, dataset: Dataset[Any]) -> tuple[tuple[torch.Tensor, ...], Any] | None:
         """The tensors and the index mapping of a dataset :meth:`batches` can index, else None."""
@@ -186,7 +199,10 @@ def fingerprint(dataset: Dataset[Any], size: int) -> DataPrint:
     with contextlib.suppress(Exception):  # (an object copy refuses: read the original)
         dataset = copy.copy(dataset)
     count = min(FINGERPRINT_SAMPLES, size)
-    picks = np.random.default_rng(_FINGERPRINT_SEED).choice(size, count, replace=False)
+    if isinstance(dataset, Stream):  # (the first sample of a few shards: no shard read far)
+        picks = np.asarray(dataset.probe_indices(count))
+    else:
+        picks = np.random.default_rng(_FINGERPRINT_SEED).choice(size, count, replace=False)
     digest = hashlib.sha256()
     sums: list[float] = []
     probes: list[tuple[int, str, int]] = []

@@ -14,7 +14,7 @@ what it means, when it happens, common causes and fixes (see :mod:`phalanx.catal
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from phalanx.failures import WorkerFailure
@@ -255,6 +255,36 @@ class UnsizedDatasetError(ConfigError):
     generator): without a length and random access there is no exactly-once plan."""
 
     code = "PX128"
+
+
+class StreamError(ConfigError):
+    """A ``px.Stream`` that cannot be planned: no shards, a ``read`` that is not a function,
+    ``lengths`` that do not match the shards, a bad ``lanes`` or ``shuffle_buffer``."""
+
+    code = "PX160"
+
+
+class StreamReadError(PhalanxError):
+    """A shard of a stream failed to open or read, again after retries: named with the
+    shard and the sample where it failed. Raised in a worker: reported as its step's
+    failure (the same samples failing again stop the run as a poison batch)."""
+
+    code = "PX161"
+
+    def __init__(self, message: str, shard: int | None = None, offset: int | None = None) -> None:
+        super().__init__(message)
+        self.shard, self.offset = shard, offset
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message, self.shard, self.offset))
+
+
+class StreamChangedError(PhalanxError):
+    """A shard of a stream is gone, or holds more or fewer samples than when the run
+    planned its epochs (at its start, or in the checkpoint it resumed): the plan no longer
+    describes the data, so the run stops rather than use other samples."""
+
+    code = "PX162"
 
 
 class PrecisionError(ConfigError):

@@ -32,6 +32,7 @@ from phalanx.runlock import RunLock
 from phalanx.runner import check_resume_plan
 from phalanx.snapshot import Snapshots, settings_of
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
+from phalanx.stream import Stream
 from phalanx.validate import check_launch, dataset_size, validate_fit, validate_run_dir
 
 
@@ -173,6 +174,12 @@ class Learner:
             max_bad_samples=max_bad_samples,
             snapshots=settings_of(snapshots),
         )
+        # A stream's lengths, counted once unless given (kept in run_dir for a resume).
+        learned = [
+            data.learn_lengths(run_dir, reuse=resume)
+            for data in (train, valid)
+            if isinstance(data, Stream)
+        ]
         train_size = dataset_size(train, "training")
         valid_size = dataset_size(valid, "validation") if valid is not None else 0
         validate_fit(
@@ -196,7 +203,8 @@ class Learner:
             # and so does one over several nodes (every node must train on the same data).
             wanted = run_dir or launch.nnodes > 1
             sample_hash = fingerprint(train, train_size) if wanted else DataPrint("")
-            plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash)
+            layout = train.layout() if isinstance(train, Stream) else None
+            plan = Plan(train_size, batch_size, seed, shuffle, drop_last, sample_hash, layout)
             check_resume_plan(config, plan)  # before anything starts, as the checks above
             run = RunInputs(
                 spec=self.spec,
@@ -206,6 +214,7 @@ class Learner:
                 valid=valid,
                 valid_size=valid_size,
                 launch=launch,
+                notices=[text for text in learned if text],
             )
             if remote:
                 return self._run_node(run, sinks)  # (the head's loggers log the run)
@@ -232,6 +241,8 @@ class Learner:
         notice = lock.notice() if lock is not None else None
         if notice is not None:
             emit(Notice(notice, level="warning"))
+        for text in run.notices:
+            emit(Notice(text))
         slow = cpu_notice(run.spec.precision.name, config.devices)
         if slow is not None:
             emit(Notice(slow, level="warning"))

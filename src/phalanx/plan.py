@@ -8,12 +8,15 @@ math and the data ledger unchanged.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from phalanx.stream.order import StreamLayout
 
 
 def permutation(seed: int, epoch: int, n: int, shuffle: bool = True) -> list[int]:
@@ -133,6 +136,19 @@ def _relative_gap(mine: Sequence[float], theirs: Sequence[float]) -> float:
     return worst
 
 
+def stream_record(layout: StreamLayout) -> dict[str, Any]:
+    """A stream's part of the plan record: its shard list (a digest of the names), each
+    shard's length (a digest, and the count), its lanes and shuffle window."""
+    lengths = hashlib.sha256(repr(layout.lengths).encode()).hexdigest()[:16]
+    return {
+        "shards": layout.names,
+        "shard_count": len(layout.lengths),
+        "lengths": lengths,
+        "lanes": layout.lanes,
+        "shuffle_buffer": layout.window,
+    }
+
+
 def print_of(record: dict[str, Any]) -> DataPrint:
     """The data fingerprint inside a plan record (``Plan.record()``)."""
     probes = tuple((int(i), str(d), int(n)) for i, d, n in record.get("probes") or [])
@@ -168,12 +184,17 @@ class Plan:
     shuffle: bool = True
     drop_last: bool = False
     fingerprint: DataPrint = DataPrint("")
+    # A streamed dataset (``px.Stream``): its epoch order is laid out in lanes of shards
+    # read front to back (:mod:`phalanx.stream.order`), not a permutation of every sample.
+    stream: StreamLayout | None = None
 
     @property
     def steps(self) -> int:
         return steps_per_epoch(self.samples, self.batch_size, self.drop_last)
 
     def order(self, epoch: int) -> list[int]:
+        if self.stream is not None:
+            return self.stream.order(self.seed, epoch, self.shuffle, self.batch_size)
         return permutation(self.seed, epoch, self.samples, self.shuffle)
 
     def global_batch(self, epoch: int, step: int, order: Sequence[int] | None = None) -> list[int]:
@@ -192,6 +213,7 @@ class Plan:
             "fingerprint": self.fingerprint.digest,
             "float_sums": list(self.fingerprint.sums),
             "probes": [list(p) for p in self.fingerprint.probes],
+            "stream": None if self.stream is None else stream_record(self.stream),
         }
 
     def matches(self, saved: object) -> bool:

@@ -35,6 +35,7 @@ class RunInputs:
     valid: Dataset[Any] | None
     valid_size: int  # 0 without a validation set
     launch: Launch | None = None  # how this process was started (several nodes: ddp only)
+    notices: list[str] = field(default_factory=list)  # said once the run's sinks are open
 
     @property
     def valid_or_none(self) -> int | None:

@@ -36,7 +36,7 @@ def evaluate_local(
     replica.module.eval()
     try:
         replica.faults.check(replica.step, "validation")
-        loader = (loading or Loading()).loader(valid, parts)
+        loader = (loading or Loading()).batches(valid, parts)
         for idx, batch in zip(parts, loader, strict=True):
             sums += replica.evaluate(batch, len(idx))
     except Exception as exc:
