@@ -12,6 +12,7 @@ the model, its optimizer groups and the step are the user's. The text is the Zen
     .venv/bin/python examples/mingpt.py                    # 2 CPU workers (after make demo)
     .venv/bin/python examples/mingpt.py --fault kill:0@30  # rank 0 killed: training goes on
     .venv/bin/python examples/mingpt.py --resume           # after Ctrl-C: from the checkpoint
+    .venv/bin/python examples/mingpt.py --shards 4         # the text streamed from 4 files
 
 Ctrl-C stops after the current step with a checkpoint in --run-dir and exits 130 (a
 KeyboardInterrupt); SIGTERM likewise, exiting 143. Run again with --resume to continue;
@@ -28,6 +29,8 @@ import functools
 import math
 import sys
 import this
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -52,6 +55,31 @@ class CharDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.data[i : i + self.block_size + 1]
         return chunk[:-1], chunk[1:]
+
+
+def write_shards(text: str, folder: Path, count: int) -> list[str]:
+    """The text cut into ``count`` files (what a corpus in shards looks like)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    size = -(-len(text) // count)
+    paths = []
+    for i in range(count):
+        path = folder / f"zen-{i:03d}.txt"
+        path.write_text(text[i * size : (i + 1) * size])
+        paths.append(str(path))
+    return paths
+
+
+def read_windows(
+    shard: str, start: int = 0, *, block_size: int, chars: str
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A shard's windows of ``block_size + 1`` characters, front to back, from window
+    ``start`` on (phalanx passes ``start`` to begin mid-shard without reading what is
+    before it). At module level: ddp workers read the stream themselves."""
+    index = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([index[c] for c in Path(shard).read_text()], dtype=torch.long)
+    for i in range(start, len(data) - block_size):
+        chunk = data[i : i + block_size + 1]
+        yield chunk[:-1], chunk[1:]
 
 
 class Block(nn.Module):
@@ -145,6 +173,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--run-dir", default="runs/mingpt")
     parser.add_argument("--resume", action="store_true", help="continue from --run-dir")
     parser.add_argument("--fault", action="append", default=[], help="e.g. kill:0@30")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=0,
+        help="stream the text from this many files (px.Stream) instead of indexing it",
+    )
     return parser.parse_args(argv)
 
 
@@ -152,9 +186,17 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.precision is None:
         args.precision = "16-mixed" if "cuda" in args.devices else "32"
-    train = CharDataset(zen(), args.block_size)
+    text = zen()
+    indexed = CharDataset(text, args.block_size)
+    train: Dataset[tuple[torch.Tensor, torch.Tensor]] = indexed
+    if args.shards:  # the same text as a stream of shards, read front to back
+        paths = write_shards(text, Path(args.run_dir) / "shards", args.shards)
+        read = functools.partial(
+            read_windows, block_size=args.block_size, chars="".join(indexed.chars)
+        )
+        train = px.Stream(paths, read)
     model = functools.partial(
-        GPT, len(train.chars), args.block_size, args.layers, n_head=4, n_embd=args.embd
+        GPT, len(indexed.chars), args.block_size, args.layers, n_head=4, n_embd=args.embd
     )
     learner = px.Learner(
         model,
@@ -190,7 +232,7 @@ def main(argv: list[str]) -> int:
         f"failures survived: {len(result.failures)}; exactly-once: {result.ledger_ok}; "
         f"saved {result.model_path}"
     )
-    print("sample:", sample(result.model, train, "Beautiful is ", 60))
+    print("sample:", sample(result.model, indexed, "Beautiful is ", 60))
     return 0
 
 

@@ -214,7 +214,8 @@ CASES: list[tuple[str, type[ConfigError], str, dict[str, Any], str]] = [
         UnsizedDatasetError,
         "PX128",
         {"train": Stream()},
-        r"an IterableDataset.*cannot have an exactly-once plan.*map-style torch Dataset",
+        r"an IterableDataset.*cannot plan it exactly once per epoch.*px\.Stream\(shards, "
+        r"read\).*map-style torch Dataset",
     ),
     (
         "generator",

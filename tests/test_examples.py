@@ -141,3 +141,16 @@ def test_an_example_run_again_starts_a_new_run_beside_the_last_one(tmp_path: Pat
         == torch.load(tmp_path / "run" / "model.pt", weights_only=True).keys()
     )
     assert json.loads((tmp_path / "run" / "run.json").read_text())["run_id"] != first_id
+
+
+def test_mingpt_streams_its_text_from_shards(tmp_path: Path) -> None:
+    """``--shards 3``: the same text as a px.Stream of 3 files, lengths counted once, a
+    worker killed: survived, every window once per epoch."""
+    done = run(
+        tmp_path, "mingpt.py", "--shards", "3", "--epochs", "2", "--block-size", "16",
+        "--embd", "32", "--fault", "kill:1@5",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "failures survived: 1; exactly-once: True" in done.stdout
+    assert "read the 3 shards of the stream once to count their samples" in done.stdout
+    assert len(list((tmp_path / "run" / "shards").glob("zen-*.txt"))) == 3

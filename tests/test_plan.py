@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from phalanx.plan import DataPrint, Plan, bounds, permutation, split, steps_per_epoch
 from phalanx.policy import MAX_ATTEMPTS, decide
+from phalanx.stream.order import StreamLayout
 
 FAST = settings(max_examples=150, deadline=None)
 
@@ -195,7 +196,14 @@ def test_plan_record_names_everything_resume_must_match() -> None:
         "fingerprint": "ab12",
         "float_sums": [1.0, 2.0, 3.0],
         "probes": [],
+        "stream": None,  # (an indexed dataset; a checkpoint written before streams has none)
     }
+    stream = StreamLayout((4, 6), lanes=2, window=8, names="d1")
+    record = Plan(10, 3, 7, stream=stream).record()["stream"]
+    assert record["shards"] == "d1" and record["shard_count"] == 2
+    assert (record["lanes"], record["shuffle_buffer"]) == (2, 8)
+    other = Plan(10, 3, 7, stream=StreamLayout((5, 5), lanes=2, window=8, names="d1"))
+    assert not other.matches(Plan(10, 3, 7, stream=stream).record())  # (other lengths)
 
 
 def test_plan_matches_float_sums_within_a_tolerance_and_everything_else_exactly() -> None:

@@ -851,14 +851,82 @@ _ENTRIES = [
             "A generator or a list iterator passed instead of a dataset.",
         ],
         fixes=[
-            "Use a map-style Dataset: index the records (a list of files or offsets) and "
+            "Stream it with px.Stream(shards, read): a list of shard names (files, URLs) and "
+            "a module-level read(shard) that yields the shard's samples front to back; "
+            "phalanx plans it exactly once per epoch (phalanx.stream.huggingface and "
+            "phalanx.stream.webdataset wrap those libraries' streams).",
+            "Or use a map-style Dataset: index the records (a list of files or offsets) and "
             "read record i in __getitem__.",
-            "For data that fits in memory, materialize the stream once: "
-            "TensorDataset(*map(torch.stack, zip(*stream))).",
         ],
-        example="# before\nclass Stream(IterableDataset):\n    def __iter__(self): ...\n"
-        "# after\nclass Records(Dataset):\n    def __len__(self): return len(self.files)\n"
-        "    def __getitem__(self, i): return load(self.files[i])",
+        example="# before\nclass Tokens(IterableDataset):\n    def __iter__(self): ...\n"
+        "# after\ndef read(shard):\n    for record in open_records(shard):\n"
+        "        yield decode(record)\n\nfit(px.Stream(shard_paths, read), ...)",
+    ),
+    Explanation(
+        code="PX160",
+        title="a stream that cannot be planned",
+        meaning="px.Stream(shards, read, lengths=..., lanes=..., shuffle_buffer=...) "
+        "describes a dataset read front to back, shard by shard. phalanx plans every epoch "
+        "from the shard list and each shard's length, so it needs a non-empty list of "
+        "shard names, a read function, one sample count per shard when lengths are given, "
+        "and whole numbers >= 1 for lanes and shuffle_buffer.",
+        when="When px.Stream(...) is made, or when fit() plans a stream whose lengths it "
+        "does not know yet.",
+        causes=[
+            "A glob pattern or a single path passed as shards instead of a list of them.",
+            "lengths with another count of values than shards, or negative counts.",
+            "read given as something that cannot be called (a file name, a list).",
+        ],
+        fixes=[
+            "shards=sorted(glob.glob('data/*.tar')): a list, in a fixed order.",
+            "Omit lengths= to have phalanx count each shard once (kept in "
+            "run_dir/stream_lengths.json for a resume), or give one count per shard.",
+        ],
+        example="px.Stream(sorted(glob.glob('data/part-*.bin')), read, lengths=None)",
+    ),
+    Explanation(
+        code="PX161",
+        title="a shard of a stream could not be read",
+        meaning="read(shard) raised while opening the shard or while reading a sample of it, "
+        "and again on each retry (the shard is opened again at that sample, 3 attempts in "
+        "all, waiting longer each time). The error names the shard, the sample where it "
+        "failed and the error read raised. In a worker it is that step's failure: if the "
+        "same samples fail again the run stops with it as the root cause.",
+        when="During training, in the worker reading that shard (or in fit() when it counts "
+        "the shards' samples).",
+        causes=[
+            "Object storage or a network file system refusing or timing out for longer than "
+            "the retries wait.",
+            "A record that cannot be decoded (a corrupt file, a wrong decoder).",
+            "Credentials that the workers do not have (environment not passed on).",
+        ],
+        fixes=[
+            "Read the shard named in the message alone: list(read(shard)) shows the error.",
+            "Fix or drop the shard, then start a new run (another shard list is another "
+            "dataset; a resume refuses it).",
+        ],
+        example="# reproduce what the worker saw\nfor i, sample in enumerate(read(shard)):\n"
+        "    pass",
+    ),
+    Explanation(
+        code="PX162",
+        title="a shard of a stream changed under the run",
+        meaning="A shard is gone, or yields more or fewer samples than when the run planned "
+        "its epochs (counted at the start, given in lengths=, or kept in the checkpoint it "
+        "resumed). The plan says which samples each step uses; with the shard changed, "
+        "those samples no longer exist, so the run stops instead of training on others.",
+        when="During training, when a worker reads past the planned end of a shard, or "
+        "reaches it early, or cannot find the shard.",
+        causes=[
+            "A shard rewritten or appended to while the run trains or between two sessions.",
+            "A file truncated by a full disk or an interrupted copy.",
+            "lengths= given by hand that do not match the files.",
+        ],
+        fixes=[
+            "Restore the shard as it was to resume the run.",
+            "Or start a new run on the new data (omit lengths= to have them counted).",
+        ],
+        example="px.Stream(shards, read)  # lengths counted from the files as they are",
     ),
     Explanation(
         code="PX130",

@@ -103,10 +103,11 @@ def dataset_size(dataset: Any, name: str) -> int:
     if streaming or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         kind = "an IterableDataset" if streaming else f"a {type(dataset).__qualname__}"
         raise UnsizedDatasetError(
-            f"the {name} dataset is {kind}, without __len__ and __getitem__: a stream without "
-            "a length cannot have an exactly-once plan (each epoch is a seeded permutation of "
-            "sample indices). Pass a map-style torch Dataset (with __len__ and __getitem__), "
-            "e.g. one that indexes its records"
+            f"the {name} dataset is {kind}, without __len__ and __getitem__: phalanx cannot "
+            "plan it exactly once per epoch. Stream it with px.Stream(shards, read) (a list of "
+            "shard names and a module-level read(shard) that yields their samples; "
+            "phalanx.stream.huggingface/webdataset wrap those libraries), or pass a map-style "
+            "torch Dataset (with __len__ and __getitem__)"
         )
     try:
         n = len(dataset)

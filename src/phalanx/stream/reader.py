@@ -68,11 +68,7 @@ class Cursor:
                 self.samples, self.pos = iter(stream.read(name)), 0
                 break
             except FileNotFoundError as exc:
-                raise StreamChangedError(
-                    f"shard {self.shard} ({name!r}) of the stream is gone ({exc}): it was "
-                    "there when the run planned its epochs; put it back, or start a new run "
-                    "(another shard list is another dataset)"
-                ) from None
+                raise self._gone(exc) from None
             except Exception as exc:
                 self._failed(attempt, start, exc)
         skipped = 0
@@ -97,10 +93,20 @@ class Cursor:
                     "was truncated or rewritten; restore it, or give the new lengths in a new "
                     "run (another shard is another dataset)"
                 ) from None
+            except FileNotFoundError as exc:  # (a generator opens its file at first read)
+                raise self._gone(exc) from None
             except Exception as exc:
                 self._failed(attempt, offset, exc)
                 self._open(offset)
         raise AssertionError("unreachable")  # (the last attempt raised)
+
+    def _gone(self, exc: OSError) -> StreamChangedError:
+        name = self.reader.stream.shards[self.shard]
+        return StreamChangedError(
+            f"shard {self.shard} ({name!r}) of the stream is gone ({exc}): it was there when "
+            "the run planned its epochs; put it back, or start a new run (another shard list "
+            "is another dataset)"
+        )
 
     def _failed(self, attempt: int, offset: int, exc: Exception) -> None:
         """Wait before the next attempt; after the last, name the shard, offset and error."""
