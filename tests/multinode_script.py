@@ -7,12 +7,14 @@ Writes the final state dict to OUT and prints one JSON line: steps, ledger, fail
 ``PHALANX_TEST_NODE_TIMEOUT`` (seconds) sets ``fit(node_timeout=)``; ``PHALANX_TEST_RESUME=1``
 passes ``resume=True``; ``PHALANX_TEST_FAULTS`` (``kill:0@15,kill:1@15``, every node the same)
 passes ``faults=``; ``PHALANX_TEST_STEPS=1`` adds each committed step's (global step, time) to
-the result (``steps_at``).
+the result (``steps_at``); ``PHALANX_TEST_STREAM`` (a folder of shards written by the test
+with ``stream_helpers.write_shards``) trains on them as a ``px.Stream`` instead.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
 import sys
@@ -22,6 +24,7 @@ import torch
 
 import phalanx as px
 from recovery_helpers import env_recording_slow_step, linear, make_data, sgd, slow_step
+from stream_helpers import read
 
 DATA = make_data(240)
 
@@ -59,8 +62,10 @@ def main() -> None:
         from phalanx.sinks import default_sinks
 
         sinks = [*default_sinks(None if run_dir == "-" else run_dir), stamps]
+    shards = os.environ.get("PHALANX_TEST_STREAM")
+    data = DATA if not shards else px.Stream(sorted(glob.glob(f"{shards}/*.bin")), read, lanes=3)
     result = learner.fit(
-        DATA,
+        data,
         epochs=epochs,
         batch_size=24,
         seed=5,

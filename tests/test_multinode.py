@@ -37,6 +37,7 @@ from phalanx.strategies.ddp.protocol import (
     Announcement,
 )
 from procs import TESTS_DIR
+from stream_helpers import write_shards
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="POSIX processes"),
@@ -155,9 +156,12 @@ def assert_resumed_clean(
         assert same(weights(tmp_path / name), clean)
 
 
-def one_node_run(tmp_path: Path, epochs: int) -> list[torch.Tensor]:
+def one_node_run(
+    tmp_path: Path, epochs: int, extra_env: dict[str, str] | None = None
+) -> list[torch.Tensor]:
     """The same job on one node with the same devices (two workers)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]))
+    env.update(extra_env or {})
     for name in ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD"):
         env.pop(name, None)
     out, log = tmp_path / "one.pt", tmp_path / "one.log"
@@ -178,6 +182,7 @@ def two_nodes(
     name: str = "node",
     faults: str = "",
     devices: tuple[str, str] = ("cpu:0", "cpu:0"),
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[int, list[subprocess.Popen[bytes]], list[Path]]:
     """``env_dirs``: where each node's workers write torchrun's variables at each step;
     ``run_dir``: shared by both nodes; each node's log and model are ``{name}{rank}``;
@@ -189,6 +194,7 @@ def two_nodes(
         folder = "-" if run_dir is None else str(run_dir)
         args = [str(tmp_path / f"{name}{rank}.pt"), devices[rank], str(epochs), folder, *extra]
         env = env_for(rank, port, tokens[rank])
+        env.update(extra_env or {})
         if resume:
             env["PHALANX_TEST_RESUME"] = "1"
         if faults:
@@ -254,6 +260,29 @@ def test_a_killed_node_is_named_and_the_survivors_finish_without_it(tmp_path: Pa
     assert failure["attempt"] is None  # a node's loss is not an attempt of its step
     assert failure["time"] - killed_at < 5.0  # named within seconds, not a collective timeout
     assert "Final world size: 1 of 2" in logs[0].read_text()
+
+
+@pytest.mark.timeout(300)
+def test_a_stream_through_a_lost_node_loses_no_sample(tmp_path: Path) -> None:
+    """Streamed data (shards on a file system both nodes see): node 1 is killed with its
+    worker; the head takes its part of the stream at the right samples, every sample once per
+    epoch, and ends with the model of one node that lost nothing."""
+    write_shards(tmp_path / "shards", [50, 37, 80, 13, 60])  # 240 samples, 10 steps an epoch
+    stream = {"PHALANX_TEST_STREAM": str(tmp_path / "shards")}
+    _, procs, logs = two_nodes(tmp_path, epochs=6, extra=("shrink",), extra_env=stream)
+    try:
+        wait_for("epoch 2/6 done", logs[0], procs[0])
+        kill_group(procs[1])
+        assert finish(procs[0]) == 0, logs[0].read_text()[-3000:]
+    finally:
+        for p in procs:
+            kill_group(p)
+    head = result_of(logs[0])
+    assert head["steps"] == 60 and head["ledger_ok"]
+    [failure] = head["failures"]
+    assert failure["worker"] == 1 and failure["action"] == "shrunk"
+    clean = one_node_run(tmp_path, epochs=6, extra_env=stream)
+    assert same(weights(tmp_path / "node0.pt"), clean)
 
 
 @pytest.mark.timeout(300)
