@@ -5,6 +5,9 @@ uses the same samples, each exactly once, whoever computes them): a sample's ind
 place in the stream (shard after shard, in the order of the list), the epoch's order comes
 from :mod:`phalanx.stream.order` (seeded shard order, lanes, a bounded shuffle window), and
 each process reads the samples of its part through :mod:`phalanx.stream.reader`.
+
+:func:`huggingface` and :func:`webdataset` (:mod:`phalanx.stream.adapters`) make a stream of
+a Hugging Face ``IterableDataset`` or of WebDataset tar files.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from phalanx.errors import StreamError, StreamReadError
+from phalanx.stream.adapters import huggingface, webdataset
 from phalanx.stream.order import StreamLayout, names_digest
 from phalanx.stream.reader import RETRIES, Reader
 
@@ -239,4 +243,4 @@ def _keep_lengths(run_dir: str, shards: list[Any], lengths: list[int]) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["Stream", "StreamLayout"]
+__all__ = ["Stream", "StreamLayout", "huggingface", "webdataset"]
