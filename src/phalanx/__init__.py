@@ -12,7 +12,7 @@ from phalanx.errors import (
 )
 from phalanx.failures import WorkerFailure
 from phalanx.faults import Fault
-from phalanx.interrupt import FitTerminated
+from phalanx.interrupt import FitPreempted, FitTerminated
 from phalanx.learner import FitResult, Learner
 from phalanx.policy import Recovery
 from phalanx.ranks import is_main, rank, world_size
@@ -26,6 +26,7 @@ __all__ = [
     "ConfigError",
     "EarlyStopping",
     "Fault",
+    "FitPreempted",
     "FitResult",
     "FitTerminated",
     "HeadLost",

@@ -10,8 +10,10 @@ Exit statuses (also in ``phalanx --help``):
 - 2: a usage error (bad arguments; ``--help`` returns 0, no command prints the help and
   returns 2), or an optional dependency is missing (scikit-learn for ``demo``, matplotlib
   for ``plot``);
-- 75: across machines, on a node other than the head: the head was lost and the node saved
-  the run's last committed step (:class:`~phalanx.errors.HeadLost`, PX147);
+- 75: stopped and saved, a restart goes on: a batch system's warning (SIGUSR1) stopped the
+  run after a checkpoint (:class:`~phalanx.interrupt.FitPreempted`), or, across machines on a
+  node other than the head, the head was lost and the node saved the run's last committed
+  step (:class:`~phalanx.errors.HeadLost`, PX147);
 - 130: interrupted by Ctrl-C (the run stopped after a step and saved a checkpoint);
 - 143: ended by SIGTERM (likewise; the exit status of a process ended by SIGTERM, so a batch
   system can requeue the job);
@@ -37,8 +39,11 @@ EXIT_CODES = """exit status:
   1    training failed or a configuration error (the report on stderr); explain: unknown
        code; report, plot: no run in that folder
   2    usage error, or a missing optional dependency (scikit-learn, matplotlib)
-  75   (a node other than the head, in a run over several nodes) the head was lost: the
-       node saved the run's last committed step; run the same command with resume=True
+  75   stopped and saved, a restart goes on (a batch script requeues on it): a batch
+       system's warning (SIGUSR1, Slurm's --signal=USR1@120) stopped the run after a
+       checkpoint; or (a node other than the head) the head was lost and the node saved the
+       run's last committed step; run the same command with resume=True (a requeued Slurm
+       job resumes by itself)
   130  interrupted by Ctrl-C (the run saved a checkpoint: demo --resume goes on)
   143  ended by SIGTERM (likewise; a batch system can requeue the job)
   141  stdout closed early (e.g. piped into head): the rest of the output is dropped

@@ -22,6 +22,7 @@ from phalanx.events import Fanout, Notice, RunEnded, RunOpened, Sink
 from phalanx.failures import FailedHere
 from phalanx.faults import Fault
 from phalanx.interrupt import Interrupter, handle_signals
+from phalanx.launch import Launch
 from phalanx.loop import StepAborted
 from phalanx.metrics import LoopMetric, Metric
 from phalanx.plan import DataPrint, Plan
@@ -143,6 +144,8 @@ class Learner:
             node_timeout = timedelta(seconds=node_timeout)
         # One process per node; several nodes with ddp only (PX140-PX142), before all else.
         launch = check_launch(os.environ, strategy)
+        requeued = _requeued(launch, run_dir, resume)
+        resume = resume or requeued is not None
         labels = parse_devices(devices)
         recovery = on_failure if on_failure is not None else Recovery()
         config = FitConfig(
@@ -214,7 +217,7 @@ class Learner:
                 valid=valid,
                 valid_size=valid_size,
                 launch=launch,
-                notices=[text for text in learned if text],
+                notices=[text for text in [requeued, *learned] if text],
             )
             if remote:
                 return self._run_node(run, sinks)  # (the head's loggers log the run)
@@ -356,6 +359,19 @@ def save_final_model(run_dir: str, model: nn.Module) -> str:
     path = os.path.join(run_dir, FINAL_MODEL)
     write_atomic(path, model.state_dict())
     return path
+
+
+def _requeued(launch: Launch | None, run_dir: str | None, resume: bool) -> str | None:
+    """Why this fit resumes though not asked to (a notice), or None: Slurm requeued the job
+    (``SLURM_RESTART_COUNT`` > 0) and it has a run_dir to continue from."""
+    if resume or launch is None or launch.source != "slurm" or not run_dir:
+        return None
+    if launch.restart_count < 1:
+        return None
+    return (
+        f"Slurm requeued this job (SLURM_RESTART_COUNT={launch.restart_count}): resuming from "
+        f"{run_dir} (as resume=True)"
+    )
 
 
 def _open_run(config: FitConfig) -> RunOpened | None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from phalanx.interrupt import WARNING_SIGNAL
 from phalanx.strategies.ddp.control import Signer, new_run_id, run_token
 from phalanx.strategies.ddp.process import exited, pidfd_of
 from phalanx.strategies.ddp.protocol import (
@@ -30,6 +31,7 @@ from phalanx.strategies.ddp.protocol import (
     CONTROL_KEY,
     GEN_LATEST,
     GEN_PREFIX,
+    STACK_SIGNAL,
     STOP_KEY,
     URGENT,
     Announcement,
@@ -301,14 +303,14 @@ class Agent:
         return os.path.join(self.tmp, f"stacks-{slot}.txt")
 
     def dump_stacks(self, slot: int) -> str:
-        """The Python stacks of every thread of the worker (faulthandler, on SIGUSR1). The
+        """The Python stacks of every thread of the worker (faulthandler, on STACK_SIGNAL). The
         file is emptied first: the worker holds it open in append mode, so this dump starts
         at its beginning and an earlier dump is never read as this one."""
         path = self.stack_file(slot)
         with open(path, "w"):
             pass
         try:
-            os.kill(self.slots[slot].process.pid, signal.SIGUSR1)
+            os.kill(self.slots[slot].process.pid, STACK_SIGNAL)
         except ProcessLookupError:
             return "(the process was gone before its stacks could be taken)"
         deadline = time.monotonic() + STACK_WAIT.total_seconds()
@@ -321,7 +323,7 @@ class Agent:
                 time.sleep(0.05)
                 with open(path) as fh:
                     return fh.read()
-        return text or "(no stacks: the worker did not answer SIGUSR1)"
+        return text or "(no stacks: the worker did not answer the request for them)"
 
     # -- the store -------------------------------------------------------------------------
     def _signed(self, key: str, payload: str) -> None:
@@ -402,16 +404,17 @@ def _since(before: int | None, now: int | None) -> int | None:
 def start_fork_server() -> None:
     """Start this process's fork server now, if it is not running, and wait until it has
     imported what workers need, so that no later start of a worker waits for it (a node's
-    agent must keep talking to the head meanwhile). SIGTERM and SIGHUP are blocked while it
-    starts: the fork server then never acts on them (a batch system's SIGTERM to the job's
-    process group reaches it too, and the agent decides what the workers do; were the fork
-    server killed, multiprocessing would take every worker it forked for dead)."""
+    agent must keep talking to the head meanwhile). SIGTERM, SIGHUP and SIGUSR1 are blocked
+    while it starts: the fork server then never acts on them (a batch system's SIGTERM or
+    time-limit warning to the job's process group reaches it too, and the agent decides what
+    the workers do; were the fork server killed, multiprocessing would take every worker it
+    forked for dead)."""
     ctx = worker_context()
     if START_METHOD != "forkserver":
         return
     from multiprocessing import forkserver
 
-    held = {signal.SIGTERM, signal.SIGHUP}
+    held = {signal.SIGTERM, signal.SIGHUP, WARNING_SIGNAL}
     before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         forkserver.ensure_running()

@@ -10,12 +10,18 @@ import json
 import operator
 import os
 import pickle
+import signal
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from phalanx.events import Event, StepEnded
 from phalanx.failures import PHASES, WorkerFailure
+
+# The signal the agent sends a worker for its Python stacks (faulthandler). A real-time
+# signal: a batch system's SIGUSR1/SIGUSR2 warnings (Slurm's --signal) may reach every process
+# of the job, and a worker must not take one for a request (it ignores them).
+STACK_SIGNAL: int = signal.SIGRTMIN + 3
 
 EXIT_TOLD = 3  # a worker's exit code when it exited because the supervisor said so
 EXIT_HEAD_LOST = 4  # a node's worker, after the head was lost: it saved what it committed

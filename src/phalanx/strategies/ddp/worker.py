@@ -1,13 +1,14 @@
 """A ddp worker process: one device, one slot, a rank in each generation it joins.
 
-Order of work: ignore SIGINT and SIGTERM (the supervisor decides), register faulthandler on
-SIGUSR1 (the supervisor asks for stacks of a hung worker), watch the parent and the control
-keys (:class:`Watcher`), unpickle the user's parts, build the replica (the model factory
-runs once in this process), preflight it (one isolated forward/backward: no collective can
-hang on a shape bug), then for each generation: form its own process group under the store
-prefix ``g<n>/``, wrap the model in DDP over it, take the agreed state (generations after
-the first), and train until the generation ends. How it ended is an :class:`Exit`, and the
-worker acts on that: finish, report, or wait for the next generation and go on in it.
+Order of work: ignore SIGINT, SIGTERM and SIGUSR1 (the supervisor decides), register
+faulthandler on ``STACK_SIGNAL`` (the supervisor asks for stacks of a hung worker), watch
+the parent and the control keys (:class:`Watcher`), unpickle the user's parts, build the
+replica (the model factory runs once in this process), preflight it (one isolated
+forward/backward: no collective can hang on a shape bug), then for each generation: form its
+own process group under the store prefix ``g<n>/``, wrap the model in DDP over it, take the
+agreed state (generations after the first), and train until the generation ends. How it
+ended is an :class:`Exit`, and the worker acts on that: finish, report, or wait for the next
+generation and go on in it.
 
 Exit codes: 0 done or stopped by the step policy (an :class:`Aborted` was sent), 1 failed
 (a fatal :class:`Failed` was sent), 3 told to exit by the supervisor.
@@ -38,6 +39,7 @@ from torch.utils.data import Dataset
 from phalanx.devices import torch_device
 from phalanx.events import Event, Notice
 from phalanx.failures import FailedHere, WorkerFailure, from_exception
+from phalanx.interrupt import WARNING_SIGNAL
 from phalanx.loop import Regroup, StepAborted, TrainLoop
 from phalanx.plan import Plan
 from phalanx.report import is_secondary
@@ -61,6 +63,7 @@ from phalanx.strategies.ddp.protocol import (
     EXIT_TOLD,
     GEN_PREFIX,
     ORDER_SAVE,
+    STACK_SIGNAL,
     STOP_KEY,
     Aborted,
     Announcement,
@@ -758,11 +761,11 @@ def arrive(
 
 
 def listen_for_stack_dumps(path: str) -> None:
-    """On SIGUSR1, write every thread's Python stack to ``path``. Opened in append mode: the
-    supervisor empties the file before it asks, and each dump then starts at its beginning
+    """On ``STACK_SIGNAL``, write every thread's Python stack to ``path``. Opened in append
+    mode: the supervisor empties the file before it asks, and each dump then starts at its beginning
     (with "w", the next dump would land at the old offset, after a run of NUL bytes)."""
     stacks = open(path, "a")  # noqa: SIM115 - kept open for faulthandler
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
 
 
 def fork_children() -> None:
@@ -778,14 +781,16 @@ def fork_children() -> None:
 
 
 def main(args: WorkerArgs) -> None:
-    """Entry point of a spawned worker. Ctrl-C and a SIGTERM sent to the whole process group
-    (Slurm, ``kill -TERM -<pgid>``) are the supervisor's to act on: it relays the stop
+    """Entry point of a spawned worker. Ctrl-C, a SIGTERM and a SIGUSR1 (a time-limit
+    warning) sent to the whole process group (Slurm, ``kill -TERM -<pgid>``) are the
+    supervisor's to act on: it relays the stop
     through the store, so the workers finish the step and checkpoint. (They cannot be
     orphaned: the watch thread exits a worker whose parent is gone.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(WARNING_SIGNAL, signal.SIG_IGN)  # (a batch system's time-limit warning)
     # (the fork server runs with these blocked, see agent.start_fork_server: not its workers)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP, WARNING_SIGNAL})
     if args.environ is not None:
         os.environ.clear()
         os.environ.update(args.environ)
