@@ -38,6 +38,7 @@ from phalanx.strategies.ddp.protocol import (
     Progress,
     received,
 )
+from phalanx.torchprivate import LAZY_IMPORTED
 
 STACK_WAIT = timedelta(seconds=0.5)
 # What multiprocessing says of a fork server's child when the fork server is gone.
@@ -47,8 +48,8 @@ FORK_SERVER_LOST = 255
 # milliseconds instead of the seconds an import of torch takes; the fork server itself never
 # touches a device (CUDA is initialised in each worker, after the fork).
 START_METHOD = "forkserver"
-# (torch._dynamo: a torch optimizer imports it lazily when it is first built, 1.1 s here)
-PRELOAD = ["torch", "torch._dynamo", "phalanx.strategies.ddp.worker"]
+# (LAZY_IMPORTED: a module a torch optimizer imports when it is first built, 1.1 s here)
+PRELOAD = ["torch", LAZY_IMPORTED, "phalanx.strategies.ddp.worker"]
 STORE_TIMEOUT = timedelta(seconds=30)  # of the head's client of a launcher's store
 
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from phalanx import __version__
 from phalanx.errors import (
     HeadLost,
     HeadLostError,
@@ -54,6 +53,7 @@ from phalanx.strategies.ddp.emergency import head_lost_message, save_on_head_los
 from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
 from phalanx.strategies.ddp.protocol import Done, Saved, from_wire, to_wire
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
+from phalanx.version import __version__
 
 BEAT_EVERY = 1.0  # seconds between a link's keep-alive frames
 JOIN_TIMEOUT = timedelta(seconds=300)  # for every node to register (the head waits)
