@@ -43,7 +43,8 @@ from phalanx.strategies.ddp.protocol import (
     Relay,
     Snapshotted,
 )
-from phalanx.strategies.ddp.roster import Now, Setup, SlotStatus, Timeouts
+from phalanx.strategies.ddp.roster import Now, Setup, SlotStatus
+from phalanx.strategies.ddp.timing import Timing
 
 HANG = 3.0
 PLAN = Plan(120, 12, seed=0)  # 10 steps an epoch
@@ -59,9 +60,9 @@ class Run:
         self, world: int = 3, recovery: px.Recovery | None = None, run_dir: bool = False
     ) -> None:
         devices = [f"cpu:{i}" for i in range(world)]
-        timeouts = Timeouts(timedelta(seconds=HANG))
+        timing = Timing(hang=timedelta(seconds=HANG))
         policy = recovery or px.Recovery()
-        self.c = Coordinator(Setup(PLAN, devices, policy, timeouts, run_dir))
+        self.c = Coordinator(Setup(PLAN, devices, policy, timing, run_dir))
         self.t = 0.0
         self.log: list[Action] = []
         self.log += self.c.start(self.now())

@@ -25,7 +25,7 @@ from ddp_helpers import (
     mse_step,
     sgd,
 )
-from phalanx.strategies.ddp.worker import ANNOUNCE_WAIT
+from phalanx.strategies.ddp.timing import DEFAULT
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes and signals")
 
@@ -40,7 +40,7 @@ def test_a_bug_in_phalanx_is_reported_at_once_with_its_traceback(tmp_path: Path)
     """Worker 1's loop raises a KeyError outside the user's step (phalanx's per-step seed,
     monkeypatched in that process only). That is worker 1's failure, sent as soon as it
     happens, with the traceback naming the code that raised; not a broken group that
-    waits ``ANNOUNCE_WAIT`` for a generation nobody will announce."""
+    waits ``Timing.announce_wait`` for a generation nobody will announce."""
     marker = tmp_path / "bug-raised-at"
     factory = partial(mlp_with_a_phalanx_bug_in_worker_1, str(marker))
     with pytest.raises(px.TrainingFailed) as info:
@@ -50,7 +50,7 @@ def test_a_bug_in_phalanx_is_reported_at_once_with_its_traceback(tmp_path: Path)
         )  # fmt: skip
     reported = time.time()
     raised = float(marker.read_text())
-    assert reported - raised < ANNOUNCE_WAIT.total_seconds() / 2, (
+    assert reported - raised < DEFAULT.announce_wait.total_seconds() / 2, (
         f"{reported - raised:.1f}s from the bug to the report"
     )
     root = info.value.root_cause

@@ -4,6 +4,7 @@ messages as data, the coordinator's rule for a lost node, and the run's token fi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -25,7 +26,6 @@ from phalanx.errors import NoTokenError
 from phalanx.events import Notice, StepEnded
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
-from phalanx.strategies.ddp import link as link_mod
 from phalanx.strategies.ddp.actions import Announce, Record, SetAbort, Spawn
 from phalanx.strategies.ddp.control import Signer
 from phalanx.strategies.ddp.coordinator import (
@@ -36,7 +36,6 @@ from phalanx.strategies.ddp.coordinator import (
     Spawned,
 )
 from phalanx.strategies.ddp.link import (
-    ACCEPT_RETRY,
     HEADER,
     MAX_UNPROVEN,
     Link,
@@ -58,7 +57,8 @@ from phalanx.strategies.ddp.protocol import (
     from_wire,
     to_wire,
 )
-from phalanx.strategies.ddp.roster import Now, Setup, Timeouts
+from phalanx.strategies.ddp.roster import Now, Setup
+from phalanx.strategies.ddp.timing import DEFAULT, Timing
 
 TOKEN = b"the run's token"
 
@@ -177,13 +177,12 @@ def test_a_flood_of_idle_connections_does_not_keep_a_node_out() -> None:
         lis.close()
 
 
-def test_a_connection_that_drips_its_handshake_is_cut_off_at_the_deadline(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_connection_that_drips_its_handshake_is_cut_off_at_the_deadline() -> None:
     """The deadline is the whole handshake's, not one read's: a byte every 0.2 s (each read
-    well within any per-read timeout) is cut off HANDSHAKE_TIMEOUT after connecting."""
-    monkeypatch.setattr(link_mod, "HANDSHAKE_TIMEOUT", 1.0)
-    lis = listener()
+    well within any per-read timeout) is cut off the timing's ``handshake`` after
+    connecting."""
+    timing = dataclasses.replace(DEFAULT, handshake=timedelta(seconds=1))
+    lis = Listener.open("127.0.0.1", 0, TOKEN, timing)
     try:
         raw = socket.create_connection(("127.0.0.1", lis.port))
         started = time.monotonic()
@@ -251,7 +250,7 @@ def test_the_node_port_outlives_a_failed_accept(monkeypatch: pytest.MonkeyPatch)
     import resource
 
     lis = listener()
-    hub = NodeHub(lis, 2, timedelta(seconds=5))
+    hub = NodeHub(lis, 2, dataclasses.replace(DEFAULT, node=timedelta(seconds=5)))
     waiting = socket.socket()  # (made now: no descriptor can be made below)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -263,7 +262,7 @@ def test_the_node_port_outlives_a_failed_accept(monkeypatch: pytest.MonkeyPatch)
             deadline = time.monotonic() + 5
             while lis.troubles.empty() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            time.sleep(3 * ACCEPT_RETRY)  # (it tries again meanwhile: still told once)
+            time.sleep(3 * DEFAULT.accept_retry.total_seconds())  # (tries again: told once)
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         head = head_answers(lis, {})
@@ -364,8 +363,8 @@ PLAN = Plan(120, 12, seed=0)
 
 def coordinator(nodes: tuple[int, ...], recovery: px.Recovery | None = None) -> NodeCoordinator:
     devices = [f"cpu:{i}" for i in range(len(nodes))]
-    timeouts = Timeouts(timedelta(seconds=3))
-    c = NodeCoordinator(Setup(PLAN, devices, recovery or px.Recovery(), timeouts, False, nodes))
+    timing = Timing(hang=timedelta(seconds=3))
+    c = NodeCoordinator(Setup(PLAN, devices, recovery or px.Recovery(), timing, False, nodes))
     now = Now(0.0, 1000.0)
     c.start(now)
     for slot in range(len(nodes)):
@@ -558,6 +557,7 @@ def test_a_nodes_spawner_gives_its_workers_that_nodes_slots() -> None:
     class FakeAgent:
         store_at = ("10.0.0.1", 29400)
         prefix = "phalanx/r1"
+        timing = DEFAULT
         tmp = "/tmp"
         signer = SimpleNamespace(token=b"t")
 
@@ -598,7 +598,7 @@ def test_under_torchrun_the_head_uses_torchruns_agent_store_under_its_own_prefix
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     launch = Launch("torchrun", nnodes=2, head=Address("127.0.0.1", server.port))
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
-    agent = head_agent(launch, "127.0.0.1", b"t", "run7", env)
+    agent = head_agent(launch, "127.0.0.1", b"t", "run7", env, DEFAULT)
     try:
         assert agent.client and agent.store_at == ("127.0.0.1", server.port)
         assert agent.prefix == "phalanx/run7"  # (torch joins it to each key with a /)
@@ -620,7 +620,7 @@ def test_under_torchrun_without_a_shared_store_the_head_hosts_one_on_master_port
 
     port = _free_port()
     launch = Launch("torchrun", nnodes=2, head=Address("127.0.0.1", port))
-    agent = head_agent(launch, "127.0.0.1", b"t", "run8", {})
+    agent = head_agent(launch, "127.0.0.1", b"t", "run8", {}, DEFAULT)
     try:
         assert not agent.client and agent.prefix == ""
         assert agent.store_at == ("127.0.0.1", port)  # the port torchrun set aside

@@ -1,7 +1,7 @@
 """A ddp worker's messages to the supervisor (:class:`Outbox`): every message is in the pipe,
 in order, when ``send`` returns; the supervisor's bell rings at once for a message it acts
-on, and only every RING_EVERY events or RING_AFTER seconds for a committed step's event, so
-the supervisor does not wake up for every step. The agent reads every pipe whenever it
+on, and only every RING_COUNT events or ``Timing.ring_after`` for a committed step's event,
+so the supervisor does not wake up for every step. The agent reads every pipe whenever it
 wakes, so a step event that did not ring arrives at its next wake-up anyway."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_every_message_is_in_the_pipe_in_order_and_only_step_events_wait() -> No
     outbox.send(Ready(0))
     assert rings(bell) == protocol.URGENT
     sent = [step(n) for n in range(1, 6)]
-    for message in sent:  # (well within RING_AFTER of the Ready's ring)
+    for message in sent:  # (well within ring_after of the Ready's ring)
         outbox.send(message)
     assert rings(bell) == b""
     hello = Relay(Notice("hello"))
@@ -78,15 +78,15 @@ def test_step_events_ring_every_so_many_and_after_a_while() -> None:
     outbox, reader, bell = channel()
     outbox.send(step(1))  # the first one rings: nothing rang for long
     assert rings(bell) == protocol.LATER
-    for n in range(2, 2 + protocol.RING_EVERY):  # (at once: well within RING_AFTER)
+    for n in range(2, 2 + protocol.RING_COUNT):  # (at once: well within ring_after)
         outbox.send(step(n))
-    assert rings(bell) == protocol.LATER  # the RING_EVERY-th unrung one
+    assert rings(bell) == protocol.LATER  # the RING_COUNT-th unrung one
     outbox.send(step(100))
     assert rings(bell) == b""
-    outbox.rung_at -= protocol.RING_AFTER  # as if that long had passed since the last ring
+    outbox.rung_at -= outbox.ring_after  # as if that long had passed since the last ring
     outbox.send(step(101))
     assert rings(bell) == protocol.LATER
-    assert len(received(reader)) == protocol.RING_EVERY + 3
+    assert len(received(reader)) == protocol.RING_COUNT + 3
 
 
 @pytest.mark.timeout(60)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -32,7 +32,7 @@ import phalanx as px
 from phalanx.events import GenerationStarted, Notice, Resumed, StepEnded, WorkerFailed
 from phalanx.plan import Plan, split
 from phalanx.report import is_secondary
-from phalanx.strategies.ddp import supervisor
+from phalanx.strategies.ddp.timing import Timing
 from procs import alive, child_env, workers_of
 from recorder import Recorder as BaseRecorder
 from recovery_helpers import (
@@ -632,8 +632,10 @@ def test_a_retry_in_a_new_generation_that_fails_again_is_a_poison_batch(
     counts afresh, the supervisor does not). With a long settle time, worker 0's first
     report (a Broke: no vote carried it) is still waiting when its retry fails: the first
     attempt still counts first (this race once failed CI)."""
-    if settle is not None:
-        monkeypatch.setattr(supervisor, "BROKE_SETTLE", settle)
+    if settle is not None:  # (the run's Timing is built here, in the supervisor)
+        of = Timing.of
+        longer = timedelta(seconds=settle)
+        monkeypatch.setattr(Timing, "of", lambda config: replace(of(config), broke_settle=longer))
     faults = [
         px.Fault("kill", worker=1, step=POISON_STEP),
         px.Fault("exception", worker=0, step=POISON_STEP, times=2),

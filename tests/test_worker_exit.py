@@ -16,6 +16,7 @@ from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.engine import Member
 from phalanx.strategies.ddp.group import GroupBroken
 from phalanx.strategies.ddp.protocol import Broke
+from phalanx.strategies.ddp.timing import Timing
 from phalanx.strategies.ddp.worker import Exit, Superseded, Worker, WorkerArgs
 
 
@@ -38,7 +39,7 @@ def a_worker() -> tuple[Worker, Member, Pipe]:
     args = WorkerArgs(
         slot=1, store_port=0, token=b"t", user=b"", config=config, plan=Plan(8, 4, 0),
         train=[], valid=None, valid_size=0, conn=pipe, parent_pid=0, stack_file="",
-        weights_path="", threads=1,
+        weights_path="", threads=1, timing=Timing.of(config),
     )  # fmt: skip
     spec = TrainSpec(
         model=nn.Linear(2, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), step=mse

@@ -20,6 +20,7 @@ from phalanx.runinfo import start_over
 from phalanx.snapshot import Snapshots
 from phalanx.step import StepOutput, cross_entropy_step, mse_step
 from phalanx.stream import Stream
+from phalanx.version import __version__
 
 __all__ = [
     "Checkpoints",
@@ -39,6 +40,7 @@ __all__ = [
     "Stream",
     "TrainingFailed",
     "WorkerFailure",
+    "__version__",
     "cross_entropy_step",
     "faults",
     "is_main",
@@ -49,4 +51,3 @@ __all__ = [
     "start_over",
     "world_size",
 ]
-__version__ = "0.1.0"

@@ -30,8 +30,9 @@ import argparse
 import os
 import sys
 
-from phalanx import __version__, catalog
+from phalanx import catalog
 from phalanx.errors import PhalanxError
+from phalanx.version import __version__
 
 STRATEGIES = ("single", "threads", "ddp")
 EXIT_CODES = """exit status:

@@ -31,6 +31,7 @@ from typing import Any
 
 from phalanx.events import RunOpened
 from phalanx.sinks.jsonl import json_safe
+from phalanx.version import __version__
 
 RUN_FILE = "run.json"
 EARLIER = "earlier"
@@ -112,8 +113,6 @@ def start_over(run_dir: str | os.PathLike[str]) -> Path | None:
 
 def versions() -> dict[str, str]:
     import torch
-
-    from phalanx import __version__
 
     return {"phalanx": __version__, "torch": torch.__version__, "python": platform.python_version()}
 

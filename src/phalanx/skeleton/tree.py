@@ -13,9 +13,16 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from phalanx.skeleton.wire import TensorSlot
+from phalanx.torchprivate import (
+    register_node,
+    set_state_metadata,
+    state_metadata,
+    tree_leaves,
+    tree_map,
+    tree_map_only,
+)
 
 
 class _ModuleState(OrderedDict[str, Any]):
@@ -24,39 +31,34 @@ class _ModuleState(OrderedDict[str, Any]):
 
 
 def _flatten_module_state(node: _ModuleState) -> tuple[list[Any], Any]:
-    return list(node.values()), (list(node.keys()), getattr(node, "_metadata", None))
+    return list(node.values()), (list(node.keys()), state_metadata(node))
 
 
 def _unflatten_module_state(values: Any, context: Any) -> OrderedDict[str, Any]:
     keys, metadata = context
     state: OrderedDict[str, Any] = OrderedDict(zip(keys, values, strict=True))
     if metadata is not None:
-        state._metadata = metadata  # type: ignore[attr-defined]
+        set_state_metadata(state, metadata)
     return state
 
 
-pytree.register_pytree_node(
-    _ModuleState,
-    _flatten_module_state,
-    _unflatten_module_state,
-    serialized_type_name="phalanx.ModuleState",
-)
+register_node(_ModuleState, _flatten_module_state, _unflatten_module_state, "phalanx.ModuleState")
 
 
 def _keep_metadata(state: Any) -> Any:
     """``state`` with each module state dict marked as a :class:`_ModuleState`."""
 
     def has_metadata(node: Any) -> bool:
-        return isinstance(node, OrderedDict) and hasattr(node, "_metadata")
+        return isinstance(node, OrderedDict) and state_metadata(node) is not None
 
     def mark(node: Any) -> Any:
         if not has_metadata(node):
             return node
         marked = _ModuleState(node)
-        marked._metadata = node._metadata  # type: ignore[attr-defined]
+        set_state_metadata(marked, state_metadata(node))
         return marked
 
-    return pytree.tree_map(mark, state, is_leaf=has_metadata)
+    return tree_map(mark, state, is_leaf=has_metadata)
 
 
 def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -69,17 +71,15 @@ def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
         tensors.append(tensor)
         return TensorSlot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, str(tensor.device))
 
-    return pytree.tree_map_only(torch.Tensor, take, _keep_metadata(state)), tensors
+    return tree_map_only(torch.Tensor, take, _keep_metadata(state)), tensors
 
 
 def tensor_slots(skeleton: Any) -> list[TensorSlot]:
     """The tensors a skeleton stands for, in the order they travel."""
-    found = [leaf for leaf in pytree.tree_leaves(skeleton) if isinstance(leaf, TensorSlot)]
+    found = [leaf for leaf in tree_leaves(skeleton) if isinstance(leaf, TensorSlot)]
     return sorted(found, key=lambda slot: slot.index)
 
 
 def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """The inverse of :func:`split_tensors`."""
-    return pytree.tree_map_only(
-        TensorSlot, lambda slot: tensors[slot.index], _keep_metadata(skeleton)
-    )
+    return tree_map_only(TensorSlot, lambda slot: tensors[slot.index], _keep_metadata(skeleton))

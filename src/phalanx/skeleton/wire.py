@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from phalanx.torchprivate import set_state_metadata, state_metadata
+
 FORMAT = "phalanx.skeleton/1"
 
 # The dtypes a tensor slot or a dtype value may name (by torch's own name, "float32").
@@ -114,7 +116,7 @@ def _enc_dict(value: dict[Any, Any], where: str) -> dict[str, Any]:
         "k": [_key(k, where) for k in keys],
         "v": [_enc(value[k], f"{where}[{k!r}]") for k in keys],
     }
-    metadata = getattr(value, "_metadata", None)
+    metadata = state_metadata(value)
     if metadata is not None:
         doc["meta"] = _enc(metadata, f"{where}._metadata")
     return doc
@@ -171,7 +173,7 @@ def _dec_dict(doc: dict[str, Any]) -> dict[Any, Any]:
     pairs = [(_hashable(_dec(k)), _dec(v)) for k, v in zip(keys, values, strict=True)]
     out = _MAPPINGS[doc["@"]](pairs)
     if "meta" in doc:
-        out._metadata = _dec(doc["meta"])  # type: ignore[attr-defined]
+        set_state_metadata(out, _dec(doc["meta"]))
     return out
 
 

@@ -40,8 +40,9 @@ from phalanx.strategies.ddp.protocol import (
     Progress,
     received,
 )
+from phalanx.strategies.ddp.timing import DEFAULT, Timing
+from phalanx.torchprivate import LAZY_IMPORTED
 
-STACK_WAIT = timedelta(seconds=0.5)
 # What multiprocessing says of a fork server's child when the fork server is gone.
 FORK_SERVER_LOST = 255
 # How worker processes start: forked by multiprocessing's fork server, which imported torch
@@ -49,9 +50,8 @@ FORK_SERVER_LOST = 255
 # milliseconds instead of the seconds an import of torch takes; the fork server itself never
 # touches a device (CUDA is initialised in each worker, after the fork).
 START_METHOD = "forkserver"
-# (torch._dynamo: a torch optimizer imports it lazily when it is first built, 1.1 s here)
-PRELOAD = ["torch", "torch._dynamo", "phalanx.strategies.ddp.worker"]
-STORE_TIMEOUT = timedelta(seconds=30)  # of the head's client of a launcher's store
+# (LAZY_IMPORTED: a module a torch optimizer imports when it is first built, 1.1 s here)
+PRELOAD = ["torch", LAZY_IMPORTED, "phalanx.strategies.ddp.worker"]
 
 
 @dataclass
@@ -158,6 +158,8 @@ class Agent:
     snapshots: str | None = None
     snapshot_error: str | None = None  # why that folder could not be made
     snapshot_owner: int | None = None  # the folder's owner lock, held while the agent lives
+    # The run's durations (see Timing.of): its own waits, and its workers' (WorkerArgs).
+    timing: Timing = DEFAULT
 
     def __post_init__(self) -> None:
         self.store: dist.Store | None = None
@@ -167,7 +169,8 @@ class Agent:
         elif self.client:
             assert self.store_at is not None
             host, port = self.store_at
-            self.store = dist.TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT)
+            limit = self.timing.launcher_store
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=limit)
         if self.store is not None and self.prefix:
             self.store = dist.PrefixStore(self.prefix, self.store)
         if self.store is not None:
@@ -200,7 +203,7 @@ class Agent:
             old.close()
             self.retired.append(old.process)
         heartbeat = Heartbeat.create(self.ctx)
-        outbox = Outbox(writer, ring)
+        outbox = Outbox(writer, ring, self.timing.ring_after)
         args = make_args(outbox, self.stack_file(slot), heartbeat)
         # Not daemonic: a daemonic process cannot start children (DataLoader workers when
         # num_workers > 0). close() kills every worker, and a worker whose parent is gone
@@ -275,13 +278,14 @@ class Agent:
             state.kill()
 
     def kill_all(self) -> None:
+        wait = self.timing.exit_wait.total_seconds()
         for slot in self.slots:
             self.kill(slot)
         for state in self.slots.values():
             if state.orphan and state.pidfd is not None:  # (not its fork server's to report)
-                select.select([state.pidfd], [], [], 5)
+                select.select([state.pidfd], [], [], wait)
             else:
-                state.process.join(timeout=5)
+                state.process.join(timeout=wait)
 
     def close(self) -> None:
         self.kill_all()
@@ -290,7 +294,7 @@ class Agent:
         for proc in self.retired:  # replaced by a respawn: its end was accounted for then
             if proc.is_alive():
                 proc.kill()
-            proc.join(timeout=5)
+            proc.join(timeout=self.timing.exit_wait.total_seconds())
         shutil.rmtree(self.tmp, ignore_errors=True)
         if self.snapshots is not None:
             shutil.rmtree(self.snapshots, ignore_errors=True)
@@ -313,14 +317,15 @@ class Agent:
             os.kill(self.slots[slot].process.pid, STACK_SIGNAL)
         except ProcessLookupError:
             return "(the process was gone before its stacks could be taken)"
-        deadline = time.monotonic() + STACK_WAIT.total_seconds()
+        deadline = time.monotonic() + self.timing.stack_wait.total_seconds()
+        tick = self.timing.stack_poll.total_seconds()
         text = ""
         while time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(tick)
             with open(path) as fh:
                 text = fh.read()
             if "File" in text:
-                time.sleep(0.05)
+                time.sleep(tick)
                 with open(path) as fh:
                     return fh.read()
         return text or "(no stacks: the worker did not answer the request for them)"

@@ -265,12 +265,12 @@ class Coordinator(Roster):
 
     def _tick(self) -> None:
         self.settle()
-        now, limit = self.now, self.setup.timeouts.limit
+        now, limit = self.now, self.setup.timing.limit
         beats = self.panel.tick(now.mono, now.wall, dict(self.slots), self.gens.current, limit)
         if beats is not None:
             self.emit(beats)
         if self.decided:
-            grace = self.setup.timeouts.grace.total_seconds()
+            grace = self.setup.timing.grace.total_seconds()
             late = self.decided_at is not None and self.now.mono - self.decided_at > grace
             if late and not self.killed_all:  # (those that ended but linger too)
                 self.killed_all = True
@@ -281,7 +281,7 @@ class Coordinator(Roster):
         self._admit()
 
     def _check_hang(self) -> None:
-        t, now = self.setup.timeouts, self.now.mono
+        t, now = self.setup.timing, self.now.mono
         # (just after an announcement, members are leaving their old group: clocks still run)
         leaving = now - self.gens.announced_at < t.announce_grace.total_seconds()
         if self.pending_hang or now < self.quiet_until or leaving:
@@ -297,12 +297,12 @@ class Coordinator(Roster):
         tied, self.pending_hang = self.pending_hang, []
         hung = hung_among(tied, stacks)
         if not hung:  # one is regrouping: look again in a while
-            self.quiet_until = self.now.mono + self.setup.timeouts.announce_grace.total_seconds()
+            self.quiet_until = self.now.mono + self.setup.timing.announce_grace.total_seconds()
         for slot in hung:
             if self.slots[slot].ended:
                 continue
             stalled_for = self.now.mono - self.slots[slot].progress_at
-            limit = self.setup.timeouts.hang.total_seconds()
+            limit = self.setup.timing.hang.total_seconds()
             failure = self.book.hang(self._where(slot), stalled_for, stacks.get(slot, ""), limit)
             failure = replace(failure, last_progress=self.now.wall - stalled_for)
             self.kill(slot)
@@ -343,7 +343,7 @@ class Coordinator(Roster):
         """Decide on held :class:`Broke` reports once they are old enough (a peer that died
         in the same step is seen first), or at once when ``everything`` or older than
         generation ``before`` (a later generation's failure is decided next)."""
-        settle = self.setup.timeouts.broke_settle.total_seconds()
+        settle = self.setup.timing.broke_settle.total_seconds()
         for message in self.book.settle(self.now.mono, settle, everything, before):
             rebuild = self.book.broke(message, self.out)
             if rebuild and not self.gens.left(message.generation):

@@ -30,10 +30,8 @@ from phalanx.runner import checkpoint_dir
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.agent import Agent
 from phalanx.strategies.ddp.protocol import ORDER_SAVE, Saved
+from phalanx.strategies.ddp.timing import DEFAULT
 
-# How long a node's agent waits for its workers to save and exit after the head was lost
-# (a worker blocked in a store call to a frozen head answers once that call times out).
-SAVE_WAIT = timedelta(seconds=60)
 LOCK_NAME = ".emergency.lock"
 
 
@@ -81,32 +79,37 @@ def keep_committed(loop: TrainLoop | None, config: FitConfig, slot: int) -> Save
         return Saved(slot, loop.state.global_step, note=f"the save failed: {exc!r}")
 
 
-def await_verdict(lost: Callable[[], bool], probe: Callable[[], object], limit: timedelta) -> bool:
+def await_verdict(
+    lost: Callable[[], bool],
+    probe: Callable[[], object],
+    limit: timedelta,
+    every: timedelta = DEFAULT.probe_every,
+) -> bool:
     """A worker out of its generation across machines: whether the head is lost. While
     ``probe()`` (a call to the head's store) fails, wait up to ``limit`` for the node's
-    agent to say so (``lost()``; it decides within node_timeout); once the store answers,
-    the head is there."""
+    agent to say so (``lost()``; it decides within node_timeout), probing again ``every``
+    while it does not; once the store answers, the head is there."""
     deadline = time.monotonic() + limit.total_seconds()
     while not lost() and time.monotonic() < deadline:
         try:
             probe()
             return lost()
         except Exception:
-            time.sleep(0.05)
+            time.sleep(every.total_seconds())
     return lost()
 
 
-def save_on_head_loss(agent: Agent, wait: timedelta = SAVE_WAIT) -> list[Saved]:
+def save_on_head_loss(agent: Agent) -> list[Saved]:
     """A node's agent: tell each of its workers to save and exit, and wait (at most
-    ``wait``) until they have; what each said it saved."""
+    ``save_wait`` of its timing) until they have; what each said it saved."""
     for state in agent.slots.values():
         if state.heartbeat is not None:
             state.heartbeat.tell(ORDER_SAVE)
     saved: list[Saved] = []
-    deadline = time.monotonic() + wait.total_seconds()
+    deadline = time.monotonic() + agent.timing.save_wait.total_seconds()
     while True:
         done = agent.all_exited() or time.monotonic() > deadline
-        seen = agent.poll(timedelta(seconds=0 if done else 0.1))
+        seen = agent.poll(timedelta() if done else agent.timing.poll)
         saved += [s.message for s in seen if isinstance(s.message, Saved)]
         if done:
             return saved

@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from phalanx.torchprivate import bind_backend, set_nccl_timeout
+
 BackendType = dist.ProcessGroup.BackendType
 
 
@@ -72,7 +74,7 @@ def _backend(
     """gloo for CPU devices, NCCL for CUDA ones: (backend object, its type)."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        set_nccl_timeout(options, timeout)
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), rank, size, options)
         return nccl, BackendType.NCCL
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, size, timeout)
@@ -168,8 +170,7 @@ class GenerationGroup:
         with _broken_on_error(f"forming the group {prefix}"):
             backend, kind = _backend(scoped, rank, size, device, timeout)
         pg = dist.ProcessGroup(scoped, rank, size)
-        pg._set_default_backend(kind)
-        pg._register_backend(torch.device(device.type), kind, backend)
+        bind_backend(pg, device, kind, backend)
         if device.type == "cuda":
             pg.bound_device_id = device  # (the device barrier() and DDP use, never guessed)
         return cls(pg, rank, size, device, abandonable)

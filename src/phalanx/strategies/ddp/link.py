@@ -16,7 +16,7 @@ as a call blocked for the kernel's TCP timeout (about 15 minutes).
 
 Before a peer has proved the token, what it can cost is bounded on both sides: the whole
 handshake (from the connection to a verified first frame) has one deadline,
-:data:`HANDSHAKE_TIMEOUT`, however slowly the bytes drip in; that first frame may announce at
+:attr:`.timing.Timing.handshake`, however slowly the bytes drip in; that first frame may announce at
 most :data:`MAX_HELLO` bytes (the head reading a node's hello, and a node reading the head's
 answer alike); and the head's :class:`Listener` lets at most :data:`MAX_UNPROVEN` connections
 prove themselves at once (a newer one pushes out the oldest, so a flood of idle connections
@@ -38,7 +38,10 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
+
+from phalanx.strategies.ddp.timing import DEFAULT, Timing
 
 PROTOCOL = "px-link/1"
 HEADER = struct.Struct("!QII")  # sequence number, document length, payload length
@@ -49,8 +52,6 @@ MAX_PAYLOAD = 1 << 34
 # proved the token yet cannot make the head (or a joining node) read more than this.
 MAX_HELLO = 1 << 20
 MAX_UNPROVEN = 16  # connections the head lets prove themselves at once
-HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection has, in all, to prove itself
-ACCEPT_RETRY = 0.1  # seconds the head's accept loop waits after a failed accept
 
 
 class LinkError(Exception):
@@ -119,15 +120,22 @@ class Link:
     # -- the handshake --------------------------------------------------------------------
     @classmethod
     def connect(
-        cls, address: tuple[str, int], token: bytes, hello: dict[str, Any], timeout: float
+        cls,
+        address: tuple[str, int],
+        token: bytes,
+        hello: dict[str, Any],
+        timeout: float,
+        handshake: timedelta = DEFAULT.handshake,
     ) -> tuple[Link, Frame]:
-        """A node's side: connect, prove the token, send ``hello``; returns the link and the
-        head's answer to the hello (its first frame). Until that answer's MAC proves the
-        head holds the token, the head is a stranger: the answer may be at most
-        :data:`MAX_HELLO` bytes, and all of it must come within :data:`HANDSHAKE_TIMEOUT`."""
+        """A node's side: connect (within ``timeout`` seconds), prove the token, send
+        ``hello``; returns the link and the head's answer to the hello (its first frame).
+        Until that answer's MAC proves the head holds the token, the head is a stranger: the
+        answer may be at most :data:`MAX_HELLO` bytes, and all of it must come within
+        ``handshake``."""
+        limit = handshake.total_seconds()
         sock = socket.create_connection(address, timeout=timeout)
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-        sock.settimeout(HANDSHAKE_TIMEOUT)
+        deadline = time.monotonic() + limit
+        sock.settimeout(limit)
         try:
             nonce = secrets.token_bytes(16)
             sock.sendall(PROTOCOL.encode() + nonce)
@@ -137,20 +145,23 @@ class Link:
             answer = link.recv(MAX_HELLO, MAX_HELLO, deadline)
         except (TimeoutError, LinkSilent):
             sock.close()
-            raise LinkError(f"no answer from the head within {HANDSHAKE_TIMEOUT:g}s") from None
+            raise LinkError(f"no answer from the head within {limit:g}s") from None
         except (OSError, LinkError):
             sock.close()
             raise
-        sock.settimeout(HANDSHAKE_TIMEOUT)  # (proved: reads have their usual timeout again)
+        sock.settimeout(limit)  # (proved: reads have their usual timeout again)
         return link, answer
 
     @classmethod
-    def accept(cls, sock: socket.socket, token: bytes) -> tuple[Link, Frame]:
+    def accept(
+        cls, sock: socket.socket, token: bytes, handshake: timedelta = DEFAULT.handshake
+    ) -> tuple[Link, Frame]:
         """The head's side of a new connection: the node's hello, checked, all of it within
-        :data:`HANDSHAKE_TIMEOUT` of the connection (a peer that drips its bytes is cut off
-        there). Raises LinkError (``rejected``) for a peer that does not hold the token."""
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-        sock.settimeout(HANDSHAKE_TIMEOUT)
+        ``handshake`` of the connection (a peer that drips its bytes is cut off there).
+        Raises LinkError (``rejected``) for a peer that does not hold the token."""
+        limit = handshake.total_seconds()
+        deadline = time.monotonic() + limit
+        sock.settimeout(limit)
         try:
             host, port = sock.getpeername()[:2]
             opening = _recv_exact(sock, len(PROTOCOL) + 16, deadline)
@@ -163,7 +174,7 @@ class Link:
             hello = link.recv(MAX_HELLO, 0, deadline)
         except (TimeoutError, LinkSilent):
             sock.close()
-            why = f"no verified hello within {HANDSHAKE_TIMEOUT:g}s of connecting"
+            why = f"no verified hello within {limit:g}s of connecting"
             raise LinkError(f"the handshake failed: {why}", rejected=True) from None
         except (OSError, LinkError) as exc:
             sock.close()
@@ -173,7 +184,7 @@ class Link:
         if hello.kind != "hello":
             sock.close()
             raise LinkError(f"expected a hello, got {hello.kind!r}", rejected=True)
-        sock.settimeout(HANDSHAKE_TIMEOUT)  # (proved: reads have their usual timeout again)
+        sock.settimeout(limit)  # (proved: reads have their usual timeout again)
         return link, hello
 
     # -- frames ---------------------------------------------------------------------------
@@ -287,11 +298,12 @@ class Listener:
     named: set[str] = field(default_factory=set)  # hosts warned about for being pushed out
     troubled: set[str] = field(default_factory=set)  # kinds of accept error told already
     lock: threading.Lock = field(default_factory=threading.Lock)
+    timing: Timing = DEFAULT  # the run's: its handshake and accept_retry
 
     @classmethod
-    def open(cls, host: str, port: int, token: bytes) -> Listener:
+    def open(cls, host: str, port: int, token: bytes, timing: Timing = DEFAULT) -> Listener:
         sock = socket.create_server((host, port), reuse_port=False)
-        listener = cls(sock, token)
+        listener = cls(sock, token, timing=timing)
         threading.Thread(target=listener._accept_loop, daemon=True, name="px-listener").start()
         return listener
 
@@ -307,7 +319,7 @@ class Listener:
                 if self.closed:
                     return
                 self._trouble(exc)  # (out of descriptors, a connection reset before it was
-                time.sleep(ACCEPT_RETRY)  # taken: the port stays open, try again)
+                time.sleep(self.timing.accept_retry.total_seconds())  # taken: try again)
                 continue
             self._admit(conn, addr)
 
@@ -333,7 +345,7 @@ class Listener:
     def _check(self, conn: socket.socket, addr: Any) -> None:
         address = f"{addr[0]}:{addr[1]}"
         try:
-            link, hello = Link.accept(conn, self.token)
+            link, hello = Link.accept(conn, self.token, self.timing.handshake)
         except (LinkError, OSError) as exc:
             if self._done(conn):
                 self._pushed_out(addr[0], address)

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from phalanx import __version__
 from phalanx.errors import (
     HeadLost,
     HeadLostError,
@@ -54,9 +53,9 @@ from phalanx.strategies.ddp.emergency import head_lost_message, save_on_head_los
 from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
 from phalanx.strategies.ddp.protocol import Done, Saved, from_wire, to_wire
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
+from phalanx.strategies.ddp.timing import DEFAULT, Timing
+from phalanx.version import __version__
 
-BEAT_EVERY = 1.0  # seconds between a link's keep-alive frames
-JOIN_TIMEOUT = timedelta(seconds=300)  # for every node to register (the head waits)
 TOKEN_FILE = "token"  # in run_dir, owner-only: the run's token for every node
 
 
@@ -117,9 +116,10 @@ def head_token(run_dir: str | None) -> bytes:
     return token.encode()
 
 
-def node_token(run_dir: str | None, wait: float) -> bytes:
+def node_token(run_dir: str | None, wait: float, poll: timedelta = DEFAULT.join_poll) -> bytes:
     """A node's token: ``PHALANX_TOKEN``, else the head's ``run_dir/token`` (waited for up
-    to ``wait`` seconds: the head may start later); refused when others can read it."""
+    to ``wait`` seconds, looked for every ``poll``: the head may start later); refused when
+    others can read it."""
     given = os.environ.get(TOKEN_ENV)
     if given:
         return given.encode()
@@ -133,7 +133,7 @@ def node_token(run_dir: str | None, wait: float) -> bytes:
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise NoTokenError(f"no token at {path} within {wait:g}s: is the head started?")
-        time.sleep(0.2)
+        time.sleep(poll.total_seconds())
     if os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise NoTokenError(f"{path} is readable by others: chmod 600 it (it is the run's key)")
     with open(path) as fh:
@@ -213,10 +213,10 @@ class RemoteNode:
 
 
 class NodeHub:
-    """The head's links to the other nodes."""
+    """The head's links to the other nodes: a node silent for ``timing.node`` is lost."""
 
-    def __init__(self, listener: Listener, nnodes: int, timeout: timedelta) -> None:
-        self.listener, self.nnodes, self.timeout = listener, nnodes, timeout
+    def __init__(self, listener: Listener, nnodes: int, timing: Timing) -> None:
+        self.listener, self.nnodes, self.timing = listener, nnodes, timing
         self.nodes: dict[int, RemoteNode] = {}
         self.spares: list[RemoteNode] = []  # parked: each takes the place of a lost node
         self.notes: list[tuple[str, str]] = []  # (level, text) for the head's sinks
@@ -245,7 +245,8 @@ class NodeHub:
                     "the same script on every node with PHALANX_HEAD naming this head"
                 )
             try:
-                link, hello = self.listener.joined.get(timeout=min(left, 0.2))
+                tick = self.timing.join_poll.total_seconds()
+                link, hello = self.listener.joined.get(timeout=min(left, tick))
             except Exception:
                 continue
             if hello.doc.get("spare"):
@@ -414,7 +415,7 @@ class NodeHub:
                 why = f"its link closed ({item})"
                 break
             frames.append((node, item))
-        silent, limit = now - node.link.last_heard, self.timeout.total_seconds()
+        silent, limit = now - node.link.last_heard, self.timing.node.total_seconds()
         if why is None and silent > limit:
             why = f"no word for {silent:.1f}s (node_timeout {limit:g}s)"
             # (a frozen node reads this when it wakes: it is out, and stops)
@@ -424,7 +425,7 @@ class NodeHub:
             node.lost = True
             node.link.close()
             node.alive.clear()
-        elif now - node.last_sent > BEAT_EVERY:
+        elif now - node.last_sent > self.timing.beat_every.total_seconds():
             self.send(node, "beat", {})
         return why
 
@@ -456,7 +457,7 @@ class Nodes:
     slot_nodes: tuple[int, ...]
 
 
-def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
+def start_head(run: RunInputs, launch: Launch, emit: Any, timing: Timing) -> Nodes:
     """Listen on ``PHALANX_HEAD``'s address, host the store there, and wait for every node
     to join and agree; every node is then told the slots and where the store is."""
 
@@ -465,16 +466,16 @@ def start_head(run: RunInputs, launch: Launch, emit: Any) -> Nodes:
     token = head_token(config.run_dir)
     run_id = new_run_id()  # this run's signing key is made from the token and it
     host, port = link_address(launch)
-    listener = Listener.open(host, port, token)
+    listener = Listener.open(host, port, token, timing)
     try:
-        agent = head_agent(launch, host, token, run_id, os.environ)
-        hub = NodeHub(listener, launch.nnodes, config.node_timeout)
+        agent = head_agent(launch, host, token, run_id, os.environ, timing)
+        hub = NodeHub(listener, launch.nnodes, timing)
         emit(waiting_notice(launch.nnodes, f"{host}:{listener.port}", agent))
         if is_loopback(host):
             emit(Notice(f"head: {host} is loopback: only nodes on this machine reach it"))
         precision = str(getattr(run.spec, "precision", "32"))
         check = agreement(config, run.plan, precision)
-        labels = hub.gather(check, run.plan, list(config.devices), JOIN_TIMEOUT)
+        labels = hub.gather(check, run.plan, list(config.devices), timing.join)
     except BaseException:
         listener.close()
         raise
@@ -499,7 +500,7 @@ def waiting_notice(nnodes: int, address: str, agent: Agent) -> Notice:
 
 
 def head_agent(
-    launch: Launch, host: str, token: bytes, run_id: str, env: Mapping[str, str]
+    launch: Launch, host: str, token: bytes, run_id: str, env: Mapping[str, str], timing: Timing
 ) -> Agent:
     """The head's agent and the run's store. Under torchrun the store is torchrun's own:
     its agent's store at ``MASTER_ADDR:MASTER_PORT`` when torchrun shares it with its
@@ -512,9 +513,12 @@ def head_agent(
         if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             at = (launch.head.host, launch.head.port)
             prefix = f"phalanx/{run_id}"
-            return Agent(bind=None, store_at=at, prefix=prefix, client=True, signer=signer)
-        return Agent(bind=(host, launch.head.port), signer=signer)
-    return Agent(bind=(host, int(env.get("PHALANX_STORE_PORT", "0"))), signer=signer)
+            return Agent(
+                bind=None, store_at=at, prefix=prefix, client=True, signer=signer, timing=timing
+            )
+        return Agent(bind=(host, launch.head.port), signer=signer, timing=timing)
+    bind = (host, int(env.get("PHALANX_STORE_PORT", "0")))
+    return Agent(bind=bind, signer=signer, timing=timing)
 
 
 def rejected_link(address: str, why: str) -> Any:
@@ -535,21 +539,23 @@ def tell_end(hub: NodeHub, doc: dict[str, Any], weights: bytes = b"") -> None:
 
 # -- a node's side ------------------------------------------------------------------------
 def connect_to_head(
-    launch: Launch, token: bytes, hello: dict[str, Any], deadline: timedelta
+    launch: Launch, token: bytes, hello: dict[str, Any], timing: Timing
 ) -> tuple[Link, Frame]:
-    """Connect to the head, retrying while it is not up yet."""
+    """Connect to the head, retrying while it is not up yet (for ``timing.join``)."""
     address = link_address(launch)
+    deadline = timing.join
     end = time.monotonic() + deadline.total_seconds()
     while True:
         try:
-            return Link.connect(address, token, hello, timeout=5.0)
+            connect = timing.connect.total_seconds()
+            return Link.connect(address, token, hello, connect, timing.handshake)
         except (OSError, LinkError) as exc:
             if time.monotonic() > end:
                 raise NodesDisagreeError(
                     f"could not join the head at {launch.head} within "
                     f"{deadline.total_seconds():g}s: {exc}"
                 ) from None
-            time.sleep(0.5)
+            time.sleep(timing.connect_retry.total_seconds())
 
 
 def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter) -> RunEnd:
@@ -557,10 +563,11 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     orders, and return the run's end as the head tells it (the model with it)."""
     started = time.time()
     config = run.config
+    timing = Timing.of(config)  # (this node's every duration: the same config as the head's)
     check_interface(launch, config)
     start_fork_server()  # (before joining: a worker's start never holds up the node's loop)
-    token = node_token(config.run_dir, JOIN_TIMEOUT.total_seconds())
-    link, answer = _join(run, launch, token, emit)
+    token = node_token(config.run_dir, timing.join.total_seconds(), timing.join_poll)
+    link, answer = _join(run, launch, token, emit, timing)
     if answer.kind == "end":  # a spare that never had to take a place
         link.close()
         return _node_end(run, answer, time.time() - started)
@@ -570,7 +577,8 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     first = int(answer.doc["first"])
     signer = Signer.for_run(token, str(answer.doc["run"]))
     prefix = str(answer.doc.get("prefix", ""))
-    agent = Agent(bind=None, store_at=(str(host), int(port)), signer=signer, prefix=prefix)
+    store_at = (str(host), int(port))
+    agent = Agent(bind=None, store_at=store_at, signer=signer, prefix=prefix, timing=timing)
     data = (run.train, run.valid, run.valid_size)
     global_config = _with_devices(config, labels)
     local = len(config.devices)
@@ -582,7 +590,7 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
     saved: list[Saved] = []
     try:
-        end = _serve(link, agent, spawner, interrupter, config.node_timeout.total_seconds())
+        end = _serve(link, agent, spawner, interrupter)
         if end is None:  # the head is lost: keep what was committed
             saved = save_on_head_loss(agent)
     finally:
@@ -595,7 +603,9 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     return _node_end(run, end, time.time() - started)
 
 
-def _join(run: RunInputs, launch: Launch, token: bytes, emit: Any) -> tuple[Link, Frame]:
+def _join(
+    run: RunInputs, launch: Launch, token: bytes, emit: Any, timing: Timing
+) -> tuple[Link, Frame]:
     """Register with the head (who this node is, what must agree); its answer, or raise
     NodesDisagreeError when it refused this node."""
     precision = str(getattr(run.spec, "precision", "32"))
@@ -608,13 +618,13 @@ def _join(run: RunInputs, launch: Launch, token: bytes, emit: Any) -> tuple[Link
     }
     who = "spare" if launch.spare else f"node {launch.node_rank}"
     emit(Notice(f"{who}: joining the head at {launch.head}"))
-    link, answer = connect_to_head(launch, token, hello, JOIN_TIMEOUT)
+    link, answer = connect_to_head(launch, token, hello, timing)
     if answer.kind == "refused":
         link.close()
         raise NodesDisagreeError(str(answer.doc.get("message")))
     if answer.kind == "parked":
         emit(Notice("spare: waiting at the head to take the place of a node that is lost"))
-        placed = _parked(link, run.config.node_timeout.total_seconds())
+        placed = _parked(link, timing)
         if placed is None:
             link.close()
             raise _head_lost(launch, run.config, SPARE, [], emit)
@@ -624,20 +634,22 @@ def _join(run: RunInputs, launch: Launch, token: bytes, emit: Any) -> tuple[Link
     return link, answer
 
 
-def _parked(link: Link, limit: float) -> Frame | None:
+def _parked(link: Link, timing: Timing) -> Frame | None:
     """A spare, until the head places it (``welcome``) or the run ends (``end``); None when
-    the head is lost (the link closed, or no word for ``limit`` seconds)."""
+    the head is lost (the link closed, or no word for ``timing.node``)."""
+    limit, beat = timing.node.total_seconds(), timing.beat_every.total_seconds()
+    tick = timing.link_poll.total_seconds()
     link.start()
     last_sent = time.monotonic()
     while True:
-        item = link.next(0.05)  # (one at a time: the orders after a welcome are the node's)
+        item = link.next(tick)  # (one at a time: the orders after a welcome are the node's)
         if isinstance(item, LinkError):
             return None
         if item is not None and item.kind in ("welcome", "end"):
             return item
         if time.monotonic() - link.last_heard > limit:
             return None
-        if time.monotonic() - last_sent > BEAT_EVERY:
+        if time.monotonic() - last_sent > beat:
             with contextlib.suppress(LinkError):
                 link.send("beat", {})
             last_sent = time.monotonic()
@@ -700,11 +712,12 @@ def _shared(run_dir: str | None, path: object) -> str | None:
     return mine if same else None
 
 
-def _serve(
-    link: Link, agent: Agent, spawner: Spawner, interrupter: Interrupter, limit: float
-) -> Frame | None:
+def _serve(link: Link, agent: Agent, spawner: Spawner, interrupter: Interrupter) -> Frame | None:
     """Until the head says the run ended (its ``end`` frame) or went on without this node
-    (``fenced``), or is lost: no word for ``limit`` seconds, or the link closed (None)."""
+    (``fenced``), or is lost: no word for the agent's ``timing.node``, or the link closed
+    (None)."""
+    timing = agent.timing
+    limit, beat = timing.node.total_seconds(), timing.beat_every.total_seconds()
     stop_sent = False
     last_sent = time.monotonic()
     try:
@@ -713,26 +726,26 @@ def _serve(
                 last_sent = time.monotonic()
             for item in link.drain():
                 if isinstance(item, LinkError):
-                    return _last_word(link)
+                    return _last_word(link, timing)
                 if item.kind in ("end", "fenced"):
                     return item
                 _order(item, link, agent, spawner)
             if time.monotonic() - link.last_heard > limit:
-                return _last_word(link)
+                return _last_word(link, timing)
             if not stop_sent and interrupter.should_stop():
                 stop_sent = True
                 link.send("stop", {"reason": interrupter.reason or "stop requested"})
-            if time.monotonic() - last_sent > BEAT_EVERY:
+            if time.monotonic() - last_sent > beat:
                 link.send("beat", {})
                 last_sent = time.monotonic()
     except LinkError:
-        return _last_word(link)
+        return _last_word(link, timing)
 
 
 def _forward(agent: Agent, link: Link) -> bool:
     """What this node's workers said (and their exits) to the head; whether anything went."""
     sent = False
-    for seen in agent.poll(timedelta(seconds=0.1)):
+    for seen in agent.poll(agent.timing.poll):
         message = None if seen.exited else to_wire(seen.message)
         if isinstance(seen.message, Done) and seen.message.weights_path:
             with open(seen.message.weights_path, "rb") as fh:
@@ -750,16 +763,17 @@ def _forward(agent: Agent, link: Link) -> bool:
     return sent
 
 
-def _last_word(link: Link) -> Frame | None:
+def _last_word(link: Link, timing: Timing) -> Frame | None:
     """The head's last frame that says how this node's part ended, if it came before the
-    link was lost: ``end`` (the run ended: a send raced the head's close) or ``fenced`` (a
-    node that was frozen reads it on waking; its reader may need a moment), else None."""
-    deadline = time.monotonic() + 0.5
+    link was lost (within ``timing.last_word``): ``end`` (the run ended: a send raced the
+    head's close) or ``fenced`` (a node that was frozen reads it on waking; its reader may
+    need a moment), else None."""
+    deadline = time.monotonic() + timing.last_word.total_seconds()
     while time.monotonic() < deadline:
         for item in link.drain():
             if isinstance(item, Frame) and item.kind in ("end", "fenced"):
                 return item
-        time.sleep(0.05)
+        time.sleep(timing.link_poll.total_seconds())
     return None
 
 

@@ -11,7 +11,6 @@ from typing import Protocol
 
 from phalanx.events import Beat, WorkerState, WorkersTick
 
-TICK = timedelta(seconds=0.5)  # between two WorkersTick events
 # What a worker's phase shows as (other phases: training).
 PANEL_STATES = {"start": "starting", "preflight": "preflight", "regroup": "joining"}
 IDLE_PHASES = ("start", "regroup", "joining")  # bounded by their own timeouts, not hangs
@@ -32,6 +31,7 @@ class Shown(Protocol):
 @dataclass
 class Panel:
     devices: list[str]
+    every: timedelta  # between two WorkersTick events (Timing.panel_tick)
     shown: dict[int, str] = field(default_factory=dict)  # each slot's last state shown
     ticked: float = float("-inf")
 
@@ -67,8 +67,8 @@ class Panel:
         members: list[int],
         limit: Callable[[Shown], float],
     ) -> WorkersTick | None:
-        """Every live worker's heartbeat, every TICK (``since`` on the wall clock)."""
-        if mono - self.ticked < TICK.total_seconds():
+        """Every live worker's heartbeat, once ``every`` (``since`` on the wall clock)."""
+        if mono - self.ticked < self.every.total_seconds():
             return None
         self.ticked = mono
         beats = [

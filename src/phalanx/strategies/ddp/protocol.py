@@ -13,10 +13,12 @@ import pickle
 import signal
 import time
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from typing import Any
 
 from phalanx.events import Event, StepEnded
 from phalanx.failures import PHASES, WorkerFailure
+from phalanx.strategies.ddp.timing import DEFAULT
 
 # The signal the agent sends a worker for its Python stacks (faulthandler). A real-time
 # signal: a batch system's SIGUSR1/SIGUSR2 warnings (Slurm's --signal) may reach every process
@@ -135,11 +137,11 @@ class Relay:
     event: Event
 
 
-# A step's event rings the supervisor's bell after this many unrung events, or this long
-# after the last ring: at most ~20 wake-ups a second for step events, and never more than
-# ~10 kB of them in the pipe (a worker never blocks on a full pipe the supervisor ignores).
-RING_EVERY = 32
-RING_AFTER = 0.05  # seconds
+# A step's event rings the supervisor's bell after this many unrung events, or
+# ``Timing.ring_after`` (50 ms) after the last ring: at most ~20 wake-ups a second for step
+# events, and never more than ~10 kB of them in the pipe (a worker never blocks on a full
+# pipe the supervisor ignores).
+RING_COUNT = 32
 # What a ring says: a message to act on (``URGENT``), or step events only (``LATER``).
 URGENT, LATER = b"!", b"."
 
@@ -151,22 +153,27 @@ class Outbox:
     moment later has still said it), in order. The supervisor sleeps on the bell, not on the
     pipe, and reads every pipe whenever it wakes: a message it acts on (a failure, ready,
     done, any event but a step's) rings the bell at once; a committed step's
-    :class:`StepEnded` rings it only every :data:`RING_EVERY` events or :data:`RING_AFTER`
-    seconds, so at 4 ms steps the supervisor does not wake 250 times a second to compete for
-    the cores with the workers it watches. Such an event is read at the supervisor's next
-    wake-up: about ``RING_AFTER`` after it while steps go on, within the supervisor's poll
-    interval (0.1 s) when they stop; it carries the time it was stamped with in the worker.
+    :class:`StepEnded` rings it only every :data:`RING_COUNT` events or ``ring_after``
+    (:attr:`.timing.Timing.ring_after`), so at 4 ms steps the supervisor does not wake 250
+    times a second to compete for the cores with the workers it watches. Such an event is
+    read at the supervisor's next wake-up: about ``ring_after`` after it while steps go on,
+    within the supervisor's poll interval (0.1 s) when they stop; it carries the time it was
+    stamped with in the worker.
     ``bell`` None: every message wakes the supervisor (it sleeps on the pipe itself)."""
 
-    def __init__(self, pipe: Any, bell: Any = None) -> None:
+    def __init__(
+        self, pipe: Any, bell: Any = None, ring_after: timedelta = DEFAULT.ring_after
+    ) -> None:
         self.pipe, self.bell = pipe, bell  # write ends (multiprocessing Connections)
+        self.ring_after = ring_after.total_seconds()
         self._fresh()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"pipe": self.pipe, "bell": self.bell}
+        return {"pipe": self.pipe, "bell": self.bell, "ring_after": self.ring_after}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.pipe, self.bell = state["pipe"], state["bell"]
+        self.ring_after = state["ring_after"]
         self._fresh()
 
     def _fresh(self) -> None:
@@ -189,7 +196,7 @@ class Outbox:
         ring = URGENT
         if stepped:
             self.unrung, ring = self.unrung + 1, LATER
-            if self.unrung < RING_EVERY and now - self.rung_at < RING_AFTER:
+            if self.unrung < RING_COUNT and now - self.rung_at < self.ring_after:
                 return
         self.unrung, self.rung_at = 0, now
         # (full of rings the supervisor has not read yet: it is ringing already)

@@ -10,7 +10,6 @@ each worker's last progress is :attr:`Slot.progress_at`, set only from its own m
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from enum import Enum
 
 from phalanx.events import Event, GenerationStarted, Notice
@@ -19,28 +18,9 @@ from phalanx.plan import Plan
 from phalanx.policy import STEP_PHASES, Recovery
 from phalanx.strategies.ddp.actions import Action, Announce, Emit, Kill, Spawn
 from phalanx.strategies.ddp.book import FailureBook
-from phalanx.strategies.ddp.hangs import Watched
 from phalanx.strategies.ddp.panel import Panel
 from phalanx.strategies.ddp.protocol import Announcement, Joined, Progress
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Every timeout of the control plane, on the monotonic clock."""
-
-    hang: timedelta  # a worker's silence while its peers wait (fit's hang_timeout)
-    grace: timedelta = timedelta(seconds=2)  # to exit by themselves once the run is decided
-    broke_settle: timedelta = timedelta(seconds=0.2)  # a Broke waits for a peer's death
-    startup: timedelta = timedelta(seconds=120)  # spawning and importing torch is not a hang
-    preflight: timedelta = timedelta(seconds=30)  # first calls are slow: lazy initialisation
-    # After an announcement, its members get this long to say they left their old group
-    # before a silence is called a hang (no worker's own clock is reset by it).
-    announce_grace: timedelta = timedelta(seconds=0.5)
-
-    def limit(self, state: Watched) -> float:
-        """How long a worker may make no progress: ``hang``; at least ``preflight`` there."""
-        hang = self.hang.total_seconds()
-        return max(hang, self.preflight.total_seconds()) if state.phase == "preflight" else hang
+from phalanx.strategies.ddp.timing import Timing
 
 
 @dataclass(frozen=True)
@@ -94,7 +74,7 @@ class Setup:
     plan: Plan
     devices: list[str]
     recovery: Recovery
-    timeouts: Timeouts
+    timing: Timing  # the run's durations (the coordinator reads hang, grace, startup, ...)
     run_dir: bool = False
     nodes: tuple[int, ...] = ()  # the node of each slot, across machines (empty: one node)
 
@@ -192,7 +172,7 @@ class Roster:
         self.book = FailureBook(setup.recovery, setup.run_dir)
         self.now = Now(0.0, 0.0)
         self.out: list[Action] = []
-        self.panel = Panel(list(setup.devices))
+        self.panel = Panel(list(setup.devices), setup.timing.panel_tick)
         self.state = StateCopies()
 
     def _flush(self) -> list[Action]:

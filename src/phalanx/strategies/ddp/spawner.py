@@ -77,6 +77,7 @@ class Spawner:
                 stack_file=stack_file,
                 weights_path=os.path.join(agent.tmp, f"final-{order.slot}.pt"),
                 threads=self.threads,
+                timing=agent.timing,
                 replacement=order.replacement,
                 faults_after=order.faults_after,
                 after_generation=-1 if order.restart_after is None else order.restart_after,

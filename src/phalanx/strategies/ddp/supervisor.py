@@ -39,7 +39,7 @@ from phalanx.strategies.ddp.actions import (
     SetStop,
     Spawn,
 )
-from phalanx.strategies.ddp.agent import STACK_WAIT, Agent, SlotState, start_fork_server
+from phalanx.strategies.ddp.agent import Agent, SlotState, start_fork_server
 from phalanx.strategies.ddp.book import FailureBook
 from phalanx.strategies.ddp.control import rejected_notice
 from phalanx.strategies.ddp.coordinator import (
@@ -67,13 +67,11 @@ from phalanx.strategies.ddp.nodes import (
     tell_end,
 )
 from phalanx.strategies.ddp.protocol import Done, Rejected
-from phalanx.strategies.ddp.roster import Now, Setup, Timeouts
+from phalanx.strategies.ddp.roster import Now, Setup
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
+from phalanx.strategies.ddp.timing import Timing
 
 __all__ = ["SlotState", "Supervisor", "run_ddp"]
-
-POLL = timedelta(seconds=0.1)
-BROKE_SETTLE = 0.2  # seconds a Broke report waits for a peer's death to be seen first
 
 
 def now() -> Now:
@@ -92,12 +90,15 @@ class Supervisor:
         emit: Any,
         interrupter: Interrupter,
         nodes: Nodes | None = None,
+        timing: Timing | None = None,
     ) -> None:
         self.spec, self.plan = spec, plan
         self.data = data
         self.emit, self.interrupter = emit, interrupter
+        # The run's durations (across machines: the head's agent was made with them).
+        self.timing = timing = timing if timing is not None else Timing.of(config)
         self.hub = nodes.hub if nodes is not None else None
-        self.agent = nodes.agent if nodes is not None else Agent()
+        self.agent = nodes.agent if nodes is not None else Agent(timing=timing)
         self.retired = self.agent.retired
         local = len(config.devices)
         shown = list(config.devices)
@@ -109,9 +110,8 @@ class Supervisor:
         self.spawner = Spawner(spec, config, plan, data, self.agent, local)
         self.user = self.spawner.user
         self.threads = self.spawner.threads
-        timeouts = Timeouts(config.hang_timeout, broke_settle=timedelta(seconds=BROKE_SETTLE))
         recovery, run_dir = config.recovery, bool(config.run_dir)
-        setup = Setup(plan, shown, recovery, timeouts, run_dir, slot_nodes)
+        setup = Setup(plan, shown, recovery, timing, run_dir, slot_nodes)
         self.coord = Coordinator(setup) if nodes is None else NodeCoordinator(setup)
         self.rejected: set[tuple[str, str]] = set()  # (key, digest) already warned about
         self.stacks_due: tuple[float, dict[int, str | None]] | None = None  # remote dumps
@@ -131,13 +131,13 @@ class Supervisor:
         decided and its grace has passed)."""
         stop_told = False
         while True:
-            self._see(POLL)
+            self._see(self.timing.poll)
             if not stop_told and self.interrupter.should_stop():
                 stop_told = True
                 self._feed(StopRequested(self.interrupter.reason or "stop requested"))
             self._feed(Tick())
             if self.agent.all_exited() and (self.hub is None or self.hub.all_exited()):
-                self._see(timedelta(0))  # the last words
+                self._see(timedelta())  # the last words
                 self._feed(AllExited())
                 return self.coord.book
 
@@ -218,7 +218,7 @@ class Supervisor:
         if self.stacks_due is None:
             return
         asked_at, stacks = self.stacks_due
-        late = time.monotonic() - asked_at > 2 * STACK_WAIT.total_seconds() + 1
+        late = time.monotonic() - asked_at > self.timing.remote_stacks.total_seconds()
         if force or late or all(text is not None for text in stacks.values()):
             self.stacks_due = None
             answer = "(no answer from the worker's node in time)"
@@ -340,12 +340,13 @@ def run_ddp(
     if launch is not None and launch.remote:
         return run_node(run, launch, emit, interrupter)
     started = time.time()
+    timing = Timing.of(run.config)  # (the run's every duration, from here on)
     start_fork_server()  # (before any node's clock runs: see start_fork_server)
     nodes = None
     if launch is not None and launch.nnodes > 1:
-        nodes = start_head(run, launch, emit)
+        nodes = start_head(run, launch, emit, timing)
     data = (run.train, run.valid, run.valid_size)
-    sup = Supervisor(run.spec, run.config, run.plan, data, emit, interrupter, nodes)
+    sup = Supervisor(run.spec, run.config, run.plan, data, emit, interrupter, nodes, timing)
     try:
         sup.start()
         outcome = sup.watch()

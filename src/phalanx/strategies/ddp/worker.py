@@ -79,25 +79,9 @@ from phalanx.strategies.ddp.protocol import (
     Relay,
     Snapshotted,
 )
+from phalanx.strategies.ddp.timing import DEFAULT, Timing
 
 T = TypeVar("T")
-WATCH_INTERVAL = timedelta(milliseconds=100)  # the watch thread's tick
-ANNOUNCE_WAIT = timedelta(seconds=10)  # after a broken collective: for the next generation
-STARTUP_WAIT = timedelta(seconds=120)  # for the first generation to be announced
-REPLACEMENT_WAIT = timedelta(hours=1)  # a replacement waits to be let in (or dismissed)
-STORE_TIMEOUT = timedelta(seconds=30)  # of a store client's requests
-PROBE_TIMEOUT = timedelta(seconds=1)  # of the probe that asks whether the head's store answers
-RECONNECT_EVERY = timedelta(seconds=1)  # across machines: a new client after a failed one
-
-
-def forming_timeout(config: FitConfig) -> timedelta:
-    """How long members wait for each other while a generation forms."""
-    return max(timedelta(seconds=10), config.hang_timeout)
-
-
-def collective_timeout(config: FitConfig) -> timedelta:
-    """The process group's bound on one collective (the supervisor decides long before)."""
-    return config.hang_timeout * 2 + timedelta(seconds=30)
 
 
 class Exit(Enum):
@@ -157,6 +141,7 @@ class WorkerArgs:
     stack_file: str
     weights_path: str
     threads: int
+    timing: Timing  # the run's (Timing.of its configuration, on the machine that spawned it)
     replacement: bool = False  # started to replace a fallen worker: joins a later generation
     # A replacement fires only the faults meant for steps after the one its predecessor
     # fell at: those up to it were the predecessor's.
@@ -204,8 +189,10 @@ class WorkerArgs:
             raise RuntimeError("WorkerArgs.unpack() was not called")
         return self._spec
 
-    def connect(self, timeout: timedelta = STORE_TIMEOUT) -> dist.Store:
-        """A new client of the run's store (one per thread: clients are not shared)."""
+    def connect(self, timeout: timedelta | None = None) -> dist.Store:
+        """A new client of the run's store (one per thread: clients are not shared); each
+        request bounded by ``timeout`` (None: the timing's ``store``)."""
+        timeout = self.timing.store if timeout is None else timeout
         store = dist.TCPStore(self.store_host, self.store_port, is_master=False, timeout=timeout)
         return dist.PrefixStore(self.store_prefix, store) if self.store_prefix else store
 
@@ -250,7 +237,7 @@ class Watcher:
         beat = self.a.heartbeat
         assert beat is not None
         while beat.told() != ORDER_SAVE:
-            time.sleep(WATCH_INTERVAL.total_seconds())
+            time.sleep(self.a.timing.watch_tick.total_seconds())
         self.head_lost = True
         group = self.group
         if group is not None:
@@ -262,8 +249,9 @@ class Watcher:
         for the group to exist). A counter that does not verify (a rogue's: reported once)
         is no proof that nothing moved: the keys are read each tick while it is there."""
         seen: str | None = None
+        tick = self.a.timing.watch_tick.total_seconds()
         while True:
-            time.sleep(WATCH_INTERVAL.total_seconds())
+            time.sleep(tick)
             if not self.agent.alive():
                 os._exit(1)  # the supervisor died: no orphans
             try:
@@ -284,7 +272,7 @@ class Watcher:
                 os._exit(EXIT_TOLD)
 
     def _reconnect(self, store: SignedStore) -> SignedStore:
-        time.sleep(RECONNECT_EVERY.total_seconds())
+        time.sleep(self.a.timing.reconnect_every.total_seconds())
         try:
             return self.a.signed(self.a.connect(), self.send)
         except Exception:
@@ -391,7 +379,7 @@ class Worker:
         try:
             member = self.prepare()
             # A replacement waits until it is let in or dismissed (the supervisor decides).
-            first_wait = REPLACEMENT_WAIT if a.replacement else STARTUP_WAIT
+            first_wait = a.timing.replacement_wait if a.replacement else a.timing.first_generation
             gen = wait_generation(store, a, self.watcher, a.after_generation, first_wait)
         except FailedHere as exc:
             self.send(Failed(exc.failure, fatal=True))
@@ -453,9 +441,9 @@ class Worker:
                     self.send(Failed(left.failure, fatal=True))
                     return 1
                 case Exit.REGROUP | Exit.SUPERSEDED:
-                    wait = forming_timeout(self.a.config)
+                    wait = self.a.timing.forming
                 case Exit.BROKEN:
-                    wait = ANNOUNCE_WAIT
+                    wait = self.a.timing.announce_wait
             try:
                 gen = wait_generation(store, self.a, self.watcher, gen.number, wait)
             except HeadGone:
@@ -470,12 +458,14 @@ class Worker:
         lost (see :func:`.emergency.await_verdict`); on one machine, never."""
         if not self.a.spans_nodes:
             return False
-        limit = self.a.config.node_timeout + timedelta(seconds=5)
+        timing = self.a.timing
 
         def probe() -> None:  # (a read that parses nothing: see control)
-            self.a.connect(PROBE_TIMEOUT).check([CONTROL_KEY])
+            self.a.connect(timing.probe).check([CONTROL_KEY])
 
-        return await_verdict(lambda: self.watcher.head_lost, probe, limit)
+        return await_verdict(
+            lambda: self.watcher.head_lost, probe, timing.verdict, timing.probe_every
+        )
 
     def save_for_resume(self) -> int:
         """The head is lost: keep the state this worker committed last in an emergency
@@ -546,7 +536,7 @@ class Worker:
 
     def train_in(self, store: SignedStore, member: Member, gen: Generation) -> None:
         """Form ``gen``'s group, take the agreed state, train until the run ends."""
-        cfg = self.a.config
+        cfg, timing = self.a.config, self.a.timing
         rank = gen.rank_of(self.a.slot)
         self.rank, self.watcher.members = rank, list(gen.members)
         self.watcher.generation = gen.number
@@ -554,15 +544,15 @@ class Worker:
         announce(gen.members, self.a.here, self.label, self.a.slot, gen.number, store_at)
         self.on_phase(self.step, "regroup")
         member.trainable.discard()  # gradients of a step the old group never committed
-        arrive(store, gen, rank, self.watcher, forming_timeout(cfg))
-        rendezvous = self.a.connect(forming_timeout(cfg))
+        arrive(store, gen, rank, self.watcher, timing.forming, timing.store_poll)
+        rendezvous = self.a.connect(timing.forming)
         group = GenerationGroup.form(
             rendezvous,
             f"g{gen.number}/",
             rank,
             len(gen.members),
             self.device,
-            collective_timeout(cfg),
+            timing.collective,
             abandonable=self.a.spans_nodes,
         )
         self.watcher.group = group
@@ -642,7 +632,7 @@ class Worker:
     def subgroup(self, store: dist.Store, gen: Generation, ranks: list[int]) -> GenerationGroup:
         """The hand-over's group of the source and the members behind it."""
         rank = ranks.index(gen.rank_of(self.a.slot))
-        timeout = forming_timeout(self.a.config)
+        timeout = self.a.timing.forming
         prefix = f"g{gen.number}/handover/"
         return GenerationGroup.form(
             store, prefix, rank, len(ranks), self.device, timeout, self.a.spans_nodes
@@ -738,16 +728,22 @@ def wait_generation(
             if args.slot in gen.members or not args.replacement:
                 return gen
             after = latest  # a replacement waits for the generation that lets it in
-        time.sleep(0.02)
+        time.sleep(args.timing.store_poll.total_seconds())
     raise TimeoutError(f"no new generation after {after} within {timeout}")
 
 
 def arrive(
-    store: SignedStore, gen: Generation, rank: int, watcher: Watcher, timeout: timedelta
+    store: SignedStore,
+    gen: Generation,
+    rank: int,
+    watcher: Watcher,
+    timeout: timedelta,
+    poll: timedelta = DEFAULT.store_poll,
 ) -> None:
-    """Wait until every member of ``gen`` has arrived, before any of them starts the group's
-    rendezvous (which cannot be interrupted). If a newer generation is announced meanwhile
-    (a member fell before arriving), this one is dropped: Superseded."""
+    """Wait until every member of ``gen`` has arrived (reading the keys every ``poll``),
+    before any of them starts the group's rendezvous (which cannot be interrupted). If a
+    newer generation is announced meanwhile (a member fell before arriving), this one is
+    dropped: Superseded."""
     keys = [f"{ARRIVED_PREFIX}g{gen.number}/{r}" for r in range(len(gen.members))]
     store.set(keys[rank], "1", seq=gen.number)  # (signed: a forged arrival is not one)
     deadline = time.monotonic() + timeout.total_seconds()
@@ -757,7 +753,7 @@ def arrive(
             raise Superseded(gen.number)
         if time.monotonic() > deadline:
             raise GroupBroken(f"generation {gen.number} did not form in time")
-        time.sleep(0.02)
+        time.sleep(poll.total_seconds())
 
 
 def listen_for_stack_dumps(path: str) -> None:
