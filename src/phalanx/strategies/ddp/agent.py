@@ -14,7 +14,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -422,12 +422,34 @@ def start_fork_server() -> None:
     held = {signal.SIGTERM, signal.SIGHUP, WARNING_SIGNAL}
     before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
-        forkserver.ensure_running()
+        with _quiet_torch_logs():
+            forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
     proc = ctx.Process(target=_started, name="phalanx-fork-server-check", daemon=False)
     proc.start()  # (answered once the fork server has imported torch and phalanx's worker)
     proc.join()
+
+
+# torch's C++ log level in the workers (read once, when torch loads: in the fork server):
+# their stores and groups fail on purpose when a peer or the head falls, and phalanx names
+# that failure itself in one report; torch would log each failed call with its C++ stack.
+# A TORCH_CPP_LOG_LEVEL the user set is kept.
+WORKER_CPP_LOG_LEVEL = "FATAL"
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """The fork server (started inside) loads torch with :data:`WORKER_CPP_LOG_LEVEL`; this
+    process's environment is given back as it was."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = WORKER_CPP_LOG_LEVEL
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def _started() -> None:

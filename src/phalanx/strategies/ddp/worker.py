@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
@@ -196,6 +197,16 @@ class WorkerArgs:
         store = dist.TCPStore(self.store_host, self.store_port, is_master=False, timeout=timeout)
         return dist.PrefixStore(self.store_prefix, store) if self.store_prefix else store
 
+    def reconnect(self, timeout: timedelta | None = None) -> dist.Store:
+        """:meth:`connect` again after a client failed (the head may be gone): first a plain
+        TCP connection to the store's port, which fails at once where nobody listens (a lost
+        head's port), instead of torch's client, which retries until its timeout and logs
+        each attempt."""
+        timeout = self.timing.store if timeout is None else timeout
+        with socket.create_connection((self.store_host, self.store_port), timeout.total_seconds()):
+            pass
+        return self.connect(timeout)
+
     def signed(self, store: dist.Store, send: Callable[[object], None]) -> SignedStore:
         """``store``'s control keys, read only when signed with this run's token; a rejected
         value is told to the supervisor once (``send`` a :class:`Rejected`)."""
@@ -274,7 +285,7 @@ class Watcher:
     def _reconnect(self, store: SignedStore) -> SignedStore:
         time.sleep(self.a.timing.reconnect_every.total_seconds())
         try:
-            return self.a.signed(self.a.connect(), self.send)
+            return self.a.signed(self.a.reconnect(), self.send)
         except Exception:
             return store
 
@@ -461,7 +472,7 @@ class Worker:
         timing = self.a.timing
 
         def probe() -> None:  # (a read that parses nothing: see control)
-            self.a.connect(timing.probe).check([CONTROL_KEY])
+            self.a.reconnect(timing.probe).check([CONTROL_KEY])
 
         return await_verdict(
             lambda: self.watcher.head_lost, probe, timing.verdict, timing.probe_every
