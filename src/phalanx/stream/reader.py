@@ -4,7 +4,8 @@ A member asks for the samples of its part of each step in the order of the epoch
 :mod:`phalanx.stream.order`): within a shard that is front to back, but for the shuffle
 window and the samples of other members' parts in between. A cursor reads its shard forward
 and keeps the latest samples it read (enough for a shuffle window); a sample behind what it
-keeps (a retry after a long time, a catch-up) opens the shard again at that sample: through
+keeps (a retry after a long time, a catch-up) opens the shard again at that sample, or up to
+a shuffle window before it (those are asked for next, in shuffled order): through
 ``read(shard, start)`` where ``read`` takes a start, else by reading and dropping ``start``
 samples (what that costs is counted: ``Reader.skipped``).
 
@@ -41,7 +42,11 @@ class Cursor:
         if offset in self.kept:
             return self.kept[offset]
         if self.samples is None or offset < self.pos:
-            self._open(offset)
+            # Open up to a shuffle window early: the samples asked for next come in a
+            # shuffled order, up to ``window - 1`` places behind this one in the shard; read
+            # on the way here they are kept, not each read again through another open (from
+            # the shard's start, for a ``read`` without a start).
+            self._open(max(0, offset - (self.reader.stream.window - 1)))
         while self.pos <= offset:
             self._keep(self.pos, self._next(self.pos))
         if self.pos == self.length:
