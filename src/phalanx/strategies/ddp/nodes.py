@@ -42,7 +42,7 @@ from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.launch import SPARE, Launch, interface_problem, is_loopback
-from phalanx.plan import Plan, plan_difference
+from phalanx.plan import Plan
 from phalanx.ranks import acting_as
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.snapshot.config import snapshots_off
@@ -51,6 +51,7 @@ from phalanx.strategies.ddp.agent import Agent, start_fork_server
 from phalanx.strategies.ddp.control import TOKEN_ENV, Signer, new_run_id
 from phalanx.strategies.ddp.emergency import head_lost_message, save_on_head_loss
 from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
+from phalanx.strategies.ddp.nodeplan import disagreements
 from phalanx.strategies.ddp.protocol import Done, Saved, from_wire, to_wire
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
 from phalanx.strategies.ddp.timing import DEFAULT, Timing
@@ -161,37 +162,6 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
         "on_bad_sample": config.on_bad_sample,
         "max_bad_samples": config.max_bad_samples,
     }
-
-
-def disagreements(head: dict[str, Any], node: dict[str, Any], plan: Plan) -> list[str]:
-    """What a node's agreement (:func:`agreement`) has otherwise than the head's, each in a
-    short line: a setting's two values, the plan's fields that differ, which samples of the
-    data differ and how (never a whole record)."""
-    found = []
-    for key, mine in head.items():
-        theirs = node.get(key)
-        if key == "plan":
-            if not plan.matches(theirs):
-                found.append(_plan_disagreement(theirs, plan))
-        elif theirs != mine:
-            found.append(f"{key}: the head has {_short(mine)}, this node {_short(theirs)}")
-    return found
-
-
-def _plan_disagreement(theirs: Any, plan: Plan) -> str:
-    if not isinstance(theirs, dict):
-        return f"plan: this node sent none this version reads ({_short(theirs)})"
-    fields, data = plan_difference(theirs, plan)
-    fields = [f.replace(" -> ", " on this node, ") + " on the head" for f in fields]
-    parts = [f"plan: {', '.join(fields)}"] if fields else []
-    if data is not None:
-        parts.append(f"training data: {data}")
-    return "; ".join(parts)
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # -- the head's side ----------------------------------------------------------------------
