@@ -42,7 +42,7 @@ from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.launch import SPARE, Launch, interface_problem, is_loopback
-from phalanx.plan import Plan, plan_difference
+from phalanx.plan import Plan
 from phalanx.ranks import acting_as
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.snapshot.config import snapshots_off
@@ -51,6 +51,21 @@ from phalanx.strategies.ddp.agent import Agent, start_fork_server
 from phalanx.strategies.ddp.control import TOKEN_ENV, Signer, new_run_id
 from phalanx.strategies.ddp.emergency import head_lost_message, save_on_head_loss
 from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
+from phalanx.strategies.ddp.nodeplan import (
+    Beat,
+    Hello,
+    Keep,
+    Layout,
+    NodeView,
+    Park,
+    Refuse,
+    admit,
+    disagreements,
+    hear,
+    layout,
+    missing,
+    place_spares,
+)
 from phalanx.strategies.ddp.protocol import Done, Saved, from_wire, to_wire
 from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
 from phalanx.strategies.ddp.timing import DEFAULT, Timing
@@ -163,37 +178,6 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
     }
 
 
-def disagreements(head: dict[str, Any], node: dict[str, Any], plan: Plan) -> list[str]:
-    """What a node's agreement (:func:`agreement`) has otherwise than the head's, each in a
-    short line: a setting's two values, the plan's fields that differ, which samples of the
-    data differ and how (never a whole record)."""
-    found = []
-    for key, mine in head.items():
-        theirs = node.get(key)
-        if key == "plan":
-            if not plan.matches(theirs):
-                found.append(_plan_disagreement(theirs, plan))
-        elif theirs != mine:
-            found.append(f"{key}: the head has {_short(mine)}, this node {_short(theirs)}")
-    return found
-
-
-def _plan_disagreement(theirs: Any, plan: Plan) -> str:
-    if not isinstance(theirs, dict):
-        return f"plan: this node sent none this version reads ({_short(theirs)})"
-    fields, data = plan_difference(theirs, plan)
-    fields = [f.replace(" -> ", " on this node, ") + " on the head" for f in fields]
-    parts = [f"plan: {', '.join(fields)}"] if fields else []
-    if data is not None:
-        parts.append(f"training data: {data}")
-    return "; ".join(parts)
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 # -- the head's side ----------------------------------------------------------------------
 @dataclass
 class RemoteNode:
@@ -211,9 +195,15 @@ class RemoteNode:
     def slots(self) -> range:
         return range(self.first, self.first + len(self.devices))
 
+    def view(self) -> NodeView:
+        """What :mod:`.nodeplan`'s rules read of it (its link's last frame: now)."""
+        devices, heard, sent = tuple(self.devices), self.link.last_heard, self.last_sent
+        return NodeView(self.rank, devices, self.first, self.lost, self.spare, heard, sent)
+
 
 class NodeHub:
-    """The head's links to the other nodes: a node silent for ``timing.node`` is lost."""
+    """The head's links to the other nodes. What to do with each hello, spare and silence
+    is decided by :mod:`.nodeplan`'s rules; the hub sends, closes, starts and keeps time."""
 
     def __init__(self, listener: Listener, nnodes: int, timing: Timing) -> None:
         self.listener, self.nnodes, self.timing = listener, nnodes, timing
@@ -230,50 +220,71 @@ class NodeHub:
 
     def gather(
         self, check: dict[str, Any], plan: Plan, own: list[str], deadline: timedelta
-    ) -> list[str]:
+    ) -> Layout:
         """Wait for every other node's hello; refuse one that disagrees (the head fails
-        too: PX144). Returns every slot's device label, in node order."""
+        too: PX144). Returns the slots in node order (each node's first slot set)."""
         self.check, self.plan = check, plan
         end = time.monotonic() + deadline.total_seconds()
-        while len(self.nodes) < self.nnodes - 1:
+        while missing(self.nnodes, self.nodes):
             self._rejected()
             left = end - time.monotonic()
             if left <= 0:
-                missing = sorted(set(range(1, self.nnodes)) - set(self.nodes))
                 raise NodesDisagreeError(
-                    f"nodes {missing} did not join within {deadline.total_seconds():g}s: start "
-                    "the same script on every node with PHALANX_HEAD naming this head"
+                    f"nodes {missing(self.nnodes, self.nodes)} did not join within "
+                    f"{deadline.total_seconds():g}s: start the same script on every node with "
+                    "PHALANX_HEAD naming this head"
                 )
             try:
                 tick = self.timing.join_poll.total_seconds()
                 link, hello = self.listener.joined.get(timeout=min(left, tick))
             except Exception:
                 continue
-            if hello.doc.get("spare"):
-                self._park(link, hello.doc)
-            else:
-                self._register(link, hello.doc)
-        labels = list(own)
-        for rank in sorted(self.nodes):
-            node = self.nodes[rank]
-            node.first = len(labels)
-            labels += node.devices
-        return labels
+            self._hello(link, hello.doc)
+        slots = layout(own, {rank: node.devices for rank, node in self.nodes.items()})
+        for rank, first in slots.first.items():
+            self.nodes[rank].first = first
+        return slots
 
-    def _register(self, link: Link, doc: dict[str, Any]) -> None:
-        """A node's hello at start-up: taken, or refused with the head failing too."""
+    def _hello(
+        self, link: Link, doc: dict[str, Any], admits: Callable[[int], bool] | None = None
+    ) -> tuple[RemoteNode, str] | None:
+        """A hello, at start-up (``admits`` None) or during the run, as
+        :func:`~.nodeplan.admit` decides: a spare parked (or refused: a warning note); a
+        node taken, or refused (told why, PX144) with the head failing too at start-up.
+        During the run, returns the node taken back (welcomed) or refused, with why (empty
+        for one taken back)."""
         assert self.plan is not None
-        rank = int(doc.get("node", -1))
-        problems = disagreements(self.check, dict(doc.get("check") or {}), self.plan)
-        if not 0 < rank < self.nnodes or rank in self.nodes:
-            problems.append(f"node rank {rank} is not a free node rank of {self.nnodes}")
-        if problems:
-            message = "nodes disagree: " + "; ".join(problems)
-            link.send("refused", {"code": NodesDisagreeError.code, "message": message})
+        hello = Hello.of(doc)
+        problems = disagreements(self.check, hello.check, self.plan)
+        views = {rank: node.view() for rank, node in self.nodes.items()}
+        decision = admit(hello, problems, views, self.nnodes, admits)
+        node = RemoteNode(hello.rank, hello.host, list(hello.devices), link)
+        if isinstance(decision, Refuse):
+            with contextlib.suppress(LinkError):
+                refused = {"code": NodesDisagreeError.code, "message": decision.message}
+                link.send("refused", refused)
             link.close()
-            raise NodesDisagreeError(f"node {rank} ({doc.get('host')}): {message}")
-        devices = [str(d) for d in doc.get("devices", [])]
-        self.nodes[rank] = RemoteNode(rank, str(doc.get("host", "?")), devices, link)
+            if hello.spare:
+                note = f"refused a spare on {hello.host}: {decision.message}"
+                self.notes.append(("warning", note))
+                return None
+            if admits is None:
+                raise NodesDisagreeError(f"node {hello.rank} ({hello.host}): {decision.message}")
+            return node, decision.message
+        if isinstance(decision, Park):  # kept (its link beats both ways) until a node is lost
+            with contextlib.suppress(LinkError):
+                link.send("parked", {})
+                link.start()
+                self.spares.append(dataclasses.replace(node, rank=SPARE, spare=True))
+                note = f"a spare on {hello.host} waits to take a lost node's place"
+                self.notes.append(("info", note))
+            return None
+        node.first = decision.first
+        self.nodes[decision.rank] = node
+        if admits is None:
+            return None  # (welcomed with the others once all joined)
+        self._welcome(node)
+        return node, ""
 
     def welcome(
         self, labels: list[str], store: tuple[str, int], run_id: str, prefix: str = ""
@@ -297,74 +308,30 @@ class NodeHub:
 
     def rejoined(self, admits: Callable[[int], bool]) -> list[tuple[RemoteNode, str]]:
         """Nodes that registered again during the run (a lost node's rank, the same devices,
-        agreeing): welcomed back, to be started as replacements. Any other registration is
-        refused, with why (the second item; empty for a node let back in)."""
+        agreeing), welcomed back, and parked spares placed in lost nodes' ranks: to be
+        started as replacements. Any other registration is refused, with why (the second
+        item; empty for a node let back in); a spare is parked."""
         found: list[tuple[RemoteNode, str]] = []
         while not self.listener.joined.empty():
             link, hello = self.listener.joined.get()
-            doc = hello.doc
-            if doc.get("spare"):
-                self._park(link, doc)
-                continue
-            rank = int(doc.get("node", -1)) if isinstance(doc.get("node"), int) else -1
-            old = self.nodes.get(rank)
-            assert self.plan is not None
-            problems = disagreements(self.check, dict(doc.get("check") or {}), self.plan)
-            devices = [str(d) for d in doc.get("devices", [])]
-            if old is None or not old.lost or not admits(rank):
-                problems.append(f"node rank {rank} is not a lost node this run takes back")
-            elif devices != old.devices:
-                problems.append(f"devices {devices}: node {rank} had {old.devices}")
-            if problems:
-                message = "nodes disagree: " + "; ".join(problems)
-                with contextlib.suppress(LinkError):
-                    link.send("refused", {"code": NodesDisagreeError.code, "message": message})
-                link.close()
-                found.append((RemoteNode(rank, str(doc.get("host", "?")), devices, link), message))
-                continue
-            assert old is not None
-            node = RemoteNode(rank, str(doc.get("host", "?")), devices, link, first=old.first)
-            self.nodes[rank] = node
-            self._welcome(node)
-            found.append((node, ""))
+            seen = self._hello(link, hello.doc, admits)
+            if seen is not None:
+                found.append(seen)
         return found + self._place_spares(admits)
 
-    def _park(self, link: Link, doc: dict[str, Any]) -> None:
-        """A spare registered: kept (its link beats both ways) until a node is lost, or
-        refused when it disagrees with the head."""
-        assert self.plan is not None
-        host, devices = str(doc.get("host", "?")), [str(d) for d in doc.get("devices", [])]
-        problems = disagreements(self.check, dict(doc.get("check") or {}), self.plan)
-        with contextlib.suppress(LinkError):
-            if problems:
-                message = "nodes disagree: " + "; ".join(problems)
-                link.send("refused", {"code": NodesDisagreeError.code, "message": message})
-                link.close()
-                self.notes.append(("warning", f"refused a spare on {host}: {message}"))
-                return
-            link.send("parked", {})
-            link.start()
-            self.spares.append(RemoteNode(SPARE, host, devices, link, spare=True))
-            self.notes.append(("info", f"a spare on {host} waits to take a lost node's place"))
-
     def _place_spares(self, admits: Callable[[int], bool]) -> list[tuple[RemoteNode, str]]:
-        """Each parked spare takes the place of a lost node with the same devices that the
-        run takes back (the lowest node rank first), as that node would rejoin."""
+        """Each parked spare that :func:`~.nodeplan.place_spares` places takes its lost
+        node's rank and slots, welcomed as that node would be when it rejoins."""
+        spares = list(self.spares)
+        views = {rank: node.view() for rank, node in self.nodes.items()}
         placed: list[tuple[RemoteNode, str]] = []
-        for spare in list(self.spares):
-            lost = [
-                old
-                for rank, old in sorted(self.nodes.items())
-                if old.lost and admits(rank) and old.devices == spare.devices
-            ]
-            if spare.lost or not lost:
-                continue
-            old = lost[0]
+        for place in place_spares([s.view() for s in spares], views, admits):
+            spare = spares[place.spare]
             node = RemoteNode(
-                old.rank, spare.host, spare.devices, spare.link, old.first, spare=True
+                place.rank, spare.host, spare.devices, spare.link, place.first, spare=True
             )
             self.spares.remove(spare)
-            self.nodes[old.rank] = node
+            self.nodes[place.rank] = node
             self._welcome(node)
             placed.append((node, ""))
         return placed
@@ -396,7 +363,7 @@ class NodeHub:
                 self.notes.append(("warning", f"the spare on {spare.host} is gone: dropped"))
         for node in self.nodes.values():
             if node.lost:
-                continue
+                continue  # (its link is closed)
             why = self._listen(node, now, frames)
             if why is not None:
                 lost.append((node, why))
@@ -406,28 +373,27 @@ class NodeHub:
     def _listen(
         self, node: RemoteNode, now: float, frames: list[tuple[RemoteNode, Frame]]
     ) -> str | None:
-        """``node``'s frames (added to ``frames``) and why it is lost now (None: it is not):
-        its link closed, or it was silent for ``node_timeout`` (it is told so, see
-        ``fenced``). A live node gets a keep-alive each second."""
-        why = None
+        """``node``'s frames (added to ``frames``) and why it is lost now (None: it is not),
+        as :func:`~.nodeplan.hear` decides: a node lost for its silence is told so
+        (``fenced``); a live one gets its keep-alive."""
+        closed = None
         for item in node.link.drain():
             if isinstance(item, LinkError):
-                why = f"its link closed ({item})"
+                closed = str(item)
                 break
             frames.append((node, item))
-        silent, limit = now - node.link.last_heard, self.timing.node.total_seconds()
-        if why is None and silent > limit:
-            why = f"no word for {silent:.1f}s (node_timeout {limit:g}s)"
-            # (a frozen node reads this when it wakes: it is out, and stops)
-            with contextlib.suppress(LinkError, OSError):
-                node.link.send("fenced", {"silent": silent, "limit": limit})
-        if why is not None:
-            node.lost = True
-            node.link.close()
-            node.alive.clear()
-        elif now - node.last_sent > self.timing.beat_every.total_seconds():
+        verdict = hear(node.view(), now, self.timing, closed)
+        if isinstance(verdict, Beat):
             self.send(node, "beat", {})
-        return why
+        if isinstance(verdict, (Beat, Keep)):
+            return None
+        if verdict.silent is not None:  # (a frozen node reads this when it wakes: it is out)
+            with contextlib.suppress(LinkError, OSError):
+                node.link.send("fenced", {"silent": verdict.silent, "limit": verdict.limit})
+        node.lost = True
+        node.link.close()
+        node.alive.clear()
+        return verdict.why
 
     def _rejected(self) -> None:
         while not self.listener.rejected.empty():
@@ -475,22 +441,17 @@ def start_head(run: RunInputs, launch: Launch, emit: Any, timing: Timing) -> Nod
             emit(Notice(f"head: {host} is loopback: only nodes on this machine reach it"))
         precision = str(getattr(run.spec, "precision", "32"))
         check = agreement(config, run.plan, precision)
-        labels = hub.gather(check, run.plan, list(config.devices), timing.join)
+        slots = hub.gather(check, run.plan, list(config.devices), timing.join)
     except BaseException:
         listener.close()
         raise
     assert agent.store_at is not None
+    labels = list(slots.labels)
     hub.welcome(labels, agent.store_at, run_id, agent.prefix)
-    slot_nodes = [0] * len(config.devices)
-    shown = list(config.devices)
-    for rank in sorted(hub.nodes):
-        node = hub.nodes[rank]
-        slot_nodes += [rank] * len(node.devices)
-        shown += [f"{d}@node{rank}" for d in node.devices]
     for address, why in hub.rejected:
         emit(rejected_link(address, why))
     hub.rejected.clear()
-    return Nodes(hub, agent, labels, shown, tuple(slot_nodes))
+    return Nodes(hub, agent, labels, list(slots.shown), slots.slot_nodes)
 
 
 def waiting_notice(nnodes: int, address: str, agent: Agent) -> Notice:
