@@ -22,8 +22,9 @@ summed over the workers after the run; a killed worker's last values stay): phal
 and the records the process decoded. Both are counts, not times: the machine's load does
 not move them.
 
-1. Throughput. ``Learner.fit(px.Stream(shards, read), strategy="ddp")``, with ``balance``
-   left on (the default) and with ``balance=False``, against plain torch DDP launched by
+1. Throughput. ``Learner.fit(px.Stream(shards, read), strategy="ddp")``, with ``balance=True``
+   (the default for a stream until these numbers; now it is off unless asked for) and
+   with ``balance=False``, against plain torch DDP launched by
    the bench (2 spawned processes, gloo on 127.0.0.1): each rank a ``DataLoader`` over an
    ``IterableDataset`` that reads the same files, split the usual way (the shard list
    shuffled per epoch, ``shards[rank::world]``, then by DataLoader worker; a shuffle buffer
@@ -69,7 +70,7 @@ CPU VM, torch 2.13 CPU, Python 3.11. The VM was shared with other test runs the 
 between rounds of one arm, so read the ratios with the rounds below; the counts do not
 depend on the load.
 
-Samples/s in the timed window (phalanx: balance on, as by default, and off):
+Samples/s in the timed window (phalanx: balance on, asked for, and off, a stream's default):
 
 | num_workers | plain DDP | phalanx | phalanx/plain | balance=False | balance=False/plain |
 |---|---|---|---|---|---|
@@ -118,7 +119,8 @@ reach the place (all processes), by where the stopped run stopped:
 
 What the numbers say:
 
-- ``balance`` (on by default) costs a stream most of its throughput. In one run (11:43)
+- ``balance`` (on by default when this ran; since then off for a stream unless asked for)
+  costs a stream most of its throughput. In one run (11:43)
   the two equal workers' shares changed 6 times in the epoch, swinging as far as 0.14 /
   0.86 on this busy machine; each change moves the cut of the global batch into the other
   member's lanes, and then both members read those lanes' shards (1.27x to 1.44x the
@@ -490,7 +492,8 @@ def throughput_table(cfg: Config, workers: list[int]) -> None:
             line = ", ".join(f"{a} {got[a][-1].rate:.0f}/s" for a in names)
             print(f"num_workers={nw}, round {r + 1}: {line}", file=sys.stderr, flush=True)
     print(
-        "\nSamples/s in the timed window (phalanx: balance on, as by default, and off):\n\n"
+        "\nSamples/s in the timed window (phalanx: balance=True, and False: a stream's "
+        "default):\n\n"
         "| num_workers | plain DDP | phalanx | phalanx/plain | balance=False "
         "| balance=False/plain |\n|---|---|---|---|---|---|"
     )

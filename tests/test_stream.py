@@ -34,7 +34,7 @@ from stream_helpers import (
 
 LENGTHS = [50, 37, 80, 13, 61, 0, 29]  # unequal, one empty: 270 samples
 TOTAL = sum(LENGTHS)
-FIT: dict[str, Any] = dict(epochs=2, batch_size=20, seed=5, balance=False)
+FIT: dict[str, Any] = dict(epochs=2, batch_size=20, seed=5)  # (balance: off for a stream)
 TOLERANCE = 1e-5
 
 
@@ -263,6 +263,8 @@ def test_several_workers_train_the_same_model_as_one_device(
     assert len(said) == 1 and f"({TOTAL} samples" in said[0]
     kept = json.loads((tmp_path / "run" / "stream_lengths.json").read_text())
     assert kept["lengths"] == LENGTHS
+    # balance left to its default: off for a stream (a moving share reads other lanes too)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["balance"] is False
 
 
 @pytest.mark.timeout(180)

@@ -129,7 +129,7 @@ def fit_kinds() -> dict[str, Kind]:
         "pin_memory": FLAG,
         "max_steps": _optional(WHOLE),
         "val_every_steps": _optional(WHOLE),
-        "balance": FLAG,
+        "balance": _optional(FLAG),
         "slow_worker": _optional(NUMBER),
         "on_bad_sample": TEXT,
         "max_bad_samples": WHOLE,

@@ -113,7 +113,7 @@ class Learner:
         pin_memory: bool = False,
         max_steps: int | None = None,
         val_every_steps: int | None = None,
-        balance: bool = True,
+        balance: bool | None = None,
         slow_worker: float | None = None,
         on_bad_sample: str = "stop",
         max_bad_samples: int = 8,
@@ -171,7 +171,8 @@ class Learner:
             pin_memory=pin_memory,
             max_steps=max_steps,
             val_every_steps=val_every_steps,
-            balance=balance,
+            # (None: on, but for a stream, where a moving share reads other lanes too)
+            balance=not isinstance(train, Stream) if balance is None else bool(balance),
             slow_worker=slow_worker,
             on_bad_sample=on_bad_sample,
             max_bad_samples=max_bad_samples,
