@@ -32,8 +32,10 @@ SAMPLES, BATCH, EPOCHS = 96, 8, 3
 TOTAL_STEPS = SAMPLES // BATCH * EPOCHS
 
 SCRIPT = f'''
-"""argv: run_dir strategy sleep_s out.json state.pt poison(0/1)"""
+"""argv: run_dir strategy out.json state.pt; env: STEP_SLEEP_S, POISON (read at import:
+ddp workers import this module and run the step, never main())"""
 import json
+import os
 import sys
 import time
 
@@ -43,8 +45,8 @@ from torch.utils.data import TensorDataset
 
 import phalanx as px
 
-SLEEP = 0.0
-POISON = False
+SLEEP = float(os.environ.get("STEP_SLEEP_S", "0"))
+POISON = os.environ.get("POISON") == "1"
 
 
 def make_model():
@@ -64,9 +66,7 @@ def train_step(model, batch):
 
 
 def main(argv):
-    global SLEEP, POISON
-    run_dir, strategy, SLEEP, out, state, POISON = (
-        argv[0], argv[1], float(argv[2]), argv[3], argv[4], argv[5] == "1")
+    run_dir, strategy, out, state = argv
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn({SAMPLES}, 4, generator=g),
                          torch.randint(0, 2, ({SAMPLES},), generator=g))
@@ -107,17 +107,12 @@ def start(
 ) -> subprocess.Popen[bytes]:
     script = tmp / "train.py"
     script.write_text(SCRIPT)
-    args = [
-        str(tmp / "run"),
-        strategy,
-        str(sleep),
-        str(tmp / f"{tag}.json"),
-        str(tmp / f"{tag}.pt"),
-    ]
+    args = [str(tmp / "run"), strategy, str(tmp / f"{tag}.json"), str(tmp / f"{tag}.pt")]
+    step = {"STEP_SLEEP_S": str(sleep), "POISON": "1" if poison else "0"}
     return subprocess.Popen(
-        [sys.executable, str(script), *args, "1" if poison else "0"],
+        [sys.executable, str(script), *args],
         stdout=(tmp / f"{tag}.out").open("wb"), stderr=subprocess.STDOUT, cwd=tmp,
-        env={**child_env(), **(env or {})}, start_new_session=True,  # (its own process group)
+        env={**child_env(), **step, **(env or {})}, start_new_session=True,  # (its own group)
     )  # fmt: skip
 
 
