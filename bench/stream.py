@@ -117,6 +117,11 @@ reach the place (all processes), by where the stopped run stopped:
 | 50% | 128 | 2.05 s | 30933 | 0.61 s | 0 | +1.44 s |
 | 90% | 230 | 3.67 s | 55115 | 0.83 s | 0 | +2.85 s |
 
+On the idle VM later the same day (12:39 UTC, load 0.8, ``--only throughput --rounds 3``):
+plain DDP 19528 / 18058 samples/s at num_workers 0 / 1; phalanx balance=True 15010 (0.769x)
+/ 6959 (0.385x); phalanx balance=False (since then a stream's default) 19615 (1.004x) /
+13848 (0.767x).
+
 What the numbers say:
 
 - ``balance`` (on by default when this ran; since then off for a stream unless asked for)
