@@ -372,3 +372,18 @@ def test_a_shard_truncated_mid_way_stops_the_run_naming_it(tmp_path: Path) -> No
         )  # fmt: skip
     text = str(err.value)
     assert "PX162" in text and "part-002.bin" in text and "ended after 15 samples" in text
+
+
+def test_a_stream_validates_as_the_same_samples_indexed(tmp_path: Path) -> None:
+    """``valid=`` a stream: the validation loss of the same samples as a TensorDataset."""
+    train = write_shards(tmp_path / "train", [30, 20])
+    valid = write_shards(tmp_path / "valid", [25, 12], seed=1)
+    samples = [s for path in valid for s in read(path)]
+    indexed = torch.utils.data.TensorDataset(
+        torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+    )
+    fit = dict(epochs=2, batch_size=10, seed=1, sinks=[])
+    streamed = learner().fit(px.Stream(train, read), valid=px.Stream(valid, read), **fit)
+    plain = learner().fit(px.Stream(train, read), valid=indexed, **fit)
+    got = [h["valid/loss"] for h in streamed.history]
+    assert got == pytest.approx([h["valid/loss"] for h in plain.history], rel=1e-6)
