@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from phalanx.errors import StreamError, StreamReadError
 from phalanx.stream.adapters import huggingface, webdataset
-from phalanx.stream.order import StreamLayout, names_digest
+from phalanx.stream.order import StreamLayout, names_digest, shard_bases
 from phalanx.stream.reader import RETRIES, Reader
 
 LENGTHS_FILE = "stream_lengths.json"  # in run_dir: lengths learned once, kept for a resume
@@ -82,7 +82,6 @@ class Stream(Dataset[Any]):
         self.read = read
         self.window, self.lanes = shuffle_buffer, lanes
         self.seekable = _takes_start(read)
-        self.lengths_source = "given"
         self._lengths: list[int] | None = None
         if lengths is not None:
             self._lengths = _checked_lengths(lengths, len(self.shards))
@@ -108,14 +107,13 @@ class Stream(Dataset[Any]):
             return None
         kept = _kept_lengths(run_dir, self.shards) if reuse else None
         if kept is not None:
-            self._lengths, self.lengths_source = kept, f"read from {LENGTHS_FILE}"
+            self._lengths = kept
             return None
         began = time.perf_counter()
         with ThreadPoolExecutor(min(LEARN_THREADS, len(self.shards))) as pool:
             counts = list(pool.map(self._count, range(len(self.shards))))
         seconds = time.perf_counter() - began
         self._lengths = counts
-        self.lengths_source = f"learned in {seconds:.1f} s"
         where = ""
         if run_dir:
             _keep_lengths(run_dir, self.shards, counts)
@@ -150,9 +148,7 @@ class Stream(Dataset[Any]):
         """Samples to fingerprint the stream by, cheap to read: the first of ``count``
         shards spread over the list (none read past its start)."""
         lengths = self.lengths
-        bases = [0]
-        for n in lengths[:-1]:
-            bases.append(bases[-1] + n)
+        bases = shard_bases(lengths)
         filled = [s for s, n in enumerate(lengths) if n]
         if len(filled) <= count:
             picks = filled

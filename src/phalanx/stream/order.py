@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,9 +47,8 @@ class StreamLayout:
     def samples(self) -> int:
         return sum(self.lengths)
 
-    def bases(self) -> np.ndarray:
-        """Index of each shard's first sample."""
-        return np.concatenate([[0], np.cumsum(self.lengths[:-1], dtype=np.int64)]).astype(np.int64)
+    def bases(self) -> list[int]:
+        return shard_bases(self.lengths)
 
     def lane_shards(self, seed: int, epoch: int, shuffle: bool) -> list[list[int]]:
         """Which shards each lane reads in ``epoch``, in order."""
@@ -118,6 +119,11 @@ def quotas(batch: int, left: list[int]) -> list[int]:
             take[lane] += got
             need -= got
     return take
+
+
+def shard_bases(lengths: Sequence[int]) -> list[int]:
+    """Index of each shard's first sample (shards in the order of the list)."""
+    return [0, *itertools.accumulate(lengths[:-1])]
 
 
 def names_digest(shards: list[object]) -> str:

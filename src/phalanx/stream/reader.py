@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from phalanx.errors import StreamChangedError, StreamReadError
+from phalanx.stream.order import shard_bases
 
 RETRIES = 3  # attempts to open or read a shard before it is named
 RETRY_WAIT_S = 0.05  # the first wait between attempts, doubled each time
@@ -159,9 +160,7 @@ class Reader:
     def __init__(self, stream: Any, keep: int, most_open: int) -> None:
         self.stream = stream
         self.lengths: list[int] = list(stream.lengths)
-        self.bases = [0]
-        for n in self.lengths[:-1]:
-            self.bases.append(self.bases[-1] + n)
+        self.bases = shard_bases(self.lengths)
         self.keep, self.most_open = keep, most_open
         self.cursors: OrderedDict[int, Cursor] = OrderedDict()
         self.lock = threading.Lock()
