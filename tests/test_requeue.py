@@ -179,3 +179,29 @@ def test_a_failure_a_restart_cannot_fix_exits_1_not_75(tmp_path: Path) -> None:
     out = (tmp_path / "poison.out").read_text(errors="replace")
     assert code == 1, out[-3000:]
     assert "a record that cannot be decoded" in out
+
+
+@pytest.mark.parametrize(
+    ("source", "restarts", "run_dir", "resume", "resumes"),
+    [
+        ("slurm", 1, "runs/a", False, True),  # requeued: resumes by itself
+        ("slurm", 0, "runs/a", False, False),  # the first start of the job
+        ("slurm", 2, None, False, False),  # nothing to resume from
+        ("slurm", 1, "runs/a", True, False),  # asked already: no notice
+        ("torchrun", 1, "runs/a", False, False),  # torchrun's restarts: the script decides
+        ("local", 0, "runs/a", False, False),
+    ],
+)
+def test_who_resumes_because_slurm_requeued_the_job(
+    source: str, restarts: int, run_dir: str | None, resume: bool, resumes: bool
+) -> None:
+    from phalanx.launch import Launch
+    from phalanx.learner import _requeued
+
+    said = _requeued(Launch(source, restart_count=restarts), run_dir, resume)  # type: ignore[arg-type]
+    assert (said is not None) == resumes
+    if resumes:
+        assert said == (
+            f"Slurm requeued this job (SLURM_RESTART_COUNT={restarts}): resuming from runs/a "
+            "(as resume=True)"
+        )
