@@ -293,16 +293,23 @@ class BadSamples(torch.utils.data.Dataset):  # type: ignore[type-arg]
     ``raise_at`` raises (a corrupt record); a sample in ``nan_at`` has NaN features (its loss
     is NaN)."""
 
-    def __init__(self, n: int, raise_at: tuple[int, ...] = (), nan_at: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        n: int,
+        raise_at: tuple[int, ...] = (),
+        nan_at: tuple[int, ...] = (),
+        say_index: bool = True,
+    ):
         self.data = make_data(n)
         self.raise_at, self.nan_at = set(raise_at), set(nan_at)
+        self.say_index = say_index  # False: the error does not name the record
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         if i in self.raise_at:
-            raise ValueError(f"corrupt record {i}")
+            raise ValueError(f"corrupt record {i}" if self.say_index else "corrupt record")
         x, y = self.data[i]
         if i in self.nan_at:
             x = torch.full_like(x, float("nan"))

@@ -185,6 +185,33 @@ def test_slow_worker_is_checked() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("strategy", "devices"), [("threads", "cpu:0,cpu:1,cpu:2"), ("ddp", "cpu:0,cpu:1,cpu:2")]
+)
+def test_an_out_of_memory_split_of_a_moved_share_keeps_the_math(
+    alone: px.FitResult, strategy: str, devices: str
+) -> None:
+    """A fast member runs out of memory after the shares moved (its share is then larger
+    than an even one): its part is split in micro-batches and retried; the same model."""
+    step = functools.partial(slow_rank_step, rank=2, per_sample=2e-3)
+    rec = Recorder()
+    result = px.Learner(mlp, sgd, step).fit(
+        DATA,
+        strategy=strategy,
+        devices=devices,
+        faults=[px.Fault("oom", worker=0, step=20, phase="backward")],
+        sinks=[rec],
+        **FIT,
+    )
+    moved = [d for d in rec.of(Balanced) if d.changed and d.global_step < 20]
+    assert moved and moved[-1].shares[0] > 1 / 3  # (split a share that had grown)
+    assert [(f.kind, f.step, f.action) for f in result.failures] == [("oom", 20, "split")]
+    assert result.ledger_ok and result.steps == alone.steps
+    assert _rel(result.model, alone.model) <= 1e-5
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_balance_with_gradient_accumulation_keeps_the_math(alone: px.FitResult) -> None:
     """Shares move while each member cuts its share into micro-batches: the same model."""

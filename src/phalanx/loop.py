@@ -489,12 +489,25 @@ class TrainLoop:
                 )
             if action == "retry":
                 attempt += 1
+                if not skip_bad:
+                    twist = self._bisecting(vote, twist)
+
+    @staticmethod
+    def _bisecting(vote: Vote, twist: Twist) -> Twist:
+        """The retry of a step whose parts raised (``on_bad_sample="stop"``): the members
+        that failed bisect their part if it fails again, so that a poison batch's report
+        names the samples that fail alone, not the whole part. Costs nothing when the retry
+        passes; a crash, a hang or an out-of-memory failure is retried as planned."""
+        if not vote.failures or any(f.kind != "exception" for f in vote.failures):
+            return twist
+        return Twist(bisect=frozenset(vote.failed_ranks or [0]))
 
     def _record(self, failures: list[WorkerFailure], action: str) -> None:
         """This attempt's failures, with what became of them (a failure whose bisection
-        found its bad samples: quarantined)."""
+        found its bad samples under ``on_bad_sample="skip"``: quarantined)."""
+        skip_bad = self.s.on_bad_sample == "skip"
         for failure in failures:
-            failure.action = "quarantined" if failure.bad_samples else action
+            failure.action = "quarantined" if skip_bad and failure.bad_samples else action
             self.failures.append(failure)
             self.on_failure(failure)
 

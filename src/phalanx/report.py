@@ -105,6 +105,7 @@ def build(
             f"The same step failed the same way in its attempts: a poison batch "
             f"(samples {_short(root.sample_indices)} on worker {root.worker})."
         )
+        lines += _alone(root, failures)
     elif code == "PX206" and stuck is not None:
         lines.append(
             f"Step {stuck + 1} failed in all {MAX_ATTEMPTS} attempts, each differently (no failure "
@@ -175,6 +176,20 @@ def environment(devices: list[str], failures: list[WorkerFailure]) -> dict[str, 
         "hosts": sorted({socket.gethostname(), *(f.host for f in failures)}),
         "devices": devices,
     }
+
+
+def _alone(root: WorkerFailure, failures: list[WorkerFailure]) -> list[str]:
+    """The samples of the poison batch that failed alone (dataset indices), found when the
+    retry of its step bisected the failing part."""
+    bisected = [f for f in failures if f.bad_samples and f.step == root.step]
+    if not bisected:
+        return []
+    bad = {int(i): str(e) for f in bisected for i, e in f.bad_samples or []}
+    found = ", ".join(f"{i} ({' '.join(e.split())[:120]})" for i, e in sorted(bad.items()))
+    return [
+        f"Sample(s) that fail alone: {found}. fit(on_bad_sample='skip') would leave them out "
+        "and go on."
+    ]
 
 
 def _short(items: list[int] | None, limit: int = 16) -> str:

@@ -57,6 +57,14 @@ def report_run(run_dir: str | Path, console: Console) -> int:
         return 1
     if run is not None:
         console.print(header(run), highlight=False)
+    if not records:  # (fit(sinks=[...]) without the event log: run.json is all there is)
+        console.print(
+            f"{folder} has no events.jsonl (the run replaced the default sinks without a "
+            "JsonlSink): its summary is in run.json, failures.json and quarantine.json.",
+            highlight=False,
+        )
+        _root_cause(folder, run, console)
+        return 0
     recovered = [f.get("recovery_seconds") for f in (run or {}).get("failures") or []]
     sink = SummarySink(console, timestamps=False)  # a replay, not a log
     failures = 0

@@ -323,6 +323,35 @@ def _count_kinds(failures: list[WorkerFailure]) -> str:
     return ", ".join(parts)
 
 
+QUARANTINE_SHOWN = 8  # samples listed one by one at the run's end; quarantine.json has all
+
+
+def quarantine_lines(failures: list[WorkerFailure], run_dir: str | None) -> list[str]:
+    """``Quarantined 2 sample(s), left out of every later step: 17 (ValueError: ...), ...``:
+    each sample ``on_bad_sample="skip"`` left out, with the error it failed with alone."""
+    errors: dict[int, str] = {}
+    for f in failures:
+        for index, error in f.bad_samples or []:
+            errors.setdefault(int(index), str(error))
+    if not errors:
+        return []
+    first = sorted(errors.items())[:QUARANTINE_SHOWN]
+    shown = [f"{index} ({_one_line(error)})" for index, error in first]
+    more = len(errors) - len(shown)
+    where = f"{run_dir}/quarantine.json" if run_dir else "FitResult.quarantined"
+    return [
+        f"Quarantined {len(errors)} sample(s) (dataset indices), left out of their step and "
+        f"every later one: {', '.join(shown)}"
+        + (f", and {more} more" if more else "")
+        + f"; all in {where}."
+    ]
+
+
+def _one_line(error: str, limit: int = 120) -> str:
+    text = " ".join(error.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def end_lines(story: RunStory, end: RunEnded) -> list[str]:
     """How the run ended, for people: steps, failures survived, the final world size, each
     respawn's fate, where checkpoints and logs are, how to resume."""
@@ -359,6 +388,7 @@ def end_lines(story: RunStory, end: RunEnded) -> list[str]:
         shares = "/".join(fmt_share(s).rstrip("%") for s in story.balanced.shares)
         lines.append(f"Balanced: the last shares were {shares}% of each global batch (by rank).")
     lines += [f"Slow: {m.line()}." for m in story.slow]
+    lines += quarantine_lines([e.failure for e in story.failures], story.run_dir)
     if story.run_dir:
         folder = story.run_dir
         lines.append(
