@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import phalanx as px
+from phalanx import argtypes
 
 
 def _learner(**kwargs: Any) -> px.Learner:
@@ -31,6 +33,8 @@ DATA = TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
         ("grad_accumulation", "2", "pass grad_accumulation=2"),
         ("grad_scaler", 65536.0, None),
         ("precision", 16.5, None),
+        ("metrics", px.metrics.Accuracy(), "pass metrics=[Accuracy()]"),
+        ("metrics", ["accuracy"], None),
     ],
 )
 def test_learner_argument_of_wrong_type(name: str, value: Any, fix: str | None) -> None:
@@ -73,6 +77,12 @@ def test_learner_argument_of_wrong_type(name: str, value: Any, fix: str | None) 
         ("sinks", [object()]),
         ("loggers", None),
         ("loggers", [print]),
+        ("devices", 2.0),
+        ("devices", [0, 1]),
+        ("balance", "yes"),
+        ("slow_worker", "3x"),
+        ("on_bad_sample", True),
+        ("max_bad_samples", 2.5),
     ],
 )
 def test_fit_argument_of_wrong_type(tmp_path: Path, name: str, value: Any) -> None:
@@ -98,6 +108,41 @@ def test_right_types_in_other_spellings_train() -> None:
         node_timeout=timedelta(seconds=5),
         faults=(),
         shuffle=np.bool_(True),
+        num_workers=np.int64(0),
+        pin_memory=np.bool_(False),
         sinks=[],
     )
     assert result.steps == 4
+
+
+def test_lightnings_device_count_is_refused_with_the_labels_to_pass() -> None:
+    with pytest.raises(px.ConfigError) as caught:
+        _learner().fit(DATA, batch_size=4, devices=2)
+    assert caught.value.code == "PX125"
+    assert "pass devices='cuda:0,cuda:1' (GPUs) or 'cpu:0,cpu:1' (CPU workers)" in str(caught.value)
+
+
+@pytest.mark.parametrize("where", ["training", "validation"])
+def test_a_string_is_not_a_dataset(where: str) -> None:
+    kwargs: dict[str, Any] = {"batch_size": 4}
+    train: Any = "data/train.csv" if where == "training" else DATA
+    if where == "validation":
+        kwargs["valid"] = "data/valid.csv"
+    with pytest.raises(px.ConfigError) as caught:
+        _learner().fit(train, **kwargs)
+    assert caught.value.code == "PX128"
+    assert f"the {where} dataset is a str ('data/" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("where", "method", "kinds"),
+    [
+        ("Learner", px.Learner.__init__, argtypes.learner_kinds),
+        ("fit", px.Learner.fit, argtypes.fit_kinds),
+    ],
+)
+def test_every_argument_has_a_check(where: str, method: Any, kinds: Any) -> None:
+    names = [n for n in inspect.signature(method).parameters if n != "self"]
+    covered = set(kinds()) | set(argtypes.CHECKED_ELSEWHERE[where])
+    assert [n for n in names if n not in covered] == []
+    assert [n for n in covered if n not in names] == []  # (nothing stale)

@@ -308,3 +308,19 @@ def test_the_rules_import_no_mechanism() -> None:
     mechanism = {"socket", "threading", "time", "logging", "queue", "select", "os"}
     assert not {name.split(".")[0] for name in imported} & mechanism, imported
     assert "phalanx.strategies.ddp.link" not in imported
+
+
+def test_two_long_settings_that_differ_late_are_shown_where_they_differ() -> None:
+    from phalanx.checkpoint import Checkpoints
+    from phalanx.plan import Plan
+    from phalanx.strategies.ddp.nodeplan import disagreements
+
+    plan = Plan(120, 12, seed=0)
+    mine = Checkpoints(keep_best="val/accuracy", best_mode="max")
+    theirs = Checkpoints(keep_best="val/accuracy", best_mode="min")
+    assert len(repr(mine)) > 120  # (long enough to have been cut before the difference)
+    (line,) = disagreements({"checkpoint": repr(mine)}, {"checkpoint": repr(theirs)}, plan)
+    head, node = line.split(", this node ")
+    assert "best_mode='max'" in head and "best_mode='min'" in node, line
+    assert head.split("the head has ")[1] != node
+    assert len(line) < 300

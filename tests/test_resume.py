@@ -227,7 +227,7 @@ def test_resume_with_another_batch_size_raises_and_touches_nothing(tmp_path: Pat
     assert err.code == "PX120"
     text = str(err)
     assert "batch_size" in text
-    assert "batch_size 8 -> 4" in text
+    assert "batch_size 8 in the checkpoint, 4 now" in text
     assert "new run_dir" in text  # names the fix
     assert not rec.of(StepEnded)
     assert snapshot_files(tmp_path / "checkpoints") == before
@@ -414,6 +414,29 @@ def test_resume_with_another_dataset_of_the_same_size_raises_and_touches_nothing
     # the same data again (a fresh but equal dataset object) resumes
     again = fit(learner(), tmp_path, [], resume=True)
     assert again.steps == TOTAL_STEPS
+
+
+def test_resume_with_a_smaller_dataset_names_both_sizes(tmp_path: Path) -> None:
+    first = interrupted_run(tmp_path)
+    before = snapshot_files(tmp_path / "checkpoints")
+    train, valid = datasets()
+    fewer = TensorDataset(train.tensors[0][:-20], train.tensors[1][:-20])
+    with pytest.raises(CheckpointError) as info:
+        learner().fit(
+            fewer,
+            valid,
+            epochs=EPOCHS,
+            batch_size=BATCH,
+            seed=7,
+            run_dir=str(tmp_path),
+            resume=True,
+            sinks=[],
+        )
+    err = info.value
+    assert err.code == "PX120"
+    assert str(ckpt(tmp_path, first.steps)) in err.message
+    assert f"samples {SAMPLES} in the checkpoint, {SAMPLES - 20} now" in err.message
+    assert snapshot_files(tmp_path / "checkpoints") == before
 
 
 def test_another_dataset_is_refused_under_ddp_before_any_process_starts(

@@ -5,8 +5,10 @@ would otherwise reach a comparison deep inside and fail there with a bare ``Type
 :func:`check` raises :class:`~phalanx.errors.ArgumentTypeError` (PX125) instead, naming the
 argument, what it takes and, for a number written as text, the number to pass. Factories
 (model, optimizer, scheduler, step) and datasets have checks of their own, with their own
-codes (PX114, PX127, PX128, PX131), as do devices (PX102-PX112) and ``collate_fn``
-(PX108: not callable).
+codes (PX114, PX127, PX128, PX131), as do device labels (PX102-PX112) and ``collate_fn``
+(PX108: not callable). Every argument of ``fit`` and ``Learner`` is in one of the two
+(``tests/test_argtypes.py`` checks the signatures against :func:`fit_kinds`,
+:func:`learner_kinds` and :data:`CHECKED_ELSEWHERE`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Kind:
     says: str
     accepts: Callable[[Any], bool]
     number: bool = False  # a string holding a number gets "pass NAME=<number>"
+    fix: Callable[[Any], str | None] | None = None  # the value to pass instead, when known
 
 
 def _whole(value: Any) -> bool:
@@ -87,6 +90,40 @@ SINKS = Kind(
 )
 
 
+def _device_labels(value: Any) -> bool:
+    import torch
+
+    one = (str, torch.device)
+    if isinstance(value, one):
+        return True
+    is_sequence = isinstance(value, Sequence) and not isinstance(value, bytes)
+    return is_sequence and all(isinstance(v, one) for v in value)
+
+
+def _device_count(value: Any) -> str | None:
+    """Lightning's ``devices=2``: the labels phalanx takes for two devices."""
+    if not _whole(value) or value < 1:
+        return None
+    cpus = ",".join(f"cpu:{i}" for i in range(min(int(value), 4)))
+    gpus = ",".join(f"cuda:{i}" for i in range(min(int(value), 4)))
+    more = ",..." if value > 4 else ""
+    return f"'{gpus}{more}' (GPUs) or '{cpus}{more}' (CPU workers), or 'auto' for every GPU"
+
+
+DEVICES = Kind(
+    "a string of device labels such as 'cuda:0,cuda:1', 'cpu:0,cpu:1' or 'auto', a "
+    "torch.device, or a list of them",
+    _device_labels,
+    fix=_device_count,
+)
+
+
+def _metric(value: Any) -> bool:
+    from phalanx.metrics import LoopMetric, Metric
+
+    return isinstance(value, Metric | LoopMetric)
+
+
 def learner_kinds() -> dict[str, Kind]:
     return {
         "grad_accumulation": WHOLE,
@@ -100,6 +137,15 @@ def learner_kinds() -> dict[str, Kind]:
             lambda v: v is None or isinstance(v, Mapping),
         ),
         "lr_scheduler_interval": TEXT,
+        "metrics": Kind(
+            "a list of metrics (px.metrics.Loss(), px.metrics.Accuracy(), ...)",
+            lambda v: (
+                isinstance(v, Sequence)
+                and not isinstance(v, str | bytes)
+                and all(_metric(m) for m in v)
+            ),
+            fix=lambda v: f"[{type(v).__name__}()]" if _metric(v) else None,
+        ),
     }
 
 
@@ -114,6 +160,7 @@ def fit_kinds() -> dict[str, Kind]:
         "epochs": WHOLE,
         "batch_size": WHOLE,
         "strategy": TEXT,
+        "devices": DEVICES,
         "seed": WHOLE,
         "run_dir": PATH,
         "checkpoint": _optional(_instance(Checkpoints, "a px.Checkpoints")),
@@ -146,6 +193,18 @@ def fit_kinds() -> dict[str, Kind]:
     }
 
 
+# Arguments whose checks live elsewhere, with the code they raise.
+CHECKED_ELSEWHERE = {
+    "Learner": {
+        "model": "PX114",
+        "optimizer": "PX114",
+        "step": "PX114",
+        "lr_scheduler": "PX131",
+    },
+    "fit": {"train": "PX127/PX128", "valid": "PX127/PX128", "collate_fn": "PX108"},
+}
+
+
 def check(kinds: Mapping[str, Kind], values: Mapping[str, Any], where: str) -> None:
     """ArgumentTypeError (PX125) for the first of ``values`` whose type its kind refuses."""
     for name, kind in kinds.items():
@@ -156,6 +215,8 @@ def check(kinds: Mapping[str, Kind], values: Mapping[str, Any], where: str) -> N
             continue
         hint = _as_number(value) if kind.number else None
         fix = f"; pass {name}={hint}" if hint is not None and kind.accepts(_number(hint)) else ""
+        instead = kind.fix(value) if kind.fix is not None else None
+        fix = f"; pass {name}={instead}" if instead is not None else fix
         raise ArgumentTypeError(
             f"{where}'s {name} must be {kind.says}, got {value!r} (a {type(value).__name__}){fix}"
         )

@@ -164,11 +164,11 @@ class Learner:
             preflight=preflight,
             hang_timeout=recovery.hang_timeout or hang_timeout,
             node_timeout=node_timeout,
-            num_workers=num_workers,
+            num_workers=int(num_workers),  # (numpy's and torch's ints pass the type check)
             min_free_memory=min_free_memory,
             recovery=recovery,
             collate_fn=collate_fn,
-            pin_memory=pin_memory,
+            pin_memory=bool(pin_memory),
             max_steps=max_steps,
             val_every_steps=val_every_steps,
             # (None: on, but for a stream, where a moving share reads other lanes too)

@@ -23,7 +23,7 @@ import torch
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 # Other spellings taken as they are meant (Lightning 2's name for plain float32).
 ALIASES = {"32-true": "32", "32": "32"}
-# Names that mean something else elsewhere, refused with what each means (PX121).
+# Names that mean something else elsewhere, refused with what each means (PX130).
 MEANINGS = {
     "16": 'Lightning 1.x\'s name for "16-mixed": pass precision="16-mixed"',
     "fp16": 'float16 autocast with a loss scaler is precision="16-mixed"',

@@ -143,7 +143,8 @@ def plan_mismatch(saved: Any, now: Plan) -> str:
     fields, data = plan_difference(saved, now)
     parts = []
     if fields:
-        parts.append(f"another plan ({', '.join(fields)})")
+        named = [f.replace(" -> ", " in the checkpoint, ", 1) + " now" for f in fields]
+        parts.append(f"another plan ({', '.join(named)})")
     if data is not None:
         size = now.samples
         parts.append(f"another training dataset{' of the same size' if not fields else ''} "

@@ -100,8 +100,10 @@ def dataset_size(dataset: Any, name: str) -> int:
             "collate_fn= and pin_memory= are fit() arguments"
         )
     streaming = isinstance(dataset, IterableDataset)
-    if streaming or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+    text = isinstance(dataset, str | bytes)  # (has a len and indexing: not a dataset)
+    if streaming or text or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         kind = "an IterableDataset" if streaming else f"a {type(dataset).__qualname__}"
+        kind += f" ({dataset!r:.60})" if text else ""
         raise UnsizedDatasetError(
             f"the {name} dataset is {kind}, without __len__ and __getitem__: phalanx cannot "
             "plan it exactly once per epoch. Stream it with px.Stream(shards, read) (a list of "
@@ -237,10 +239,12 @@ def _validate_factories(spec: TrainSpec) -> None:
         isinstance(sched, LRScheduler | ReduceLROnPlateau) or not callable(sched)
     ):
         name = type(sched).__name__
+        if not isinstance(sched, LRScheduler | ReduceLROnPlateau):  # ("cosine", a number)
+            name = "CosineAnnealingLR"
         raise OptimizerInstanceError(
-            f"lr_scheduler= got a {name} object; pass a function of the optimizer, e.g. "
-            f"functools.partial(torch.optim.lr_scheduler.{name}, ...): each replica builds its "
-            "own scheduler over its own optimizer"
+            f"lr_scheduler= got a {type(sched).__name__} object ({sched!r:.40}); pass a "
+            f"function of the optimizer, e.g. functools.partial(torch.optim.lr_scheduler."
+            f"{name}, ...): each replica builds its own scheduler over its own optimizer"
         )
     if spec.lr_scheduler_interval not in ("step", "epoch"):
         raise InvalidSettingError(
@@ -459,7 +463,7 @@ def _check_main_definitions(
     """Each class or function of the main module in ``found`` (by qualified name) must be
     one that a worker re-importing the main module defines: at its top level, outside an
     ``if __name__ == "__main__":`` block, and the main module must be a file (a notebook
-    cell, ``python -c`` or a REPL has none to re-import). Else PX119 (a dataset) or PX118,
+    cell, ``python -c`` or a REPL has none to re-import). Else PX119 (a dataset) or PX114,
     naming the class, before anything starts."""
     if not found:
         return

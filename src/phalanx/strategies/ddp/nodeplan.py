@@ -235,8 +235,24 @@ def disagreements(head: Mapping[str, Any], node: Mapping[str, Any], plan: Plan) 
             if not plan.matches(theirs):
                 found.append(_plan_disagreement(theirs, plan))
         elif theirs != mine:
-            found.append(f"{key}: the head has {_short(mine)}, this node {_short(theirs)}")
+            ours, yours = _apart(_text(mine), _text(theirs))
+            found.append(f"{key}: the head has {ours}, this node {yours}")
     return found
+
+
+def _apart(mine: str, theirs: str, limit: int = 120) -> tuple[str, str]:
+    """Two long values cut alike where they start to differ (a setting's repr: from the
+    field that differs), so that what is shown of the two is never the same text."""
+    if len(mine) <= limit and len(theirs) <= limit:
+        return mine, theirs
+    same = 0
+    while same < min(len(mine), len(theirs)) and mine[same] == theirs[same]:
+        same += 1
+    start = max(mine.rfind(", ", 0, same) + 2, mine.rfind("(", 0, same) + 1, 0)
+    if same - start > limit // 2:  # (a long field: keep some of it before the difference)
+        start = same - limit // 4
+    lead = "..." if start else ""
+    return lead + _cut(mine[start:], limit), lead + _cut(theirs[start:], limit)
 
 
 def _plan_disagreement(theirs: Any, plan: Plan) -> str:
@@ -250,6 +266,15 @@ def _plan_disagreement(theirs: Any, plan: Plan) -> str:
     return "; ".join(parts)
 
 
+def _text(value: Any) -> str:
+    """A setting as shown: a repr, but a string that already is one (a setting's repr in
+    the agreement) as it is."""
+    return value if isinstance(value, str) and value.endswith(")") else repr(value)
+
+
 def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
