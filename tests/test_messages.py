@@ -5,9 +5,11 @@ the field named."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,6 +230,60 @@ def test_a_kind_no_message_has_is_refused(kind: str) -> None:
     with pytest.raises(BadMessage) as info:
         decode(Frame(kind, {"slot": 0}))
     assert (info.value.kind, info.value.field) == (kind, "kind")
+
+
+def test_only_the_codec_builds_or_reads_a_frames_document() -> None:
+    """Outside messages.py (and the link, which carries frames), no module of the strategy
+    builds a Frame, reads its ``doc`` or sends a kind by name."""
+    ddp = Path(__file__).resolve().parent.parent / "src" / "phalanx" / "strategies" / "ddp"
+    found = []
+    for path in sorted(ddp.glob("*.py")):
+        if path.name in ("messages.py", "link.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "doc":
+                found.append(f"{path.name}:{node.lineno} .doc")
+            elif isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                literal = node.args and isinstance(node.args[0], ast.Constant)
+                if name == "Frame" or (name == "send" and literal):
+                    found.append(f"{path.name}:{node.lineno} {name}(...)")
+    assert not found, found
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.sent: list[Message] = []
+        self.closed = False
+
+    def send_frame(self, frame: Frame) -> None:
+        self.sent.append(decode(frame))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_hello_the_head_cannot_read_is_refused_saying_why() -> None:
+    """As a node of no rank that says nothing (the same rule refuses it): during the run
+    the supervisor warns, at start-up the head fails too (PX144)."""
+    from types import SimpleNamespace
+
+    from phalanx.errors import NodesDisagreeError
+    from phalanx.plan import Plan
+    from phalanx.strategies.ddp.nodes import NodeHub
+    from phalanx.strategies.ddp.timing import DEFAULT
+
+    hub = NodeHub(SimpleNamespace(), 2, DEFAULT)  # type: ignore[arg-type]
+    hub.check, hub.plan = {}, Plan(120, 12, seed=0)
+    link = FakeLink()
+    unread = Frame("hello", {**doc_of("hello"), "node": "1"})
+    found = hub._hello(link, unread, admits=lambda rank: True)  # type: ignore[arg-type]
+    assert found is not None
+    node, why = found
+    assert node.rank == -1 and why.startswith("nodes disagree: a 'hello' frame: node: '1'")
+    assert link.sent == [Refused("PX144", why)] and link.closed
+    with pytest.raises(NodesDisagreeError, match="'hello' frame: node"):
+        hub._hello(FakeLink(), unread)  # type: ignore[arg-type]
 
 
 def test_a_run_end_with_a_nan_in_its_record_still_crosses() -> None:
