@@ -23,7 +23,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -63,7 +63,6 @@ from phalanx.strategies.ddp.messages import (
     Refused,
     SpawnOrder,
     Stacks,
-    Started,
     StopAsked,
     Welcome,
     decode,
@@ -85,6 +84,7 @@ from phalanx.strategies.ddp.nodeplan import (
     place_spares,
 )
 from phalanx.strategies.ddp.protocol import Done, Saved
+from phalanx.strategies.ddp.routing import LocalAgent
 from phalanx.strategies.ddp.spawner import Spawner
 from phalanx.strategies.ddp.timing import DEFAULT, Timing
 from phalanx.version import __version__
@@ -208,6 +208,10 @@ class RemoteNode:
     last_sent: float = field(default_factory=time.monotonic)
     alive: set[int] = field(default_factory=set)  # its slots with a live process
     spare: bool = False  # a spare that took this node rank's place
+    agent: RemoteAgent = field(init=False, repr=False, compare=False)  # (its slots' actions)
+
+    def __post_init__(self) -> None:
+        self.agent = RemoteAgent(self)
 
     @property
     def slots(self) -> range:
@@ -239,6 +243,27 @@ def _read_hello(frame: Frame) -> tuple[Hello, list[str]]:
     if not isinstance(hello, Hello):  # (Link.accept takes only a hello)
         return Hello(-1), [f"a {frame.kind!r} frame where a hello is due"]
     return hello, []
+
+
+class RemoteAgent:
+    """A node's workers, as the head reaches them (the :class:`~.routing.Agents` of its
+    slots): orders over its link, answered later by the node (``spawned``, ``stacks``)."""
+
+    def __init__(self, node: RemoteNode) -> None:
+        self.node = node
+
+    def spawn(self, order: SpawnOrder) -> None:
+        self.node.alive.add(order.slot)
+        self.node.send(order)
+
+    def kill(self, slot: int) -> None:
+        self.node.send(KillOrder(slot))
+
+    def stacks(self, slots: Sequence[int]) -> Stacks:
+        if self.node.lost:
+            return Stacks({slot: "(its node was lost)" for slot in slots})
+        self.node.send(DumpOrder(tuple(slots)))
+        return Stacks()
 
 
 def tell(link: Link, message: Message) -> None:
@@ -379,6 +404,11 @@ class NodeHub:
             if slot in node.slots:
                 return node
         return None
+
+    def agent_of(self, slot: int) -> RemoteAgent | None:
+        """The agent of the node that holds ``slot`` (None: none does, it is the head's)."""
+        node = self.node_of(slot)
+        return None if node is None else node.agent
 
     def poll(self) -> tuple[list[tuple[RemoteNode, Frame]], list[tuple[RemoteNode, str]]]:
         """Frames from every live node, and the nodes lost since the last poll (why).
@@ -586,7 +616,7 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
     saved: list[Saved] = []
     try:
-        end = _serve(link, agent, spawner, interrupter)
+        end = _serve(link, agent, LocalAgent(agent, spawner), interrupter)
         if end is None:  # the head is lost: keep what was committed
             saved = save_on_head_loss(agent)
     finally:
@@ -710,11 +740,11 @@ def _shared(run_dir: str | None, path: object) -> str | None:
 
 
 def _serve(
-    link: Link, agent: Agent, spawner: Spawner, interrupter: Interrupter
+    link: Link, agent: Agent, local: LocalAgent, interrupter: Interrupter
 ) -> End | Fenced | None:
     """Until the head says the run ended (its ``end`` frame) or went on without this node
     (``fenced``), or is lost: no word for the agent's ``timing.node``, or the link closed
-    (None)."""
+    (None). Its orders are carried out by ``local`` (this node's agent)."""
     timing = agent.timing
     limit, beat = timing.node.total_seconds(), timing.beat_every.total_seconds()
     stop_sent = False
@@ -729,7 +759,7 @@ def _serve(
                 message = decode(item)
                 if isinstance(message, (End, Fenced)):
                     return message
-                _order(message, link, agent, spawner)
+                _order(message, link, local)
             if time.monotonic() - link.last_heard > limit:
                 return _last_word(link, timing)
             if not stop_sent and interrupter.should_stop():
@@ -772,14 +802,17 @@ def _last_word(link: Link, timing: Timing) -> End | Fenced | None:
     return None
 
 
-def _order(message: Message, link: Link, agent: Agent, spawner: Spawner) -> None:
+def _order(message: Message, link: Link, local: LocalAgent) -> None:
     """The head's order, carried out by this node's agent; its answer sent back."""
+    answer: Message | None = None
     if isinstance(message, SpawnOrder):
-        tell(link, Started(message.slot, spawner.spawn(message)))
+        answer = local.spawn(message)
     elif isinstance(message, KillOrder):
-        agent.kill(message.slot)
+        local.kill(message.slot)
     elif isinstance(message, DumpOrder):
-        tell(link, Stacks({slot: agent.dump_stacks(slot) for slot in message.slots}))
+        answer = local.stacks(message.slots)
+    if answer is not None:
+        tell(link, answer)
 
 
 def _with_devices(config: FitConfig, labels: list[str]) -> FitConfig:

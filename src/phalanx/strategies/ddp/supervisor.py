@@ -58,10 +58,8 @@ from phalanx.strategies.ddp.coordinator import (
 )
 from phalanx.strategies.ddp.messages import (
     BadMessage,
-    DumpOrder,
     End,
     FinalWeights,
-    KillOrder,
     Message,
     Seen,
     SpawnOrder,
@@ -80,6 +78,7 @@ from phalanx.strategies.ddp.nodes import (
 )
 from phalanx.strategies.ddp.protocol import Done, Rejected
 from phalanx.strategies.ddp.roster import Now, Setup
+from phalanx.strategies.ddp.routing import LocalAgent, Router
 from phalanx.strategies.ddp.spawner import Spawner
 from phalanx.strategies.ddp.timing import Timing
 
@@ -120,6 +119,9 @@ class Supervisor:
             shown, slot_nodes = nodes.shown, nodes.slot_nodes
         self.config = config
         self.spawner = Spawner(spec, config, plan, data, self.agent, local)
+        # Every action on a slot, to the agent that holds it: this machine's, or a node's.
+        remote = None if self.hub is None else self.hub.agent_of
+        self.agents = Router(LocalAgent(self.agent, self.spawner), remote)
         self.user = self.spawner.user
         self.threads = self.spawner.threads
         recovery, run_dir = config.recovery, bool(config.run_dir)
@@ -260,11 +262,7 @@ class Supervisor:
         elif isinstance(action, Spawn):
             self._spawn(action)
         elif isinstance(action, Kill):
-            node = self._node(action.slot)
-            if node is None:
-                self.agent.kill(action.slot)
-            else:
-                node.send(KillOrder(action.slot))
+            self.agents.kill(action.slot)
         elif isinstance(action, DumpStacks):
             self._dump_stacks_of(action.slots)
         elif isinstance(action, SetStop):
@@ -272,39 +270,24 @@ class Supervisor:
         elif isinstance(action, SetAbort):
             self.agent.set_abort(action.reason)
 
-    def _node(self, slot: int) -> RemoteNode | None:
-        return None if self.hub is None else self.hub.node_of(slot)
-
     def _spawn(self, action: Spawn) -> None:
-        """Start the worker of a slot as the coordinator asked, on its node."""
+        """Start the worker of a slot as the coordinator asked, on its node (a node's
+        answer comes later: :meth:`_heard`)."""
         order = SpawnOrder(
             action.slot, action.replaces is not None, action.faults_after, action.restart_after
         )
-        node = self._node(action.slot)
-        if node is None:
-            self._started(Started(action.slot, self.spawner.spawn(order)))
-            return
-        node.alive.add(action.slot)
-        node.send(order)
+        started = self.agents.spawn(order)
+        if started is not None:
+            self._started(started)
 
     def _dump_stacks_of(self, slots: list[int]) -> None:
-        stacks: dict[int, str | None] = {}
-        remote: dict[int, list[int]] = {}
-        for slot in slots:
-            node = self._node(slot)
-            if node is None:
-                stacks[slot] = self.agent.dump_stacks(slot)
-            elif node.lost:
-                stacks[slot] = "(its node was lost)"
-            else:
-                stacks[slot] = None
-                remote.setdefault(node.rank, []).append(slot)
-        if not remote:
+        """The stacks of ``slots``: fed at once when every agent answered at once, else
+        once the nodes asked answered (or did not in time: :meth:`_stacks_ready`)."""
+        known = self.agents.stacks(slots).stacks
+        stacks: dict[int, str | None] = {slot: known.get(slot) for slot in slots}
+        if all(text is not None for text in stacks.values()):
             self._feed(StacksTaken({s: t or "" for s, t in stacks.items()}))
             return
-        assert self.hub is not None
-        for rank, asked in remote.items():
-            self.hub.nodes[rank].send(DumpOrder(tuple(asked)))
         self.stacks_due = (time.monotonic(), stacks)
 
     # -- kept for the process tests ----------------------------------------------------------
