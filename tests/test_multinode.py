@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.strategies.ddp.control import ENVELOPE, Signer, digest, new_run_id
-from phalanx.strategies.ddp.link import Link, LinkError
+from phalanx.strategies.ddp.link import Frame, Link, LinkError
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
@@ -638,7 +638,7 @@ def test_a_rogue_client_changes_nothing_in_a_two_node_run(tmp_path: Path) -> Non
             time.sleep(0.1)
         text = logs[0].read_text()
         store_port = int(text.split("(store at 127.0.0.1:")[1].split(")")[0])
-        hello = {"node": 1, "host": "rogue", "devices": ["cpu:0"], "check": {}}
+        hello = Frame("hello", {"node": 1, "host": "rogue", "devices": ["cpu:0"], "check": {}})
         try:  # the wrong token: the head answers nothing it would act on
             Link.connect(("127.0.0.1", port), b"not the token", hello, timeout=5.0)
         except (LinkError, OSError):

@@ -64,28 +64,6 @@ def decide(
     return admit(seen, disagreements(HEAD, seen.check, PLAN), nodes, NNODES, takes_back)
 
 
-# -- a node's hello, read ------------------------------------------------------------------
-HELLO_DOCS = [
-    pytest.param(
-        {"node": 1, "spare": False, "host": "gpu7", "devices": ["cuda:0"], "check": {"a": 1}},
-        Hello(1, "gpu7", ("cuda:0",), False, {"a": 1}),
-        id="a node",
-    ),
-    pytest.param(
-        {"node": SPARE, "spare": True, "host": "gpu9", "devices": ["cpu:0"]},
-        Hello(SPARE, "gpu9", ONE, True, {}),
-        id="a spare",
-    ),
-    pytest.param({"node": "1"}, Hello(-1), id="a rank that is no int: none"),
-    pytest.param({"check": None}, Hello(-1, "?", (), False, {}), id="nothing said"),
-]
-
-
-@pytest.mark.parametrize(("doc", "seen"), HELLO_DOCS)
-def test_a_hello_is_read_from_its_doc(doc: dict[str, Any], seen: Hello) -> None:
-    assert Hello.of(doc) == seen
-
-
 # -- at start-up -----------------------------------------------------------------------------
 AT_START = [
     # (the hello, the node ranks already taken, the decision)

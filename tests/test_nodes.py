@@ -38,6 +38,7 @@ from phalanx.strategies.ddp.coordinator import (
 from phalanx.strategies.ddp.link import (
     HEADER,
     MAX_UNPROVEN,
+    Frame,
     Link,
     LinkError,
     Listener,
@@ -61,6 +62,7 @@ from phalanx.strategies.ddp.roster import Now, Setup
 from phalanx.strategies.ddp.timing import DEFAULT, Timing
 
 TOKEN = b"the run's token"
+HELLO = Frame("hello", {"node": 1})  # (a hello as the link carries it)
 
 
 # -- the link -------------------------------------------------------------------------------
@@ -82,7 +84,7 @@ def test_a_node_with_the_token_is_heard_both_ways() -> None:
 
         t = threading.Thread(target=head)
         t.start()
-        link, answer = Link.connect(("127.0.0.1", lis.port), TOKEN, {"node": 1}, 10)
+        link, answer = Link.connect(("127.0.0.1", lis.port), TOKEN, HELLO, 10)
         t.join(10)
         assert answer.kind == "welcome" and answer.payload == b"\x00payload"
         assert link.recv().kind == "beat"
@@ -95,7 +97,7 @@ def test_a_connection_without_the_token_is_refused_and_named() -> None:
     lis = listener()
     try:
         with pytest.raises((LinkError, OSError)):
-            Link.connect(("127.0.0.1", lis.port), b"a guess", {"node": 1}, 10)
+            Link.connect(("127.0.0.1", lis.port), b"a guess", HELLO, 10)
         address, why = lis.rejected.get(timeout=10)
         assert address.startswith("127.0.0.1:") and "bad MAC" in why
         assert lis.joined.empty()
@@ -158,7 +160,7 @@ def test_a_flood_of_idle_connections_does_not_keep_a_node_out() -> None:
         time.sleep(0.3)  # (every one of them accepted)
         head = head_answers(lis, {"devices": ["cpu:0"]})
         started = time.monotonic()
-        link, answer = Link.connect(("127.0.0.1", lis.port), TOKEN, {"node": 1}, 10)
+        link, answer = Link.connect(("127.0.0.1", lis.port), TOKEN, HELLO, 10)
         joined_in = time.monotonic() - started
         head.join(10)
         assert answer.kind == "welcome" and joined_in < 2.0, joined_in
@@ -231,7 +233,7 @@ def test_a_joining_node_refuses_a_huge_first_frame_from_an_unproved_head() -> No
     started = time.monotonic()
     try:
         with pytest.raises(LinkError) as info:
-            Link.connect(("127.0.0.1", server.getsockname()[1]), TOKEN, {"node": 1}, 5)
+            Link.connect(("127.0.0.1", server.getsockname()[1]), TOKEN, HELLO, 5)
         took = time.monotonic() - started
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -266,7 +268,7 @@ def test_the_node_port_outlives_a_failed_accept(monkeypatch: pytest.MonkeyPatch)
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         head = head_answers(lis, {})
-        _, answer = Link.connect(("127.0.0.1", lis.port), TOKEN, {"node": 1}, 10)
+        _, answer = Link.connect(("127.0.0.1", lis.port), TOKEN, HELLO, 10)
         head.join(10)
         assert answer.kind == "welcome"
         hub.poll()

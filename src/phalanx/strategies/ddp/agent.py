@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from phalanx.interrupt import WARNING_SIGNAL
 from phalanx.strategies.ddp.control import Signer, new_run_id, run_token
+from phalanx.strategies.ddp.messages import Seen
 from phalanx.strategies.ddp.process import exited, pidfd_of
 from phalanx.strategies.ddp.protocol import (
     ABORT_KEY,
@@ -114,19 +115,6 @@ class SlotState:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
-
-
-@dataclass
-class Seen:
-    """What the agent saw: a message from ``slot`` (``message``), or its exit (``code``)."""
-
-    slot: int
-    message: object = None
-    code: int | None = None
-    exited: bool = False
-    stale: bool = False  # from the process the slot's new one replaced
-    # An exit: the processes the kernel's OOM killer killed on this machine while it ran
-    oom_kills: int | None = None
 
 
 @dataclass

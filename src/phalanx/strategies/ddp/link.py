@@ -123,15 +123,15 @@ class Link:
         cls,
         address: tuple[str, int],
         token: bytes,
-        hello: dict[str, Any],
+        hello: Frame,
         timeout: float,
         handshake: timedelta = DEFAULT.handshake,
     ) -> tuple[Link, Frame]:
         """A node's side: connect (within ``timeout`` seconds), prove the token, send
-        ``hello``; returns the link and the head's answer to the hello (its first frame).
-        Until that answer's MAC proves the head holds the token, the head is a stranger: the
-        answer may be at most :data:`MAX_HELLO` bytes, and all of it must come within
-        ``handshake``."""
+        ``hello`` (a frame of kind ``hello``: the head takes no other first); returns the
+        link and the head's answer to the hello (its first frame). Until that answer's MAC
+        proves the head holds the token, the head is a stranger: the answer may be at most
+        :data:`MAX_HELLO` bytes, and all of it must come within ``handshake``."""
         limit = handshake.total_seconds()
         sock = socket.create_connection(address, timeout=timeout)
         deadline = time.monotonic() + limit
@@ -141,7 +141,7 @@ class Link:
             sock.sendall(PROTOCOL.encode() + nonce)
             head_nonce = _recv_exact(sock, 16, deadline)
             link = cls(sock, session_key(token, nonce, head_nonce), f"{address[0]}:{address[1]}")
-            link.send("hello", hello)
+            link.send_frame(hello)
             answer = link.recv(MAX_HELLO, MAX_HELLO, deadline)
         except (TimeoutError, LinkSilent):
             sock.close()
@@ -199,6 +199,9 @@ class Link:
                 self.sock.sendall(head + body + payload + _mac(self.key, self.sent, body, payload))
             except OSError as exc:
                 raise LinkError(f"sending to {self.peer}: {exc}") from None
+
+    def send_frame(self, frame: Frame) -> None:
+        self.send(frame.kind, frame.doc, frame.payload)
 
     def recv(
         self, max_doc: int = MAX_DOC, max_payload: int = MAX_PAYLOAD, deadline: float | None = None

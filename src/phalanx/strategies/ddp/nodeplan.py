@@ -26,24 +26,13 @@ from phalanx.strategies.ddp.timing import Timing
 # -- what goes in -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hello:
-    """A node's registration, as the head reads it (see :meth:`of`)."""
+    """A node's registration (its ``hello`` frame, read by :func:`.messages.decode`)."""
 
-    rank: int  # the node rank it claims (-1: none this version reads)
+    rank: int  # the node rank it claims (-1: a spare's, or a hello the head could not read)
     host: str = "?"
     devices: tuple[str, ...] = ()
     spare: bool = False  # PHALANX_NODE_RANK=spare: it waits to take a lost node's place
     check: Mapping[str, Any] = field(default_factory=dict)  # its agreement (see nodes)
-
-    @classmethod
-    def of(cls, doc: Mapping[str, Any]) -> Hello:
-        node = doc.get("node")
-        return cls(
-            rank=int(node) if isinstance(node, int) else -1,
-            host=str(doc.get("host", "?")),
-            devices=tuple(str(d) for d in doc.get("devices", [])),
-            spare=bool(doc.get("spare")),
-            check=dict(doc.get("check") or {}),
-        )
 
 
 @dataclass(frozen=True)

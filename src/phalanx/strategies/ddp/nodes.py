@@ -23,7 +23,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -39,7 +39,6 @@ from phalanx.errors import (
     NoTokenError,
 )
 from phalanx.events import Notice
-from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
 from phalanx.launch import SPARE, Launch, interface_problem, is_loopback
 from phalanx.plan import Plan
@@ -51,6 +50,24 @@ from phalanx.strategies.ddp.agent import Agent, start_fork_server
 from phalanx.strategies.ddp.control import TOKEN_ENV, Signer, new_run_id
 from phalanx.strategies.ddp.emergency import head_lost_message, save_on_head_loss
 from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
+from phalanx.strategies.ddp.messages import (
+    BadMessage,
+    DumpOrder,
+    End,
+    Fenced,
+    FinalWeights,
+    KeepAlive,
+    KillOrder,
+    Message,
+    Parked,
+    Refused,
+    SpawnOrder,
+    Stacks,
+    StopAsked,
+    Welcome,
+    decode,
+    encode,
+)
 from phalanx.strategies.ddp.nodeplan import (
     Beat,
     Hello,
@@ -66,8 +83,9 @@ from phalanx.strategies.ddp.nodeplan import (
     missing,
     place_spares,
 )
-from phalanx.strategies.ddp.protocol import Done, Saved, from_wire, to_wire
-from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
+from phalanx.strategies.ddp.protocol import Done, Saved
+from phalanx.strategies.ddp.routing import LocalAgent
+from phalanx.strategies.ddp.spawner import Spawner
 from phalanx.strategies.ddp.timing import DEFAULT, Timing
 from phalanx.version import __version__
 
@@ -190,15 +208,67 @@ class RemoteNode:
     last_sent: float = field(default_factory=time.monotonic)
     alive: set[int] = field(default_factory=set)  # its slots with a live process
     spare: bool = False  # a spare that took this node rank's place
+    agent: RemoteAgent = field(init=False, repr=False, compare=False)  # (its slots' actions)
+
+    def __post_init__(self) -> None:
+        self.agent = RemoteAgent(self)
 
     @property
     def slots(self) -> range:
         return range(self.first, self.first + len(self.devices))
 
+    def send(self, message: Message) -> None:
+        """``message`` to the node, unless it is lost (a failed send is seen as its loss by
+        :meth:`NodeHub.poll`)."""
+        if self.lost:
+            return
+        try:
+            tell(self.link, message)
+            self.last_sent = time.monotonic()
+        except LinkError:
+            pass
+
     def view(self) -> NodeView:
         """What :mod:`.nodeplan`'s rules read of it (its link's last frame: now)."""
         devices, heard, sent = tuple(self.devices), self.link.last_heard, self.last_sent
         return NodeView(self.rank, devices, self.first, self.lost, self.spare, heard, sent)
+
+
+def _read_hello(frame: Frame) -> tuple[Hello, list[str]]:
+    """A node's hello, or one of rank -1 and why it could not be read."""
+    try:
+        hello = decode(frame)
+    except BadMessage as exc:
+        return Hello(-1), [str(exc)]
+    if not isinstance(hello, Hello):  # (Link.accept takes only a hello)
+        return Hello(-1), [f"a {frame.kind!r} frame where a hello is due"]
+    return hello, []
+
+
+class RemoteAgent:
+    """A node's workers, as the head reaches them (the :class:`~.routing.Agents` of its
+    slots): orders over its link, answered later by the node (``spawned``, ``stacks``)."""
+
+    def __init__(self, node: RemoteNode) -> None:
+        self.node = node
+
+    def spawn(self, order: SpawnOrder) -> None:
+        self.node.alive.add(order.slot)
+        self.node.send(order)
+
+    def kill(self, slot: int) -> None:
+        self.node.send(KillOrder(slot))
+
+    def stacks(self, slots: Sequence[int]) -> Stacks:
+        if self.node.lost:
+            return Stacks({slot: "(its node was lost)" for slot in slots})
+        self.node.send(DumpOrder(tuple(slots)))
+        return Stacks()
+
+
+def tell(link: Link, message: Message) -> None:
+    """Send ``message`` over ``link`` (as :func:`~.messages.encode` writes it)."""
+    link.send_frame(encode(message))
 
 
 class NodeHub:
@@ -239,30 +309,30 @@ class NodeHub:
                 link, hello = self.listener.joined.get(timeout=min(left, tick))
             except Exception:
                 continue
-            self._hello(link, hello.doc)
+            self._hello(link, hello)
         slots = layout(own, {rank: node.devices for rank, node in self.nodes.items()})
         for rank, first in slots.first.items():
             self.nodes[rank].first = first
         return slots
 
     def _hello(
-        self, link: Link, doc: dict[str, Any], admits: Callable[[int], bool] | None = None
+        self, link: Link, frame: Frame, admits: Callable[[int], bool] | None = None
     ) -> tuple[RemoteNode, str] | None:
         """A hello, at start-up (``admits`` None) or during the run, as
         :func:`~.nodeplan.admit` decides: a spare parked (or refused: a warning note); a
         node taken, or refused (told why, PX144) with the head failing too at start-up.
         During the run, returns the node taken back (welcomed) or refused, with why (empty
-        for one taken back)."""
+        for one taken back). A hello this version cannot read is a node of rank -1 that
+        says nothing, refused with why."""
         assert self.plan is not None
-        hello = Hello.of(doc)
-        problems = disagreements(self.check, hello.check, self.plan)
+        hello, unread = _read_hello(frame)
+        problems = unread + disagreements(self.check, hello.check, self.plan)
         views = {rank: node.view() for rank, node in self.nodes.items()}
         decision = admit(hello, problems, views, self.nnodes, admits)
         node = RemoteNode(hello.rank, hello.host, list(hello.devices), link)
         if isinstance(decision, Refuse):
             with contextlib.suppress(LinkError):
-                refused = {"code": NodesDisagreeError.code, "message": decision.message}
-                link.send("refused", refused)
+                tell(link, Refused(NodesDisagreeError.code, decision.message))
             link.close()
             if hello.spare:
                 note = f"refused a spare on {hello.host}: {decision.message}"
@@ -273,7 +343,7 @@ class NodeHub:
             return node, decision.message
         if isinstance(decision, Park):  # kept (its link beats both ways) until a node is lost
             with contextlib.suppress(LinkError):
-                link.send("parked", {})
+                tell(link, Parked())
                 link.start()
                 self.spares.append(dataclasses.replace(node, rank=SPARE, spare=True))
                 note = f"a spare on {hello.host} waits to take a lost node's place"
@@ -295,15 +365,8 @@ class NodeHub:
 
     def _welcome(self, node: RemoteNode) -> None:
         assert self.store is not None
-        doc = {
-            "node": node.rank,
-            "devices": self.labels,
-            "first": node.first,
-            "store": list(self.store),
-            "prefix": self.prefix,
-            "run": self.run_id,
-        }
-        node.link.send("welcome", doc)
+        labels, store = tuple(self.labels), self.store
+        tell(node.link, Welcome(node.rank, labels, node.first, store, self.prefix, self.run_id))
         node.link.start()
 
     def rejoined(self, admits: Callable[[int], bool]) -> list[tuple[RemoteNode, str]]:
@@ -314,7 +377,7 @@ class NodeHub:
         found: list[tuple[RemoteNode, str]] = []
         while not self.listener.joined.empty():
             link, hello = self.listener.joined.get()
-            seen = self._hello(link, hello.doc, admits)
+            seen = self._hello(link, hello, admits)
             if seen is not None:
                 found.append(seen)
         return found + self._place_spares(admits)
@@ -342,14 +405,10 @@ class NodeHub:
                 return node
         return None
 
-    def send(self, node: RemoteNode, kind: str, doc: dict[str, Any], payload: bytes = b"") -> None:
-        if node.lost:
-            return
-        try:
-            node.link.send(kind, doc, payload)
-            node.last_sent = time.monotonic()
-        except LinkError:
-            pass  # seen as the node's loss by poll
+    def agent_of(self, slot: int) -> RemoteAgent | None:
+        """The agent of the node that holds ``slot`` (None: none does, it is the head's)."""
+        node = self.node_of(slot)
+        return None if node is None else node.agent
 
     def poll(self) -> tuple[list[tuple[RemoteNode, Frame]], list[tuple[RemoteNode, str]]]:
         """Frames from every live node, and the nodes lost since the last poll (why).
@@ -384,12 +443,12 @@ class NodeHub:
             frames.append((node, item))
         verdict = hear(node.view(), now, self.timing, closed)
         if isinstance(verdict, Beat):
-            self.send(node, "beat", {})
+            node.send(KeepAlive())
         if isinstance(verdict, (Beat, Keep)):
             return None
         if verdict.silent is not None:  # (a frozen node reads this when it wakes: it is out)
             with contextlib.suppress(LinkError, OSError):
-                node.link.send("fenced", {"silent": verdict.silent, "limit": verdict.limit})
+                tell(node.link, Fenced(verdict.silent, verdict.limit))
         node.lost = True
         node.link.close()
         node.alive.clear()
@@ -492,24 +551,27 @@ def rejected_link(address: str, why: str) -> Any:
     )
 
 
-def tell_end(hub: NodeHub, doc: dict[str, Any], weights: bytes = b"") -> None:
+def tell_end(hub: NodeHub, end: End) -> None:
     """Every live node learns how the run ended (with the final weights when it finished)."""
     for node in [*hub.nodes.values(), *hub.spares]:  # (a spare still parked returns it too)
-        hub.send(node, "end", doc, weights)
+        node.send(end)
 
 
 # -- a node's side ------------------------------------------------------------------------
 def connect_to_head(
-    launch: Launch, token: bytes, hello: dict[str, Any], timing: Timing
-) -> tuple[Link, Frame]:
-    """Connect to the head, retrying while it is not up yet (for ``timing.join``)."""
+    launch: Launch, token: bytes, hello: Hello, timing: Timing
+) -> tuple[Link, Message]:
+    """Connect to the head, retrying while it is not up yet (for ``timing.join``); the
+    link and the head's answer."""
     address = link_address(launch)
     deadline = timing.join
     end = time.monotonic() + deadline.total_seconds()
+    frame = encode(hello)
     while True:
         try:
             connect = timing.connect.total_seconds()
-            return Link.connect(address, token, hello, connect, timing.handshake)
+            link, answer = Link.connect(address, token, frame, connect, timing.handshake)
+            break
         except (OSError, LinkError) as exc:
             if time.monotonic() > end:
                 raise NodesDisagreeError(
@@ -517,6 +579,11 @@ def connect_to_head(
                     f"{deadline.total_seconds():g}s: {exc}"
                 ) from None
             time.sleep(timing.connect_retry.total_seconds())
+    try:
+        return link, decode(answer)
+    except BadMessage:
+        link.close()
+        raise
 
 
 def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter) -> RunEnd:
@@ -529,17 +596,15 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     start_fork_server()  # (before joining: a worker's start never holds up the node's loop)
     token = node_token(config.run_dir, timing.join.total_seconds(), timing.join_poll)
     link, answer = _join(run, launch, token, emit, timing)
-    if answer.kind == "end":  # a spare that never had to take a place
+    if isinstance(answer, End):  # a spare that never had to take a place
         link.close()
         return _node_end(run, answer, time.time() - started)
-    launch = dataclasses.replace(launch, node_rank=int(answer.doc["node"]))
-    labels = [str(d) for d in answer.doc["devices"]]
-    host, port = answer.doc["store"]
-    first = int(answer.doc["first"])
-    signer = Signer.for_run(token, str(answer.doc["run"]))
-    prefix = str(answer.doc.get("prefix", ""))
-    store_at = (str(host), int(port))
-    agent = Agent(bind=None, store_at=store_at, signer=signer, prefix=prefix, timing=timing)
+    launch = dataclasses.replace(launch, node_rank=answer.node)
+    labels, first = list(answer.devices), answer.first
+    signer = Signer.for_run(token, answer.run)
+    agent = Agent(
+        bind=None, store_at=answer.store, signer=signer, prefix=answer.prefix, timing=timing
+    )
     data = (run.train, run.valid, run.valid_size)
     global_config = _with_devices(config, labels)
     local = len(config.devices)
@@ -551,7 +616,7 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
     saved: list[Saved] = []
     try:
-        end = _serve(link, agent, spawner, interrupter)
+        end = _serve(link, agent, LocalAgent(agent, spawner), interrupter)
         if end is None:  # the head is lost: keep what was committed
             saved = save_on_head_loss(agent)
     finally:
@@ -559,43 +624,46 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
         link.close()
     if end is None:
         raise _head_lost(launch, config, first, saved, emit)
-    if end.kind == "fenced":
-        raise NodeFencedError(fenced_message(launch.node_rank, end.doc))
+    if isinstance(end, Fenced):
+        raise NodeFencedError(fenced_message(launch.node_rank, end))
     return _node_end(run, end, time.time() - started)
 
 
 def _join(
     run: RunInputs, launch: Launch, token: bytes, emit: Any, timing: Timing
-) -> tuple[Link, Frame]:
+) -> tuple[Link, Welcome | End]:
     """Register with the head (who this node is, what must agree); its answer, or raise
     NodesDisagreeError when it refused this node."""
     precision = str(getattr(run.spec, "precision", "32"))
-    hello = {
-        "node": launch.node_rank,
-        "spare": launch.spare,
-        "host": socket.gethostname(),
-        "devices": list(run.config.devices),
-        "check": agreement(run.config, run.plan, precision),
-    }
+    hello = Hello(
+        rank=launch.node_rank,
+        host=socket.gethostname(),
+        devices=tuple(run.config.devices),
+        spare=launch.spare,
+        check=agreement(run.config, run.plan, precision),
+    )
     who = "spare" if launch.spare else f"node {launch.node_rank}"
     emit(Notice(f"{who}: joining the head at {launch.head}"))
     link, answer = connect_to_head(launch, token, hello, timing)
-    if answer.kind == "refused":
+    if isinstance(answer, Refused):
         link.close()
-        raise NodesDisagreeError(str(answer.doc.get("message")))
-    if answer.kind == "parked":
+        raise NodesDisagreeError(answer.message)
+    if isinstance(answer, Parked):
         emit(Notice("spare: waiting at the head to take the place of a node that is lost"))
         placed = _parked(link, timing)
         if placed is None:
             link.close()
             raise _head_lost(launch, run.config, SPARE, [], emit)
-        if placed.kind == "welcome":
-            emit(Notice(f"spare: takes node {placed.doc['node']}'s place"))
+        if isinstance(placed, Welcome):
+            emit(Notice(f"spare: takes node {placed.node}'s place"))
         answer = placed
+    if not isinstance(answer, (Welcome, End)):
+        link.close()
+        raise BadMessage(encode(answer).kind, "kind", "not an answer to a hello")
     return link, answer
 
 
-def _parked(link: Link, timing: Timing) -> Frame | None:
+def _parked(link: Link, timing: Timing) -> Welcome | End | None:
     """A spare, until the head places it (``welcome``) or the run ends (``end``); None when
     the head is lost (the link closed, or no word for ``timing.node``)."""
     limit, beat = timing.node.total_seconds(), timing.beat_every.total_seconds()
@@ -606,18 +674,19 @@ def _parked(link: Link, timing: Timing) -> Frame | None:
         item = link.next(tick)  # (one at a time: the orders after a welcome are the node's)
         if isinstance(item, LinkError):
             return None
-        if item is not None and item.kind in ("welcome", "end"):
-            return item
+        message = None if item is None else decode(item)
+        if isinstance(message, (Welcome, End)):
+            return message
         if time.monotonic() - link.last_heard > limit:
             return None
         if time.monotonic() - last_sent > beat:
             with contextlib.suppress(LinkError):
-                link.send("beat", {})
+                tell(link, KeepAlive())
             last_sent = time.monotonic()
 
 
-def fenced_message(node: int, doc: dict[str, Any]) -> str:
-    silent, limit = float(doc.get("silent", 0.0)), float(doc.get("limit", 0.0))
+def fenced_message(node: int, fenced: Fenced) -> str:
+    silent, limit = fenced.silent, fenced.limit
     return (
         f"node {node} was cut off from the run: the head heard nothing from it for "
         f"{silent:.1f}s (node_timeout {limit:g}s) and went on without it, so its workers "
@@ -639,27 +708,24 @@ def _head_lost(
     return HeadLost(error, best.step, best.path)
 
 
-def _node_end(run: RunInputs, frame: Frame, seconds: float) -> RunEnd:
+def _node_end(run: RunInputs, end: End, seconds: float) -> RunEnd:
     """The run's end as the head told it: the same model and record as on the head, or
     raise the same report."""
-    doc = frame.doc
-    failures = [WorkerFailure(**f) for f in doc.get("failures", [])]
-    fates = list(doc.get("fates", []))
-    if not doc.get("ok"):
-        notes = tuple(doc.get("notes", []))
-        raise stopped(failures, bool(doc.get("poison")), _no_dir(run.config), notes, fates)
+    failures, fates = list(end.failures), list(end.fates)
+    if not end.ok:
+        raise stopped(failures, end.poison, _no_dir(run.config), end.notes, fates)
     return RunEnd(
-        model=_load_model(run, frame.payload),
-        history=list(doc["history"]),
-        steps=int(doc["steps"]),
-        epochs=int(doc["epochs"]),
-        interrupted=doc.get("interrupted"),
-        ledger=[list(row) for row in doc["ledger"]],
+        model=_load_model(run, end.weights),
+        history=list(end.history),
+        steps=end.steps,
+        epochs=end.epochs,
+        interrupted=end.interrupted,
+        ledger=[list(row) for row in end.ledger],
         failures=failures,
         seconds=seconds,
         fates=fates,
-        model_path=_shared(run.config.run_dir, doc.get("model_path")),
-        quarantine={int(i): int(g) for i, g in doc.get("quarantine", [])},
+        model_path=_shared(run.config.run_dir, end.model_path),
+        quarantine=dict(end.quarantine),
     )
 
 
@@ -673,10 +739,12 @@ def _shared(run_dir: str | None, path: object) -> str | None:
     return mine if same else None
 
 
-def _serve(link: Link, agent: Agent, spawner: Spawner, interrupter: Interrupter) -> Frame | None:
+def _serve(
+    link: Link, agent: Agent, local: LocalAgent, interrupter: Interrupter
+) -> End | Fenced | None:
     """Until the head says the run ended (its ``end`` frame) or went on without this node
     (``fenced``), or is lost: no word for the agent's ``timing.node``, or the link closed
-    (None)."""
+    (None). Its orders are carried out by ``local`` (this node's agent)."""
     timing = agent.timing
     limit, beat = timing.node.total_seconds(), timing.beat_every.total_seconds()
     stop_sent = False
@@ -688,16 +756,17 @@ def _serve(link: Link, agent: Agent, spawner: Spawner, interrupter: Interrupter)
             for item in link.drain():
                 if isinstance(item, LinkError):
                     return _last_word(link, timing)
-                if item.kind in ("end", "fenced"):
-                    return item
-                _order(item, link, agent, spawner)
+                message = decode(item)
+                if isinstance(message, (End, Fenced)):
+                    return message
+                _order(message, link, local)
             if time.monotonic() - link.last_heard > limit:
                 return _last_word(link, timing)
             if not stop_sent and interrupter.should_stop():
                 stop_sent = True
-                link.send("stop", {"reason": interrupter.reason or "stop requested"})
+                tell(link, StopAsked(interrupter.reason or "stop requested"))
             if time.monotonic() - last_sent > beat:
-                link.send("beat", {})
+                tell(link, KeepAlive())
                 last_sent = time.monotonic()
     except LinkError:
         return _last_word(link, timing)
@@ -707,24 +776,15 @@ def _forward(agent: Agent, link: Link) -> bool:
     """What this node's workers said (and their exits) to the head; whether anything went."""
     sent = False
     for seen in agent.poll(agent.timing.poll):
-        message = None if seen.exited else to_wire(seen.message)
         if isinstance(seen.message, Done) and seen.message.weights_path:
             with open(seen.message.weights_path, "rb") as fh:
-                link.send("weights", {"slot": seen.slot}, fh.read())
-        doc = {
-            "slot": seen.slot,
-            "exited": seen.exited,
-            "code": seen.code,
-            "stale": seen.stale,
-            "message": message,
-            "oom_kills": seen.oom_kills,
-        }
-        link.send("seen", doc)
+                tell(link, FinalWeights(seen.slot, fh.read()))
+        tell(link, seen)
         sent = True
     return sent
 
 
-def _last_word(link: Link, timing: Timing) -> Frame | None:
+def _last_word(link: Link, timing: Timing) -> End | Fenced | None:
     """The head's last frame that says how this node's part ended, if it came before the
     link was lost (within ``timing.last_word``): ``end`` (the run ended: a send raced the
     head's close) or ``fenced`` (a node that was frozen reads it on waking; its reader may
@@ -732,40 +792,27 @@ def _last_word(link: Link, timing: Timing) -> Frame | None:
     deadline = time.monotonic() + timing.last_word.total_seconds()
     while time.monotonic() < deadline:
         for item in link.drain():
-            if isinstance(item, Frame) and item.kind in ("end", "fenced"):
-                return item
+            if isinstance(item, LinkError):
+                continue
+            with contextlib.suppress(BadMessage):  # (the head is lost all the same)
+                message = decode(item)
+                if isinstance(message, (End, Fenced)):
+                    return message
         time.sleep(timing.link_poll.total_seconds())
     return None
 
 
-def _order(frame: Frame, link: Link, agent: Agent, spawner: Spawner) -> None:
-    doc = frame.doc
-    if frame.kind == "spawn":
-        order = SpawnOrder(
-            int(doc["slot"]),
-            bool(doc.get("replacement")),
-            int(doc.get("faults_after", -1)),
-            None if doc.get("restart_after") is None else int(doc["restart_after"]),
-        )
-        pid = spawner.spawn(order)
-        link.send("spawned", {"slot": order.slot, "pid": pid})
-    elif frame.kind == "kill":
-        agent.kill(int(doc["slot"]))
-    elif frame.kind == "stacks":
-        stacks = {str(s): agent.dump_stacks(int(s)) for s in doc.get("slots", [])}
-        link.send("stacks", {"stacks": stacks})
-
-
-def decode_seen(doc: dict[str, Any]) -> tuple[int, object, int | None, bool, bool]:
-    """A node's ``seen`` frame: (slot, message, exit code, exited, stale)."""
-    message = doc.get("message")
-    return (
-        int(doc["slot"]),
-        None if message is None else from_wire(dict(message)),
-        None if doc.get("code") is None else int(doc["code"]),
-        bool(doc.get("exited")),
-        bool(doc.get("stale")),
-    )
+def _order(message: Message, link: Link, local: LocalAgent) -> None:
+    """The head's order, carried out by this node's agent; its answer sent back."""
+    answer: Message | None = None
+    if isinstance(message, SpawnOrder):
+        answer = local.spawn(message)
+    elif isinstance(message, KillOrder):
+        local.kill(message.slot)
+    elif isinstance(message, DumpOrder):
+        answer = local.stacks(message.slots)
+    if answer is not None:
+        tell(link, answer)
 
 
 def _with_devices(config: FitConfig, labels: list[str]) -> FitConfig:

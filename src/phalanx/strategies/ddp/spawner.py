@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -15,16 +14,9 @@ from phalanx.plan import Plan
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp import worker as worker_mod
 from phalanx.strategies.ddp.agent import Agent
+from phalanx.strategies.ddp.messages import SpawnOrder
 
-
-@dataclass(frozen=True)
-class SpawnOrder:
-    """What the coordinator's :class:`~.actions.Spawn` says, as data that crosses a link."""
-
-    slot: int
-    replacement: bool = False
-    faults_after: int = -1
-    restart_after: int | None = None
+__all__ = ["SpawnOrder", "Spawner"]
 
 
 class Spawner:

@@ -56,11 +56,21 @@ from phalanx.strategies.ddp.coordinator import (
     StopRequested,
     Tick,
 )
-from phalanx.strategies.ddp.link import Frame
+from phalanx.strategies.ddp.messages import (
+    BadMessage,
+    End,
+    FinalWeights,
+    Message,
+    Seen,
+    SpawnOrder,
+    Stacks,
+    Started,
+    StopAsked,
+    decode,
+)
 from phalanx.strategies.ddp.nodes import (
     Nodes,
     RemoteNode,
-    decode_seen,
     rejected_link,
     run_node,
     start_head,
@@ -68,7 +78,8 @@ from phalanx.strategies.ddp.nodes import (
 )
 from phalanx.strategies.ddp.protocol import Done, Rejected
 from phalanx.strategies.ddp.roster import Now, Setup
-from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
+from phalanx.strategies.ddp.routing import LocalAgent, Router
+from phalanx.strategies.ddp.spawner import Spawner
 from phalanx.strategies.ddp.timing import Timing
 
 __all__ = ["SlotState", "Supervisor", "run_ddp"]
@@ -108,6 +119,9 @@ class Supervisor:
             shown, slot_nodes = nodes.shown, nodes.slot_nodes
         self.config = config
         self.spawner = Spawner(spec, config, plan, data, self.agent, local)
+        # Every action on a slot, to the agent that holds it: this machine's, or a node's.
+        remote = None if self.hub is None else self.hub.agent_of
+        self.agents = Router(LocalAgent(self.agent, self.spawner), remote)
         self.user = self.spawner.user
         self.threads = self.spawner.threads
         recovery, run_dir = config.recovery, bool(config.run_dir)
@@ -143,26 +157,19 @@ class Supervisor:
 
     def _see(self, timeout: timedelta) -> None:
         for seen in self.agent.poll(timeout):
-            self._seen(seen.slot, seen.message, seen.code, seen.exited, seen.stale, seen.oom_kills)
+            self._seen(seen)
         if self.hub is not None:
             self._hear()
 
-    def _seen(
-        self,
-        slot: int,
-        message: object,
-        code: int | None,
-        exited: bool,
-        stale: bool,
-        oom_kills: int | None = None,
-    ) -> None:
-        if exited:
-            assert code is not None
-            self._feed(Exited(slot, code, oom_kills))
-        elif isinstance(message, Rejected):
-            self._rejected(message)
+    def _seen(self, seen: Seen) -> None:
+        """What an agent saw, this machine's or a node's."""
+        if seen.exited:
+            assert seen.code is not None
+            self._feed(Exited(seen.slot, seen.code, seen.oom_kills))
+        elif isinstance(seen.message, Rejected):
+            self._rejected(seen.message)
         else:
-            self._feed(Received(slot, message, stale))
+            self._feed(Received(seen.slot, seen.message, seen.stale))
 
     def _hear(self) -> None:
         """What the other nodes' agents sent, and the nodes lost."""
@@ -170,9 +177,10 @@ class Supervisor:
         frames, lost = self.hub.poll()
         for node, frame in frames:
             try:
-                self._frame(node, frame)
-            except (KeyError, TypeError, ValueError):
+                message = decode(frame)
+            except BadMessage:
                 continue  # (authenticated, but not a frame this version reads)
+            self._heard(node, message)
         for node, cause in lost:
             self._feed(NodeLost(node.rank, node.host, cause))
         assert isinstance(self.coord, NodeCoordinator)
@@ -186,29 +194,36 @@ class Supervisor:
             self.emit(Notice(text, level))
         self._stacks_ready()
 
-    def _frame(self, node: RemoteNode, frame: Frame) -> None:
-        doc = frame.doc
-        if frame.kind == "seen":
-            slot, message, code, exited, stale = decode_seen(doc)
-            if slot not in node.slots:
-                return  # (a node speaks for its own slots only)
-            if exited:
-                node.alive.discard(slot)
-            if isinstance(message, Done) and message.weights_path:
-                message = dataclasses.replace(message, weights_path=self._weights(slot))
-            kills = doc.get("oom_kills")
-            self._seen(slot, message, code, exited, stale, None if kills is None else int(kills))
-        elif frame.kind == "weights" and int(doc["slot"]) in node.slots:
-            with open(self._weights(int(doc["slot"])), "wb") as fh:
-                fh.write(frame.payload)
-        elif frame.kind == "spawned" and int(doc["slot"]) in node.slots:
-            self._feed(Spawned(int(doc["slot"]), doc.get("pid")))
-        elif frame.kind == "stacks" and self.stacks_due is not None:
-            for key, text in dict(doc.get("stacks", {})).items():
-                if int(key) in node.slots:
-                    self.stacks_due[1][int(key)] = str(text)
-        elif frame.kind == "stop":
-            self._feed(StopRequested(f"node {node.rank}: {doc.get('reason')}"))
+    def _heard(self, node: RemoteNode, message: Message) -> None:
+        """A node's message (a node speaks for its own slots only)."""
+        if isinstance(message, Seen) and message.slot in node.slots:
+            if message.exited:
+                node.alive.discard(message.slot)
+            said = message.message
+            if isinstance(said, Done) and said.weights_path:
+                said = dataclasses.replace(said, weights_path=self._weights(message.slot))
+                message = dataclasses.replace(message, message=said)
+            self._seen(message)
+        elif isinstance(message, FinalWeights) and message.slot in node.slots:
+            with open(self._weights(message.slot), "wb") as fh:
+                fh.write(message.weights)
+        elif isinstance(message, Started) and message.slot in node.slots:
+            self._started(message)
+        elif isinstance(message, Stacks):
+            self._stacks_in(message, node.slots)
+        elif isinstance(message, StopAsked):
+            self._feed(StopRequested(f"node {node.rank}: {message.reason}"))
+
+    def _started(self, started: Started) -> None:
+        self._feed(Spawned(started.slot, started.pid))
+
+    def _stacks_in(self, stacks: Stacks, of: range) -> None:
+        """Stacks a node sent for its slots (``of``), while a dump waits for them."""
+        if self.stacks_due is None:
+            return
+        for slot, text in stacks.stacks.items():
+            if slot in of:
+                self.stacks_due[1][slot] = text
 
     def _weights(self, slot: int) -> str:
         return os.path.join(self.agent.tmp, f"final-{slot}-received.pt")
@@ -247,12 +262,7 @@ class Supervisor:
         elif isinstance(action, Spawn):
             self._spawn(action)
         elif isinstance(action, Kill):
-            node = self._node(action.slot)
-            if node is None:
-                self.agent.kill(action.slot)
-            else:
-                assert self.hub is not None
-                self.hub.send(node, "kill", {"slot": action.slot})
+            self.agents.kill(action.slot)
         elif isinstance(action, DumpStacks):
             self._dump_stacks_of(action.slots)
         elif isinstance(action, SetStop):
@@ -260,40 +270,24 @@ class Supervisor:
         elif isinstance(action, SetAbort):
             self.agent.set_abort(action.reason)
 
-    def _node(self, slot: int) -> RemoteNode | None:
-        return None if self.hub is None else self.hub.node_of(slot)
-
     def _spawn(self, action: Spawn) -> None:
-        """Start the worker of a slot as the coordinator asked, on its node."""
+        """Start the worker of a slot as the coordinator asked, on its node (a node's
+        answer comes later: :meth:`_heard`)."""
         order = SpawnOrder(
             action.slot, action.replaces is not None, action.faults_after, action.restart_after
         )
-        node = self._node(action.slot)
-        if node is None:
-            self._feed(Spawned(action.slot, self.spawner.spawn(order)))
-            return
-        assert self.hub is not None
-        node.alive.add(action.slot)
-        self.hub.send(node, "spawn", dataclasses.asdict(order))
+        started = self.agents.spawn(order)
+        if started is not None:
+            self._started(started)
 
     def _dump_stacks_of(self, slots: list[int]) -> None:
-        stacks: dict[int, str | None] = {}
-        remote: dict[int, list[int]] = {}
-        for slot in slots:
-            node = self._node(slot)
-            if node is None:
-                stacks[slot] = self.agent.dump_stacks(slot)
-            elif node.lost:
-                stacks[slot] = "(its node was lost)"
-            else:
-                stacks[slot] = None
-                remote.setdefault(node.rank, []).append(slot)
-        if not remote:
+        """The stacks of ``slots``: fed at once when every agent answered at once, else
+        once the nodes asked answered (or did not in time: :meth:`_stacks_ready`)."""
+        known = self.agents.stacks(slots).stacks
+        stacks: dict[int, str | None] = {slot: known.get(slot) for slot in slots}
+        if all(text is not None for text in stacks.values()):
             self._feed(StacksTaken({s: t or "" for s, t in stacks.items()}))
             return
-        assert self.hub is not None
-        for rank, asked in remote.items():
-            self.hub.send(self.hub.nodes[rank], "stacks", {"slots": asked})
         self.stacks_due = (time.monotonic(), stacks)
 
     # -- kept for the process tests ----------------------------------------------------------
@@ -312,11 +306,11 @@ class Supervisor:
         found, self.hub.rejected = self.hub.rejected, []
         return [rejected_link(address, why) for address, why in found]
 
-    def tell_nodes(self, doc: dict[str, Any], weights: bytes = b"") -> None:
+    def tell_nodes(self, end: End) -> None:
         """Tell every other node how the run ended (once; nothing to tell on one node)."""
         if self.hub is not None and not self.told:
             self.told = True
-            tell_end(self.hub, doc, weights)
+            tell_end(self.hub, end)
 
     def close(self) -> None:
         self.agent.close()
@@ -358,7 +352,7 @@ def run_ddp(
         end = _run_end(sup, outcome, fates, interrupter.reason)
     finally:
         if not sup.told:  # (a bug of ours: the nodes must not wait)
-            sup.tell_nodes(_failed_doc([_lost(run.config)], False, [], []))
+            sup.tell_nodes(_failed_end([_lost(run.config)], False, [], []))
         sup.close()
     return dataclasses.replace(end, seconds=time.time() - started)
 
@@ -370,7 +364,7 @@ def _run_end(sup: Supervisor, outcome: FailureBook, fates: list[str], reason: st
     if outcome.fatal or outcome.aborted or outcome.done is None:
         failures = outcome.failures or [_lost(config)]
         poison = outcome.poison and not outcome.fatal
-        sup.tell_nodes(_failed_doc(failures, poison, outcome.notes, fates))
+        sup.tell_nodes(_failed_end(failures, poison, outcome.notes, fates))
         raise stopped(failures, poison, config, tuple(outcome.notes), fates)
     done = outcome.done
     assert done.weights_path is not None
@@ -390,43 +384,41 @@ def _run_end(sup: Supervisor, outcome: FailureBook, fates: list[str], reason: st
         quarantine={int(i): int(g) for i, g in done.quarantine},
     )
     if sup.hub is not None:
-        doc = _ok_doc(end)
+        model_path = None
         if config.run_dir and interrupted is None:
             # Written before the nodes hear of the end, so that a node sharing run_dir (a
             # shared file system) finds the file when its fit returns (Learner writes the
             # same file again, atomically: the same bytes).
             from phalanx.learner import save_final_model
 
-            doc["model_path"] = os.path.abspath(save_final_model(config.run_dir, end.model))
+            model_path = os.path.abspath(save_final_model(config.run_dir, end.model))
         with open(done.weights_path, "rb") as fh:
-            sup.tell_nodes(doc, fh.read())
+            sup.tell_nodes(_ok_end(end, model_path, fh.read()))
     return end
 
 
-def _ok_doc(end: RunEnd) -> dict[str, Any]:
-    return {
-        "ok": True,
-        "history": end.history,
-        "steps": end.steps,
-        "epochs": end.epochs,
-        "interrupted": end.interrupted,
-        "ledger": end.ledger,
-        "quarantine": [[i, g] for i, g in sorted(end.quarantine.items())],
-        "failures": [f.to_dict() for f in end.failures],
-        "fates": end.fates,
-    }
+def _ok_end(end: RunEnd, model_path: str | None, weights: bytes) -> End:
+    return End(
+        ok=True,
+        failures=tuple(end.failures),
+        fates=tuple(end.fates),
+        history=tuple(end.history),
+        steps=end.steps,
+        epochs=end.epochs,
+        interrupted=end.interrupted,
+        ledger=tuple(tuple(row) for row in end.ledger),
+        quarantine=tuple(sorted(end.quarantine.items())),
+        model_path=model_path,
+        weights=weights,
+    )
 
 
-def _failed_doc(
+def _failed_end(
     failures: list[WorkerFailure], poison: bool, notes: list[str], fates: list[str]
-) -> dict[str, Any]:
-    return {
-        "ok": False,
-        "failures": [f.to_dict() for f in failures],
-        "poison": poison,
-        "notes": list(notes),
-        "fates": fates,
-    }
+) -> End:
+    return End(
+        ok=False, failures=tuple(failures), fates=tuple(fates), poison=poison, notes=tuple(notes)
+    )
 
 
 def _lost(config: FitConfig) -> WorkerFailure:
