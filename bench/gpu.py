@@ -297,7 +297,7 @@ def overhead_row(row: Row, device: str, n: int, rounds: int, size: str) -> None:
 
 # -- group: phalanx's GenerationGroup with one member --------------------------------------------
 def _group_child(device: str, out: Any) -> None:
-    from phalanx.strategies.ddp.group import GenerationGroup
+    from phalanx.strategies.ddp.worker.group import GenerationGroup
 
     try:
         dev = torch.device(device)

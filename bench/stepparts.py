@@ -30,10 +30,10 @@ import textwrap
 TIMED = [
     ("phalanx.loop", "TrainLoop", "_step"),
     ("phalanx.loop", "TrainLoop", "_emit_step"),
-    ("phalanx.strategies.ddp.engine", "DdpEngine", "attempt"),
-    ("phalanx.strategies.ddp.engine", "DdpEngine", "launch"),
-    ("phalanx.strategies.ddp.engine", "DdpEngine", "commit"),
-    ("phalanx.strategies.ddp.engine", "", "unpack_vote"),
+    ("phalanx.strategies.ddp.worker.engine", "DdpEngine", "attempt"),
+    ("phalanx.strategies.ddp.worker.engine", "DdpEngine", "launch"),
+    ("phalanx.strategies.ddp.worker.engine", "DdpEngine", "commit"),
+    ("phalanx.strategies.ddp.worker.engine", "", "unpack_vote"),
     ("phalanx.replica", "Replica", "run"),
     ("phalanx.replica", "Replica", "_micro_steps"),
     ("phalanx.replica", "StepModule", "forward"),
@@ -41,12 +41,12 @@ TIMED = [
     ("phalanx.replica", "", "state_values"),
     ("phalanx.replica", "", "to_device"),
     ("phalanx.data", "", "_index"),
-    ("phalanx.strategies.ddp.ballot", "Ballot", "cast"),
-    ("phalanx.strategies.ddp.ballot", "Ballot", "count"),
-    ("phalanx.strategies.ddp.ballot", "Decoder", "__call__"),
+    ("phalanx.strategies.ddp.worker.ballot", "Ballot", "cast"),
+    ("phalanx.strategies.ddp.worker.ballot", "Ballot", "count"),
+    ("phalanx.strategies.ddp.worker.ballot", "Decoder", "__call__"),
     ("phalanx.loop", "", "compute_all"),
-    ("phalanx.strategies.ddp.protocol", "Outbox", "send"),
-    ("phalanx.strategies.ddp.worker", "Worker", "on_phase"),
+    ("phalanx.strategies.ddp.wire.protocol", "Outbox", "send"),
+    ("phalanx.strategies.ddp.worker.worker", "Worker", "on_phase"),
     ("phalanx.rng", "", "reseed"),
     ("torch.nn.parallel", "DistributedDataParallel", "forward"),
     ("torch.optim", "SGD", "step"),
@@ -83,7 +83,7 @@ if OUT:
         timed(target, name, f"{owner}.{name}" if owner else name)
 
     if os.environ.get("PX_STEPPARTS_TWICE"):
-        from phalanx.strategies.ddp.ballot import Ballot
+        from phalanx.strategies.ddp.worker.ballot import Ballot
 
         counted = Ballot.count
 
@@ -97,7 +97,7 @@ if OUT:
 
         Ballot.count = twice
 
-    import phalanx.strategies.ddp.worker as worker
+    import phalanx.strategies.ddp.worker.worker as worker
 
     run = worker.Worker.run
 

@@ -7,7 +7,7 @@ DDP, and trains them in turn, ``--steps`` steps a block, ``--blocks`` blocks eac
 the machine's moods fall on all three alike: ``plain`` (DDP alone), ``all-reduce`` (plus
 one all-reduce of the packed vote, started before the backward and waited for after it:
 how phalanx voted before) and ``ballot`` (the vote carried by DDP's own gradient all-reduce,
-:class:`phalanx.strategies.ddp.ballot.Ballot`: how it votes now). Printed: medians over the
+:class:`phalanx.strategies.ddp.worker.ballot.Ballot`: how it votes now). Printed: medians over the
 blocks of the wall time per step on rank 0, and its CPU time (all threads, main thread).
 """
 
@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.replica import StepModule, backward
-from phalanx.strategies.ddp.ballot import Ballot
+from phalanx.strategies.ddp.worker.ballot import Ballot
 
 WAYS = ("plain", "all-reduce", "ballot")
 VOTE = 20  # float64 values in a packed vote (6 counts, 4 of the fingerprint, metric sums)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from phalanx.events import Event, StepEnded
-from phalanx.strategies.ddp import worker
+from phalanx.strategies.ddp.worker import worker
 
 
 def make_data(n: int, seed: int = 0) -> TensorDataset:
@@ -232,7 +232,7 @@ def say_steps_then_exit(args: tuple[Any, int]) -> None:
     events at once (within one ring interval: they ring once at most), then it lingers a
     moment and exits."""
     from phalanx.events import StepEnded
-    from phalanx.strategies.ddp.protocol import Ready, Relay
+    from phalanx.strategies.ddp.wire.protocol import Ready, Relay
 
     outbox, n = args
     outbox.send(Ready(0))

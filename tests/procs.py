@@ -90,7 +90,7 @@ def started_in_test(test: str) -> list[int]:
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         line = cmdline(int(entry))
-        if "phalanx.strategies.ddp.worker" in line and "forkserver" in line:
+        if "phalanx.strategies.ddp.worker.worker" in line and "forkserver" in line:
             continue
         if is_resource_tracker(int(entry)):
             continue

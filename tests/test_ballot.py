@@ -1,4 +1,4 @@
-"""The vote carried by DDP's gradient all-reduce (strategies/ddp/ballot.py): exact for any
+"""The vote carried by DDP's gradient all-reduce (strategies/ddp/worker/ballot.py): exact for any
 float64 and any world size, counted the same on every member, the gradients and the loss
 of the model untouched, nothing left over from one step in the next."""
 
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.replica import StepModule, backward
-from phalanx.strategies.ddp.ballot import Ballot, decode, encode
-from phalanx.strategies.ddp.group import GenerationGroup
+from phalanx.strategies.ddp.worker.ballot import Ballot, decode, encode
+from phalanx.strategies.ddp.worker.group import GenerationGroup
 
 CPU = torch.device("cpu")
 TIMEOUT = timedelta(seconds=20)

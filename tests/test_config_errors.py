@@ -42,7 +42,7 @@ from phalanx.errors import (
 )
 from phalanx.events import Notice, StepEnded, ValidationStarted
 from phalanx.plan import Plan
-from phalanx.strategies.ddp.agent import START_METHOD
+from phalanx.strategies.ddp.agent.agent import START_METHOD
 from recorder import Recorder
 
 N = 40

@@ -14,7 +14,7 @@ from phalanx.events import GenerationStarted, Notice, StepEnded, WorkerState
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
 from phalanx.sinks.summary import lost_seconds
-from phalanx.strategies.ddp.actions import (
+from phalanx.strategies.ddp.coordinator.actions import (
     Action,
     Announce,
     DumpStacks,
@@ -24,7 +24,7 @@ from phalanx.strategies.ddp.actions import (
     SetAbort,
     Spawn,
 )
-from phalanx.strategies.ddp.coordinator import (
+from phalanx.strategies.ddp.coordinator.coordinator import (
     Coordinator,
     CoordinatorEvent,
     Exited,
@@ -33,7 +33,9 @@ from phalanx.strategies.ddp.coordinator import (
     StacksTaken,
     Tick,
 )
-from phalanx.strategies.ddp.protocol import (
+from phalanx.strategies.ddp.coordinator.roster import Now, Setup, SlotStatus
+from phalanx.strategies.ddp.timing import Timing
+from phalanx.strategies.ddp.wire.protocol import (
     Broke,
     Done,
     Failed,
@@ -43,8 +45,6 @@ from phalanx.strategies.ddp.protocol import (
     Relay,
     Snapshotted,
 )
-from phalanx.strategies.ddp.roster import Now, Setup, SlotStatus
-from phalanx.strategies.ddp.timing import Timing
 
 HANG = 3.0
 PLAN = Plan(120, 12, seed=0)  # 10 steps an epoch
@@ -377,7 +377,7 @@ def test_a_sigkill_is_told_as_the_kernels_count_of_oom_kills_says_without_a_gues
 
 
 def test_the_kernels_count_of_oom_kills_is_read_from_vmstat(tmp_path: Path) -> None:
-    from phalanx.strategies.ddp.agent import oom_kill_count
+    from phalanx.strategies.ddp.agent.agent import oom_kill_count
 
     vmstat, none = tmp_path / "vmstat", str(tmp_path / "none")
     vmstat.write_text("nr_free_pages 12\noom_kill 7\npgfault 3\n")
@@ -390,7 +390,7 @@ def test_the_kernels_count_of_oom_kills_is_read_from_vmstat(tmp_path: Path) -> N
 def test_the_memory_cgroups_count_of_oom_kills_comes_before_the_machines(tmp_path: Path) -> None:
     """Where the kernel keeps a count for the worker's memory cgroup (a container's limit),
     that count says; the machine's (other containers' kills) does not."""
-    from phalanx.strategies.ddp.agent import oom_kill_count
+    from phalanx.strategies.ddp.agent.agent import oom_kill_count
 
     vmstat = tmp_path / "vmstat"
     vmstat.write_text("oom_kill 40\n")
@@ -493,7 +493,7 @@ def test_exits_the_coordinator_asked_for_are_no_failures() -> None:
 
 REGROUPING = (
     "Current thread 0x1 (most recent call first):\n  Garbage-collecting\n"
-    '  File "/x/phalanx/strategies/ddp/worker.py", line 386 in leave_group'
+    '  File "/x/phalanx/strategies/ddp/worker/worker.py", line 386 in leave_group'
 )
 
 

@@ -86,7 +86,7 @@ def test_a_heartbeat_in_shared_memory_reads_as_the_latest_progress_once() -> Non
     beats is seen (the supervisor needs the newest phase, not every one)."""
     import multiprocessing as mp
 
-    from phalanx.strategies.ddp.protocol import Heartbeat
+    from phalanx.strategies.ddp.wire.protocol import Heartbeat
 
     ctx = mp.get_context("spawn")
     beat = Heartbeat.create(ctx)

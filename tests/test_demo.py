@@ -150,7 +150,11 @@ def test_chaos_demo_survives_three_failures_with_the_clean_accuracy(tmp_path: Pa
     assert "now a clean run with the same seed and no faults" in out
     clean = re.search(r"clean run, same seed, no failures: validation accuracy ([\d.]+)", out)
     assert clean, out[-2000:]
-    assert final_accuracy(out) == float(clean.group(1)) >= 0.95
+    # The same model within float tolerance: the members' sums are added in another order
+    # while the world is smaller, which can move one borderline validation sample of 360
+    # (seen once in a loaded full suite: 0.972 against 0.969); never more.
+    assert abs(final_accuracy(out) - float(clean.group(1))) <= 1 / 360 + 1e-3
+    assert float(clean.group(1)) >= 0.95
 
 
 @pytest.mark.timeout(120)

@@ -1,5 +1,6 @@
-"""The head lost (``strategies/ddp/emergency.py``): what a worker keeps and what the node
-says. The process tests (a head killed or frozen, then resumed) are in test_multinode."""
+"""The head lost (``strategies/ddp/worker/emergency.py``, ``nodes/headloss.py``): what a worker
+keeps and what the node says. The process tests (a head killed or frozen, then resumed) are in
+test_multinode."""
 
 from __future__ import annotations
 
@@ -15,13 +16,9 @@ from phalanx.checkpoint import Checkpoints, load_checkpoint
 from phalanx.checkpoint.checkpointer import read_index
 from phalanx.launch import SPARE, Address, Launch
 from phalanx.spec import FitConfig
-from phalanx.strategies.ddp.emergency import (
-    await_verdict,
-    head_lost_message,
-    keep_committed,
-    save_committed,
-)
-from phalanx.strategies.ddp.protocol import Saved
+from phalanx.strategies.ddp.nodes.headloss import head_lost_message
+from phalanx.strategies.ddp.wire.protocol import Saved
+from phalanx.strategies.ddp.worker.emergency import await_verdict, keep_committed, save_committed
 
 
 def _loop(step: int, value: float = 1.0) -> Any:

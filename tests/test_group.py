@@ -18,7 +18,7 @@ from torch import nn
 
 from phalanx.failures import WorkerFailure
 from phalanx.report import is_secondary
-from phalanx.strategies.ddp.group import ABANDONED, GenerationGroup, GroupBroken
+from phalanx.strategies.ddp.worker.group import ABANDONED, GenerationGroup, GroupBroken
 
 CPU = torch.device("cpu")
 TIMEOUT = timedelta(seconds=20)
@@ -122,7 +122,7 @@ def test_the_hand_over_moves_state_to_the_members_behind_only() -> None:
     """Three members: rank 2 is behind (a replacement). It gets the state of rank 0, the
     lowest rank at the furthest position, over a subgroup of those two; rank 1, already
     there, receives nothing."""
-    from phalanx.strategies.ddp.handover import hand_over
+    from phalanx.strategies.ddp.worker.handover import hand_over
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     loops = [FakeLoop(7, torch.full((3,), 1.0)), FakeLoop(7, torch.full((3,), 1.0))]

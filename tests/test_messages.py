@@ -16,13 +16,14 @@ import pytest
 
 from phalanx.failures import WorkerFailure
 from phalanx.launch import SPARE
-from phalanx.strategies.ddp.link import Frame
-from phalanx.strategies.ddp.messages import (
+from phalanx.strategies.ddp.wire.link import Frame
+from phalanx.strategies.ddp.wire.messages import (
     BadMessage,
     DumpOrder,
     End,
     Fenced,
     FinalWeights,
+    Hello,
     KeepAlive,
     KillOrder,
     Message,
@@ -37,8 +38,7 @@ from phalanx.strategies.ddp.messages import (
     decode,
     encode,
 )
-from phalanx.strategies.ddp.nodeplan import Hello
-from phalanx.strategies.ddp.protocol import Done, Progress
+from phalanx.strategies.ddp.wire.protocol import Done, Progress
 
 FAILURE = WorkerFailure(
     worker=2, rank=1, device="cpu:2", kind="crash", message="killed", host="gpu7", time=5.0
@@ -237,7 +237,7 @@ def test_only_the_codec_builds_or_reads_a_frames_document() -> None:
     builds a Frame, reads its ``doc`` or sends a kind by name."""
     ddp = Path(__file__).resolve().parent.parent / "src" / "phalanx" / "strategies" / "ddp"
     found = []
-    for path in sorted(ddp.glob("*.py")):
+    for path in sorted(ddp.rglob("*.py")):
         if path.name in ("messages.py", "link.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -270,7 +270,7 @@ def test_a_hello_the_head_cannot_read_is_refused_saying_why() -> None:
 
     from phalanx.errors import NodesDisagreeError
     from phalanx.plan import Plan
-    from phalanx.strategies.ddp.nodes import NodeHub
+    from phalanx.strategies.ddp.nodes.nodes import NodeHub
     from phalanx.strategies.ddp.timing import DEFAULT
 
     hub = NodeHub(SimpleNamespace(), 2, DEFAULT)  # type: ignore[arg-type]

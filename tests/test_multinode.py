@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.strategies.ddp.control import ENVELOPE, Signer, digest, new_run_id
-from phalanx.strategies.ddp.link import Frame, Link, LinkError
-from phalanx.strategies.ddp.protocol import (
+from phalanx.strategies.ddp.wire.control import ENVELOPE, Signer, digest, new_run_id
+from phalanx.strategies.ddp.wire.link import Frame, Link, LinkError
+from phalanx.strategies.ddp.wire.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
     GEN_LATEST,

@@ -12,7 +12,7 @@ import pytest
 
 from phalanx.launch import SPARE
 from phalanx.plan import Plan
-from phalanx.strategies.ddp.nodeplan import (
+from phalanx.strategies.ddp.coordinator.nodeplan import (
     Admit,
     Beat,
     Decision,
@@ -276,7 +276,7 @@ def test_the_rules_import_no_mechanism() -> None:
     import ast
     import inspect
 
-    import phalanx.strategies.ddp.nodeplan as nodeplan
+    import phalanx.strategies.ddp.coordinator.nodeplan as nodeplan
 
     tree = ast.parse(inspect.getsource(nodeplan))
     imported = {
@@ -285,13 +285,13 @@ def test_the_rules_import_no_mechanism() -> None:
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     mechanism = {"socket", "threading", "time", "logging", "queue", "select", "os"}
     assert not {name.split(".")[0] for name in imported} & mechanism, imported
-    assert "phalanx.strategies.ddp.link" not in imported
+    assert "phalanx.strategies.ddp.wire.link" not in imported
 
 
 def test_two_long_settings_that_differ_late_are_shown_where_they_differ() -> None:
     from phalanx.checkpoint import Checkpoints
     from phalanx.plan import Plan
-    from phalanx.strategies.ddp.nodeplan import disagreements
+    from phalanx.strategies.ddp.coordinator.nodeplan import disagreements
 
     plan = Plan(120, 12, seed=0)
     mine = Checkpoints(keep_best="val/accuracy", best_mode="max")

@@ -26,16 +26,19 @@ from phalanx.errors import NoTokenError
 from phalanx.events import Notice, StepEnded
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
-from phalanx.strategies.ddp.actions import Announce, Record, SetAbort, Spawn
-from phalanx.strategies.ddp.control import Signer
-from phalanx.strategies.ddp.coordinator import (
+from phalanx.strategies.ddp.coordinator.actions import Announce, Record, SetAbort, Spawn
+from phalanx.strategies.ddp.coordinator.coordinator import (
     Exited,
     NodeCoordinator,
     NodeLost,
     Received,
     Spawned,
 )
-from phalanx.strategies.ddp.link import (
+from phalanx.strategies.ddp.coordinator.roster import Now, Setup
+from phalanx.strategies.ddp.nodes.nodes import NodeHub, disagreements, head_token, node_token
+from phalanx.strategies.ddp.timing import DEFAULT, Timing
+from phalanx.strategies.ddp.wire.control import Signer
+from phalanx.strategies.ddp.wire.link import (
     HEADER,
     MAX_UNPROVEN,
     Frame,
@@ -43,8 +46,7 @@ from phalanx.strategies.ddp.link import (
     LinkError,
     Listener,
 )
-from phalanx.strategies.ddp.nodes import NodeHub, disagreements, head_token, node_token
-from phalanx.strategies.ddp.protocol import (
+from phalanx.strategies.ddp.wire.protocol import (
     Aborted,
     Broke,
     Done,
@@ -58,8 +60,6 @@ from phalanx.strategies.ddp.protocol import (
     from_wire,
     to_wire,
 )
-from phalanx.strategies.ddp.roster import Now, Setup
-from phalanx.strategies.ddp.timing import DEFAULT, Timing
 
 TOKEN = b"the run's token"
 HELLO = Frame("hello", {"node": 1})  # (a hello as the link carries it)
@@ -472,7 +472,7 @@ def test_nodes_that_differ_are_named_setting_by_setting() -> None:
 
 
 def test_a_lost_node_that_registers_again_starts_replacements_of_its_slots() -> None:
-    from phalanx.strategies.ddp.coordinator import NodeJoined
+    from phalanx.strategies.ddp.coordinator.coordinator import NodeJoined
 
     c = coordinator((0, 1, 1))
     training(c)
@@ -530,7 +530,7 @@ def test_workers_count_their_local_rank_on_their_own_node() -> None:
     """torchrun's variables across nodes: RANK and WORLD_SIZE over every member, LOCAL_RANK
     and LOCAL_WORLD_SIZE over this node's members (in rank order), MASTER_ADDR the head's
     store. Node 1 runs slots 2 and 3 of four."""
-    from phalanx.strategies.ddp.identity import torchrun_env
+    from phalanx.strategies.ddp.worker.identity import torchrun_env
 
     def env(slot: int, members: list[int], here: tuple[int, ...]) -> tuple[str, ...]:
         e = torchrun_env(slot, members, here, "10.0.0.1", 29400)
@@ -554,7 +554,7 @@ def test_a_nodes_spawner_gives_its_workers_that_nodes_slots() -> None:
     import torch
 
     from phalanx.spec import FitConfig
-    from phalanx.strategies.ddp.spawner import Spawner, SpawnOrder
+    from phalanx.strategies.ddp.agent.spawner import Spawner, SpawnOrder
 
     class FakeAgent:
         store_at = ("10.0.0.1", 29400)
@@ -595,7 +595,7 @@ def test_under_torchrun_the_head_uses_torchruns_agent_store_under_its_own_prefix
     import torch.distributed as dist
 
     from phalanx.launch import Address, Launch
-    from phalanx.strategies.ddp.nodes import head_agent
+    from phalanx.strategies.ddp.nodes.nodes import head_agent
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     launch = Launch("torchrun", nnodes=2, head=Address("127.0.0.1", server.port))
@@ -618,7 +618,7 @@ def test_under_torchrun_the_head_uses_torchruns_agent_store_under_its_own_prefix
 
 def test_under_torchrun_without_a_shared_store_the_head_hosts_one_on_master_port() -> None:
     from phalanx.launch import Address, Launch
-    from phalanx.strategies.ddp.nodes import head_agent
+    from phalanx.strategies.ddp.nodes.nodes import head_agent
 
     port = _free_port()
     launch = Launch("torchrun", nnodes=2, head=Address("127.0.0.1", port))

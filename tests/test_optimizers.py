@@ -16,7 +16,7 @@ from amp_helpers import decay_groups, halve_each, mlp, mse_step, norm_mlp, sgd
 from ddp_helpers import make_data
 from phalanx.errors import InvalidSettingError, OptimizerInstanceError
 from phalanx.spec import factory_takes_model
-from phalanx.strategies.ddp.agent import START_METHOD
+from phalanx.strategies.ddp.agent.agent import START_METHOD
 
 DATA = make_data(192, seed=6)
 BATCH, EPOCHS = 32, 3  # 6 steps an epoch

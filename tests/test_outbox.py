@@ -17,9 +17,9 @@ import pytest
 
 from ddp_helpers import say_steps_then_exit
 from phalanx.events import Notice, StepEnded
-from phalanx.strategies.ddp import protocol
-from phalanx.strategies.ddp.agent import Agent, SlotState
-from phalanx.strategies.ddp.protocol import Outbox, Ready, Relay
+from phalanx.strategies.ddp.agent.agent import Agent, SlotState
+from phalanx.strategies.ddp.wire import protocol
+from phalanx.strategies.ddp.wire.protocol import Outbox, Ready, Relay
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes")
 

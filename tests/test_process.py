@@ -25,7 +25,7 @@ def test_a_lifeline_sees_its_agent_live_then_gone() -> None:
 ORPHAN = """
 import multiprocessing.forkserver as fs
 import os, signal, sys, time
-from phalanx.strategies.ddp.agent import Agent, start_fork_server
+from phalanx.strategies.ddp.agent.agent import Agent, start_fork_server
 
 
 def sleeper(_):

@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 import phalanx as px
 from phalanx.errors import CheckpointError
 from phalanx.events import CheckpointSkipped, Event, Notice, Resumed, RunStarted, StepEnded
-from phalanx.strategies.ddp.agent import START_METHOD
+from phalanx.strategies.ddp.agent.agent import START_METHOD
 from recorder import Recorder
 
 SAMPLES, BATCH, EPOCHS = 32, 8, 3

@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
-from phalanx.strategies.ddp.link import Frame
-from phalanx.strategies.ddp.messages import (
+from phalanx.strategies.ddp.agent.routing import Router
+from phalanx.strategies.ddp.nodes.nodes import NodeHub, RemoteNode, _order
+from phalanx.strategies.ddp.timing import DEFAULT
+from phalanx.strategies.ddp.wire.link import Frame
+from phalanx.strategies.ddp.wire.messages import (
     DumpOrder,
     KillOrder,
     Message,
@@ -21,9 +24,6 @@ from phalanx.strategies.ddp.messages import (
     Started,
     decode,
 )
-from phalanx.strategies.ddp.nodes import NodeHub, RemoteNode, _order
-from phalanx.strategies.ddp.routing import Router
-from phalanx.strategies.ddp.timing import DEFAULT
 
 
 class FakeAgents:

@@ -28,8 +28,8 @@ from torch import nn
 
 import phalanx as px
 from phalanx.events import Notice, StepEnded
-from phalanx.strategies.ddp import agent as agent_mod
-from phalanx.strategies.ddp.control import (
+from phalanx.strategies.ddp.agent import agent as agent_mod
+from phalanx.strategies.ddp.wire.control import (
     ENVELOPE,
     Rejection,
     SignedStore,
@@ -39,7 +39,7 @@ from phalanx.strategies.ddp.control import (
     new_run_id,
     run_token,
 )
-from phalanx.strategies.ddp.protocol import (
+from phalanx.strategies.ddp.wire.protocol import (
     ABORT_KEY,
     ARRIVED_PREFIX,
     CONTROL_KEY,
@@ -49,7 +49,7 @@ from phalanx.strategies.ddp.protocol import (
     Announcement,
     Generation,
 )
-from phalanx.strategies.ddp.worker import arrive
+from phalanx.strategies.ddp.worker.worker import arrive
 from procs import alive, started_by
 from recorder import Recorder
 from recovery_helpers import linear, make_data, sgd, slow_step

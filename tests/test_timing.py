@@ -146,7 +146,7 @@ def timing_literals(source: str) -> list[str]:
 
 
 def test_no_ddp_module_but_timing_holds_a_timing_literal() -> None:
-    modules = sorted(p for p in DDP.glob("*.py") if p != ALLOWED)
+    modules = sorted(p for p in DDP.rglob("*.py") if p != ALLOWED)
     assert len(modules) > 10  # (the strategy's modules were found)
     found = [
         f"{path.name} {where}" for path in modules for where in timing_literals(path.read_text())

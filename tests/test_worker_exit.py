@@ -13,11 +13,11 @@ from phalanx.failures import FailedHere, WorkerFailure
 from phalanx.loop import Regroup, StepAborted
 from phalanx.plan import Plan
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.ddp.engine import Member
-from phalanx.strategies.ddp.group import GroupBroken
-from phalanx.strategies.ddp.protocol import Broke
 from phalanx.strategies.ddp.timing import Timing
-from phalanx.strategies.ddp.worker import Exit, Superseded, Worker, WorkerArgs
+from phalanx.strategies.ddp.wire.protocol import Broke
+from phalanx.strategies.ddp.worker.engine import Member
+from phalanx.strategies.ddp.worker.group import GroupBroken
+from phalanx.strategies.ddp.worker.worker import Exit, Superseded, Worker, WorkerArgs
 
 
 class Pipe:

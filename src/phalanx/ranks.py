@@ -2,7 +2,7 @@
 
 A plain DDP script asks torch (``dist.get_rank() == 0``) before it saves a file or prints.
 phalanx never creates torch's default process group (each generation of a ddp run owns a
-group of its own, see :mod:`phalanx.strategies.ddp.group`), so torch's calls have nothing to
+group of its own, see :mod:`phalanx.strategies.ddp.worker.group`), so torch's calls have nothing to
 answer from; these three answer instead, wherever user code runs:
 
 - inside training (the model factory, the step, a metric, a validation pass), on any

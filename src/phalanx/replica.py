@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 StepFn = Callable[[nn.Module, Any], Any]
 # A ddp member's vote as the synchronised backward carries it: a leaf tensor and the
-# gradient it receives (strategies/ddp/ballot.py).
+# gradient it receives (strategies/ddp/worker/ballot.py).
 Cast = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -405,7 +405,7 @@ class Replica:
             if not math.isfinite(value):
                 return f"NonFiniteSampleLoss: the loss is {value}"
             return None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # (sys.exit() in the step fails the part)
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             return f"{type(exc).__name__}: {first}"
         finally:

@@ -1,17 +1,31 @@
 """``strategy="ddp"``: one process per device, gradients synced by torch DDP.
 
-- :mod:`.supervisor`: the calling process. Hosts the TCPStore, spawns and watches workers,
-  detects deaths (process sentinels) and hangs (progress messages), decides, reports.
-- :mod:`.worker`: one per device. Preflight, process group, DDP, the training loop; each
-  generation ends as an :class:`~.worker.Exit`.
-- :mod:`.engine`: a worker's :class:`~.engine.Member` and the
-  :class:`~phalanx.loop.Engine` of one rank: local step + vote.
-- :mod:`.group`: the process group a generation owns (no default group).
-- :mod:`.handover`: the agreed state to the members behind, through torch's pytree.
-- :mod:`.preflight`: one isolated step on the worker's real replica.
-- :mod:`.protocol`: the messages workers send to the supervisor, and the store keys.
+The folder is the design; each layer imports only those below it (``tests/test_layers.py``):
+
+- :mod:`.timing`, :mod:`.process`: leaves (every duration; a process seen through a pidfd).
+- :mod:`.wire`: what crosses a boundary: worker messages, signed store values, the node link
+  and its typed messages.
+- :mod:`.coordinator`: every decision, pure (slots, generations, failures, nodes).
+- :mod:`.worker`: one process per device: preflight, its group, DDP, the loop, the vote.
+- :mod:`.agent`: the mechanism on one machine (processes, pipes, store) and the routing of
+  an action to the agent that holds the slot.
+- :mod:`.nodes`: several machines: the head's hub, a node's agent, the head's loss.
+- :mod:`.supervisor`: the calling process, glue between the coordinator and the agents.
+
+Nothing here imports the supervisor but this package's :func:`run_ddp`, loaded on first use,
+so that a worker process importing its modules never loads the supervisor.
 """
 
-from phalanx.strategies.ddp.supervisor import run_ddp
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["run_ddp"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "run_ddp":
+        from phalanx.strategies.ddp.supervisor import run_ddp
+
+        return run_ddp
+    raise AttributeError(name)

@@ -28,7 +28,10 @@ from phalanx.ranks import acting_as
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.snapshot.config import snapshots_off
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.ddp.actions import (
+from phalanx.strategies.ddp.agent.agent import Agent, SlotState, start_fork_server
+from phalanx.strategies.ddp.agent.routing import LocalAgent, Router
+from phalanx.strategies.ddp.agent.spawner import Spawner
+from phalanx.strategies.ddp.coordinator.actions import (
     Action,
     Announce,
     DumpStacks,
@@ -39,10 +42,8 @@ from phalanx.strategies.ddp.actions import (
     SetStop,
     Spawn,
 )
-from phalanx.strategies.ddp.agent import Agent, SlotState, start_fork_server
-from phalanx.strategies.ddp.book import FailureBook
-from phalanx.strategies.ddp.control import rejected_notice
-from phalanx.strategies.ddp.coordinator import (
+from phalanx.strategies.ddp.coordinator.book import FailureBook
+from phalanx.strategies.ddp.coordinator.coordinator import (
     AllExited,
     Coordinator,
     CoordinatorEvent,
@@ -56,7 +57,18 @@ from phalanx.strategies.ddp.coordinator import (
     StopRequested,
     Tick,
 )
-from phalanx.strategies.ddp.messages import (
+from phalanx.strategies.ddp.coordinator.roster import Now, Setup
+from phalanx.strategies.ddp.nodes.nodes import (
+    Nodes,
+    RemoteNode,
+    rejected_link,
+    run_node,
+    start_head,
+    tell_end,
+)
+from phalanx.strategies.ddp.timing import Timing
+from phalanx.strategies.ddp.wire.control import rejected_notice
+from phalanx.strategies.ddp.wire.messages import (
     BadMessage,
     End,
     FinalWeights,
@@ -68,19 +80,7 @@ from phalanx.strategies.ddp.messages import (
     StopAsked,
     decode,
 )
-from phalanx.strategies.ddp.nodes import (
-    Nodes,
-    RemoteNode,
-    rejected_link,
-    run_node,
-    start_head,
-    tell_end,
-)
-from phalanx.strategies.ddp.protocol import Done, Rejected
-from phalanx.strategies.ddp.roster import Now, Setup
-from phalanx.strategies.ddp.routing import LocalAgent, Router
-from phalanx.strategies.ddp.spawner import Spawner
-from phalanx.strategies.ddp.timing import Timing
+from phalanx.strategies.ddp.wire.protocol import Done, Rejected
 
 __all__ = ["SlotState", "Supervisor", "run_ddp"]
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from phalanx.spec import FitConfig
-    from phalanx.strategies.ddp.hangs import Watched
+    from phalanx.strategies.ddp.coordinator.hangs import Watched
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from phalanx.policy import (
     restart_was_possible,
 )
 from phalanx.report import is_secondary
-from phalanx.strategies.ddp.actions import Action, Record
-from phalanx.strategies.ddp.protocol import Broke, Done
+from phalanx.strategies.ddp.coordinator.actions import Action, Record
+from phalanx.strategies.ddp.wire.protocol import Broke, Done
 
 ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted", "restart": "restarted"}
 NO_RUN_DIR = (

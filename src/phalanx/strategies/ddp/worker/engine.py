@@ -1,5 +1,5 @@
 """The engine of one ddp rank in one generation: the local step through DDP, whose gradient
-all-reduce also carries the step's vote (:mod:`phalanx.strategies.ddp.ballot`); every
+all-reduce also carries the step's vote (:mod:`phalanx.strategies.ddp.worker.ballot`); every
 collective over the generation's own group."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from phalanx.ranks import acting_as
 from phalanx.replica import Cast, Identity, LocalResult, Replica
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote, run_attempt
-from phalanx.strategies.ddp.ballot import Ballot
-from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
+from phalanx.strategies.ddp.worker.ballot import Ballot
+from phalanx.strategies.ddp.worker.group import GenerationGroup, GroupBroken
 from phalanx.trainable import Trainable
 
 PhaseHook = Callable[[int, str], None]
@@ -80,7 +80,7 @@ class DdpEngine:
 
     The vote (:func:`phalanx.loop.vote_values`) is cast by :meth:`launch` right before the
     synchronised backward, as a gradient DDP reduces with the model's
-    (:class:`~phalanx.strategies.ddp.ballot.Ballot`), and counted after it: no
+    (:class:`~phalanx.strategies.ddp.worker.ballot.Ballot`), and counted after it: no
     collective of its own; a failed step costs nothing extra and metrics need none either.
     """
 

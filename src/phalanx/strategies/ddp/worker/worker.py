@@ -48,15 +48,10 @@ from phalanx.runner import build_loop, make_checkpointer, start_run
 from phalanx.snapshot import SnapshotStore, Snapshotter, Taken, stable_tensors
 from phalanx.snapshot.store import Header
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.ddp.control import SignedStore, Signer, latest_generation
-from phalanx.strategies.ddp.emergency import await_verdict, keep_committed
-from phalanx.strategies.ddp.engine import DdpEngine, EngineHooks, Member
-from phalanx.strategies.ddp.group import GenerationGroup, GroupBroken
-from phalanx.strategies.ddp.handover import LocalState, hand_over
-from phalanx.strategies.ddp.identity import announce
-from phalanx.strategies.ddp.preflight import preflight
 from phalanx.strategies.ddp.process import Lifeline
-from phalanx.strategies.ddp.protocol import (
+from phalanx.strategies.ddp.timing import DEFAULT, Timing
+from phalanx.strategies.ddp.wire.control import SignedStore, Signer, latest_generation
+from phalanx.strategies.ddp.wire.protocol import (
     ABORT_KEY,
     ARRIVED_PREFIX,
     CONTROL_KEY,
@@ -80,7 +75,12 @@ from phalanx.strategies.ddp.protocol import (
     Relay,
     Snapshotted,
 )
-from phalanx.strategies.ddp.timing import DEFAULT, Timing
+from phalanx.strategies.ddp.worker.emergency import await_verdict, keep_committed
+from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
+from phalanx.strategies.ddp.worker.group import GenerationGroup, GroupBroken
+from phalanx.strategies.ddp.worker.handover import LocalState, hand_over
+from phalanx.strategies.ddp.worker.identity import announce
+from phalanx.strategies.ddp.worker.preflight import preflight
 
 T = TypeVar("T")
 

@@ -16,25 +16,15 @@ start, time), as the supervisor does with :mod:`.coordinator`'s actions.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from phalanx.plan import Plan, plan_difference
 from phalanx.strategies.ddp.timing import Timing
+from phalanx.strategies.ddp.wire.messages import Hello
 
 
 # -- what goes in -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Hello:
-    """A node's registration (its ``hello`` frame, read by :func:`.messages.decode`)."""
-
-    rank: int  # the node rank it claims (-1: a spare's, or a hello the head could not read)
-    host: str = "?"
-    devices: tuple[str, ...] = ()
-    spare: bool = False  # PHALANX_NODE_RANK=spare: it waits to take a lost node's place
-    check: Mapping[str, Any] = field(default_factory=dict)  # its agreement (see nodes)
-
-
 @dataclass(frozen=True)
 class NodeView:
     """What the head knows of one node (or parked spare) when it decides."""

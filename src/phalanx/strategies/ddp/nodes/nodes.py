@@ -11,7 +11,7 @@ are numbered in node order (node 0's devices first), so a coordinator decides as
 machine; a node that stops talking for ``node_timeout`` is lost with all its workers
 (:class:`~.coordinator.NodeLost`). A node that loses the head (its link closed, or silent
 for as long) has its workers save what the run committed and ends with
-:class:`~phalanx.errors.HeadLost` (see :mod:`.emergency`).
+:class:`~phalanx.errors.HeadLost` (see :mod:`..worker.emergency` and :mod:`.headloss`).
 """
 
 from __future__ import annotations
@@ -46,11 +46,29 @@ from phalanx.ranks import acting_as
 from phalanx.run import RunEnd, RunInputs, stopped
 from phalanx.snapshot.config import snapshots_off
 from phalanx.spec import FitConfig
-from phalanx.strategies.ddp.agent import Agent, start_fork_server
-from phalanx.strategies.ddp.control import TOKEN_ENV, Signer, new_run_id
-from phalanx.strategies.ddp.emergency import head_lost_message, save_on_head_loss
-from phalanx.strategies.ddp.link import Frame, Link, LinkError, Listener
-from phalanx.strategies.ddp.messages import (
+from phalanx.strategies.ddp.agent.agent import Agent, start_fork_server
+from phalanx.strategies.ddp.agent.routing import LocalAgent
+from phalanx.strategies.ddp.agent.spawner import Spawner
+from phalanx.strategies.ddp.coordinator.nodeplan import (
+    Beat,
+    Hello,
+    Keep,
+    Layout,
+    NodeView,
+    Park,
+    Refuse,
+    admit,
+    disagreements,
+    hear,
+    layout,
+    missing,
+    place_spares,
+)
+from phalanx.strategies.ddp.nodes.headloss import head_lost_message, save_on_head_loss
+from phalanx.strategies.ddp.timing import DEFAULT, Timing
+from phalanx.strategies.ddp.wire.control import TOKEN_ENV, Signer, new_run_id
+from phalanx.strategies.ddp.wire.link import Frame, Link, LinkError, Listener
+from phalanx.strategies.ddp.wire.messages import (
     BadMessage,
     DumpOrder,
     End,
@@ -68,25 +86,7 @@ from phalanx.strategies.ddp.messages import (
     decode,
     encode,
 )
-from phalanx.strategies.ddp.nodeplan import (
-    Beat,
-    Hello,
-    Keep,
-    Layout,
-    NodeView,
-    Park,
-    Refuse,
-    admit,
-    disagreements,
-    hear,
-    layout,
-    missing,
-    place_spares,
-)
-from phalanx.strategies.ddp.protocol import Done, Saved
-from phalanx.strategies.ddp.routing import LocalAgent
-from phalanx.strategies.ddp.spawner import Spawner
-from phalanx.strategies.ddp.timing import DEFAULT, Timing
+from phalanx.strategies.ddp.wire.protocol import Done, Saved
 from phalanx.version import __version__
 
 TOKEN_FILE = "token"  # in run_dir, owner-only: the run's token for every node

@@ -24,10 +24,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from phalanx.interrupt import WARNING_SIGNAL
-from phalanx.strategies.ddp.control import Signer, new_run_id, run_token
-from phalanx.strategies.ddp.messages import Seen
 from phalanx.strategies.ddp.process import exited, pidfd_of
-from phalanx.strategies.ddp.protocol import (
+from phalanx.strategies.ddp.timing import DEFAULT, Timing
+from phalanx.strategies.ddp.wire.control import Signer, new_run_id, run_token
+from phalanx.strategies.ddp.wire.messages import Seen
+from phalanx.strategies.ddp.wire.protocol import (
     ABORT_KEY,
     CONTROL_KEY,
     GEN_LATEST,
@@ -41,7 +42,6 @@ from phalanx.strategies.ddp.protocol import (
     Progress,
     received,
 )
-from phalanx.strategies.ddp.timing import DEFAULT, Timing
 from phalanx.torchprivate import LAZY_IMPORTED
 
 # What multiprocessing says of a fork server's child when the fork server is gone.
@@ -52,7 +52,7 @@ FORK_SERVER_LOST = 255
 # touches a device (CUDA is initialised in each worker, after the fork).
 START_METHOD = "forkserver"
 # (LAZY_IMPORTED: a module a torch optimizer imports when it is first built, 1.1 s here)
-PRELOAD = ["torch", LAZY_IMPORTED, "phalanx.strategies.ddp.worker"]
+PRELOAD = ["torch", LAZY_IMPORTED, "phalanx.strategies.ddp.worker.worker"]
 
 
 @dataclass

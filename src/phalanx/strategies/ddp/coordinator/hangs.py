@@ -44,7 +44,7 @@ def waits_in_collective(stacks: str) -> bool:
         "torch/autograd",
         "torch/nn/parallel",
         "torch/futures",
-        "ddp/group.py",
+        "ddp/worker/group.py",
     )
     return any(m in frame for frame in innermost for m in markers)
 
@@ -52,7 +52,8 @@ def waits_in_collective(stacks: str) -> bool:
 # Where a worker leaves a broken group and waits for, or forms, the next generation: phalanx's
 # own regroup path, bounded by its own timeouts (a worker found there is not hung).
 REGROUP_FRAMES = re.compile(
-    r'ddp/worker\.py", line \d+ in (leave_group|left_by|report_unvoted|wait_generation|arrive)\b'
+    r'ddp/worker/worker\.py", line \d+ in '
+    r"(leave_group|left_by|report_unvoted|wait_generation|arrive)\b"
 )
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from phalanx.events import Event
 from phalanx.failures import WorkerFailure
-from phalanx.strategies.ddp.protocol import Announcement
+from phalanx.strategies.ddp.wire.protocol import Announcement
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from phalanx.strategies.ddp.agent import Agent
-from phalanx.strategies.ddp.messages import SpawnOrder, Stacks, Started
-from phalanx.strategies.ddp.spawner import Spawner
+from phalanx.strategies.ddp.agent.agent import Agent
+from phalanx.strategies.ddp.agent.spawner import Spawner
+from phalanx.strategies.ddp.wire.messages import SpawnOrder, Stacks, Started
 
 
 class Agents(Protocol):

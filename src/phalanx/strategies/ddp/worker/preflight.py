@@ -21,7 +21,7 @@ from phalanx.failures import FailedHere
 from phalanx.faults import FaultInjector
 from phalanx.plan import Plan
 from phalanx.spec import FitConfig
-from phalanx.strategies.ddp.engine import Member
+from phalanx.strategies.ddp.worker.engine import Member
 
 
 def preflight(member: Member, config: FitConfig, plan: Plan, train: Dataset[Any]) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from phalanx.loop import TrainLoop
 from phalanx.skeleton import decode, encode, fill_tensors, split_tensors, tensor_slots
-from phalanx.strategies.ddp.group import GenerationGroup
+from phalanx.strategies.ddp.worker.group import GenerationGroup
 
 __all__ = ["hand_over"]
 

@@ -22,11 +22,19 @@ from datetime import timedelta
 from phalanx.events import Notice, StepEnded
 from phalanx.failures import WorkerFailure
 from phalanx.policy import Recovery
-from phalanx.strategies.ddp.actions import Action, DumpStacks, Emit, SetAbort, SetStop, Spawn
-from phalanx.strategies.ddp.book import ACTIONS
-from phalanx.strategies.ddp.hangs import hung_among, stalled, tied_behind
-from phalanx.strategies.ddp.panel import IDLE_PHASES, PANEL_STATES
-from phalanx.strategies.ddp.protocol import (
+from phalanx.strategies.ddp.coordinator.actions import (
+    Action,
+    DumpStacks,
+    Emit,
+    SetAbort,
+    SetStop,
+    Spawn,
+)
+from phalanx.strategies.ddp.coordinator.book import ACTIONS
+from phalanx.strategies.ddp.coordinator.hangs import hung_among, stalled, tied_behind
+from phalanx.strategies.ddp.coordinator.panel import IDLE_PHASES, PANEL_STATES
+from phalanx.strategies.ddp.coordinator.roster import Now, Restart, Roster, Setup, Slot, SlotStatus
+from phalanx.strategies.ddp.wire.protocol import (
     EXIT_TOLD,
     Aborted,
     Broke,
@@ -38,7 +46,6 @@ from phalanx.strategies.ddp.protocol import (
     Relay,
     Snapshotted,
 )
-from phalanx.strategies.ddp.roster import Now, Restart, Roster, Setup, Slot, SlotStatus
 
 
 @dataclass(frozen=True)

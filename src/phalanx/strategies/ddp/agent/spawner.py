@@ -12,9 +12,9 @@ from torch.utils.data import Dataset
 
 from phalanx.plan import Plan
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.ddp import worker as worker_mod
-from phalanx.strategies.ddp.agent import Agent
-from phalanx.strategies.ddp.messages import SpawnOrder
+from phalanx.strategies.ddp.agent.agent import Agent
+from phalanx.strategies.ddp.wire.messages import SpawnOrder
+from phalanx.strategies.ddp.worker import worker as worker_mod
 
 __all__ = ["SpawnOrder", "Spawner"]
 

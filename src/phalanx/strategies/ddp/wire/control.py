@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from phalanx.events import Notice
-from phalanx.strategies.ddp.protocol import GEN_LATEST, GEN_PREFIX, Rejected
+from phalanx.strategies.ddp.wire.protocol import GEN_LATEST, GEN_PREFIX, Rejected
 
 T = TypeVar("T")
 TOKEN_ENV = "PHALANX_TOKEN"

@@ -16,11 +16,11 @@ from phalanx.events import Event, GenerationStarted, Notice
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
 from phalanx.policy import STEP_PHASES, Recovery
-from phalanx.strategies.ddp.actions import Action, Announce, Emit, Kill, Spawn
-from phalanx.strategies.ddp.book import FailureBook
-from phalanx.strategies.ddp.panel import Panel
-from phalanx.strategies.ddp.protocol import Announcement, Joined, Progress
+from phalanx.strategies.ddp.coordinator.actions import Action, Announce, Emit, Kill, Spawn
+from phalanx.strategies.ddp.coordinator.book import FailureBook
+from phalanx.strategies.ddp.coordinator.panel import Panel
 from phalanx.strategies.ddp.timing import Timing
+from phalanx.strategies.ddp.wire.protocol import Announcement, Joined, Progress
 
 
 @dataclass(frozen=True)

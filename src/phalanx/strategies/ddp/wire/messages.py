@@ -9,7 +9,7 @@ The head tells a node: ``welcome`` (:class:`Welcome`), ``refused`` (:class:`Refu
 ``parked`` (:class:`Parked`) in answer to its hello; ``spawn`` (:class:`SpawnOrder`),
 ``kill`` (:class:`KillOrder`) and ``dump`` (:class:`DumpOrder`: stacks asked for);
 ``fenced`` (:class:`Fenced`: the head went on without it) and ``end`` (:class:`End`: how
-the run ended). A node tells the head: ``hello`` (:class:`~.nodeplan.Hello`), ``seen``
+the run ended). A node tells the head: ``hello`` (:class:`Hello`), ``seen``
 (:class:`Seen`: what its agent saw), ``weights`` (:class:`FinalWeights`), ``spawned``
 (:class:`Started`), ``stacks`` (:class:`Stacks`) and ``stop`` (:class:`StopAsked`: its
 Ctrl-C). Both send ``beat`` (:class:`KeepAlive`). Bytes (the final weights) travel as the
@@ -25,9 +25,8 @@ from typing import Any
 
 from phalanx.failures import WorkerFailure
 from phalanx.launch import SPARE
-from phalanx.strategies.ddp.link import Frame
-from phalanx.strategies.ddp.nodeplan import Hello
-from phalanx.strategies.ddp.protocol import from_wire, to_wire
+from phalanx.strategies.ddp.wire.link import Frame
+from phalanx.strategies.ddp.wire.protocol import from_wire, to_wire
 
 
 class BadMessage(ValueError):
@@ -40,6 +39,17 @@ class BadMessage(ValueError):
 
 
 # -- the head to a node -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    """A node's registration (its ``hello`` frame, read by :func:`decode`)."""
+
+    rank: int  # the node rank it claims (-1: a spare's, or a hello the head could not read)
+    host: str = "?"
+    devices: tuple[str, ...] = ()
+    spare: bool = False  # PHALANX_NODE_RANK=spare: it waits to take a lost node's place
+    check: Mapping[str, Any] = field(default_factory=dict)  # its agreement (see nodes)
+
+
 @dataclass(frozen=True)
 class Welcome:
     """A node is in (at start-up, taken back, or a spare placed): its node rank, every
