@@ -81,7 +81,7 @@ def test_the_package_does_not_load_the_supervisor_until_asked() -> None:
         "import phalanx.strategies.ddp.worker.worker\n"
         "import phalanx.strategies.ddp.wire.messages\n"
         f"assert '{PREFIX}.supervisor' not in sys.modules, 'worker loaded the supervisor'\n"
-        f"assert '{PREFIX}.nodes.nodes' not in sys.modules, 'worker loaded the nodes'\n"
+        f"assert '{PREFIX}.nodes.hub' not in sys.modules, 'worker loaded the nodes'\n"
         f"assert '{PREFIX}.agent.agent' not in sys.modules, 'worker loaded the agent'\n"
         "from phalanx.strategies.ddp import run_ddp\n"
         f"assert '{PREFIX}.supervisor' in sys.modules and callable(run_ddp)\n"

@@ -270,7 +270,7 @@ def test_a_hello_the_head_cannot_read_is_refused_saying_why() -> None:
 
     from phalanx.errors import NodesDisagreeError
     from phalanx.plan import Plan
-    from phalanx.strategies.ddp.nodes.nodes import NodeHub
+    from phalanx.strategies.ddp.nodes.hub import NodeHub
     from phalanx.strategies.ddp.timing import DEFAULT
 
     hub = NodeHub(SimpleNamespace(), 2, DEFAULT)  # type: ignore[arg-type]

@@ -34,8 +34,10 @@ from phalanx.strategies.ddp.coordinator.coordinator import (
     Received,
     Spawned,
 )
+from phalanx.strategies.ddp.coordinator.nodeplan import disagreements
 from phalanx.strategies.ddp.coordinator.roster import Now, Setup
-from phalanx.strategies.ddp.nodes.nodes import NodeHub, disagreements, head_token, node_token
+from phalanx.strategies.ddp.nodes.hub import NodeHub
+from phalanx.strategies.ddp.nodes.shared import head_token, node_token
 from phalanx.strategies.ddp.timing import DEFAULT, Timing
 from phalanx.strategies.ddp.wire.control import Signer
 from phalanx.strategies.ddp.wire.link import (
@@ -595,7 +597,7 @@ def test_under_torchrun_the_head_uses_torchruns_agent_store_under_its_own_prefix
     import torch.distributed as dist
 
     from phalanx.launch import Address, Launch
-    from phalanx.strategies.ddp.nodes.nodes import head_agent
+    from phalanx.strategies.ddp.nodes.hub import head_agent
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     launch = Launch("torchrun", nnodes=2, head=Address("127.0.0.1", server.port))
@@ -618,7 +620,7 @@ def test_under_torchrun_the_head_uses_torchruns_agent_store_under_its_own_prefix
 
 def test_under_torchrun_without_a_shared_store_the_head_hosts_one_on_master_port() -> None:
     from phalanx.launch import Address, Launch
-    from phalanx.strategies.ddp.nodes.nodes import head_agent
+    from phalanx.strategies.ddp.nodes.hub import head_agent
 
     port = _free_port()
     launch = Launch("torchrun", nnodes=2, head=Address("127.0.0.1", port))

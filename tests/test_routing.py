@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from phalanx.strategies.ddp.agent.routing import Router
-from phalanx.strategies.ddp.nodes.nodes import NodeHub, RemoteNode, _order
+from phalanx.strategies.ddp.nodes.hub import NodeHub, RemoteNode
+from phalanx.strategies.ddp.nodes.node import _order
 from phalanx.strategies.ddp.timing import DEFAULT
 from phalanx.strategies.ddp.wire.link import Frame
 from phalanx.strategies.ddp.wire.messages import (

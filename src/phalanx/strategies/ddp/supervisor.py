@@ -58,14 +58,8 @@ from phalanx.strategies.ddp.coordinator.coordinator import (
     Tick,
 )
 from phalanx.strategies.ddp.coordinator.roster import Now, Setup
-from phalanx.strategies.ddp.nodes.nodes import (
-    Nodes,
-    RemoteNode,
-    rejected_link,
-    run_node,
-    start_head,
-    tell_end,
-)
+from phalanx.strategies.ddp.nodes.hub import Nodes, RemoteNode, rejected_link, start_head, tell_end
+from phalanx.strategies.ddp.nodes.node import run_node
 from phalanx.strategies.ddp.timing import Timing
 from phalanx.strategies.ddp.wire.control import rejected_notice
 from phalanx.strategies.ddp.wire.messages import (
@@ -330,7 +324,7 @@ def run_ddp(
 ) -> RunEnd:
     """Train on one worker process per device; raises TrainingFailed when the run stopped
     (the caller finishes it: :func:`phalanx.run.finish`). Across machines (``launch`` with
-    several nodes) this is the head's part; a node's is :func:`.nodes.run_node`."""
+    several nodes) this is the head's part; a node's is :func:`.nodes.node.run_node`."""
     if launch is not None and launch.remote:
         return run_node(run, launch, emit, interrupter)
     started = time.time()

@@ -2,7 +2,7 @@
 
 A run builds one with :meth:`Timing.of` from its configuration (``hang_timeout`` and
 ``node_timeout`` and the bounds derived from them) where the configuration is known: the
-head's :func:`~.supervisor.run_ddp` and a node's :func:`~.nodes.run_node`. From there it
+head's :func:`~.supervisor.run_ddp` and a node's :func:`~.nodes.node.run_node`. From there it
 is handed down: to the coordinator (:class:`~.roster.Setup`), the agent (and through it to
 each worker, in :class:`~.worker.WorkerArgs`), the node hub and the links. No other module
 of the strategy holds a timing literal (``tests/test_timing.py`` checks it). :data:`DEFAULT`

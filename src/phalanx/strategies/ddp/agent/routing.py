@@ -1,6 +1,6 @@
 """Who carries out an action on a slot: one :class:`Agents` interface for this machine's
 agent (:class:`LocalAgent`) and another node's, reached over its link
-(:class:`~.nodes.RemoteAgent`), and the :class:`Router` that gives each slot's action to
+(:class:`~..nodes.hub.RemoteAgent`), and the :class:`Router` that gives each slot's action to
 the one that holds the slot. The supervisor calls the router and never asks where a slot
 is; a node's agent carries out the head's orders with its own :class:`LocalAgent`.
 

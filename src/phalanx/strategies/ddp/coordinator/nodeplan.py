@@ -9,7 +9,7 @@ and during the run alike; :func:`place_spares` puts parked spares in lost nodes'
 (:class:`Place`); :func:`hear` says whether a node is lost (:class:`Lost`: its link closed,
 or silent for ``node_timeout``), owed a keep-alive (:class:`Beat`) or fine (:class:`Keep`);
 :func:`missing` and :func:`layout` are the start-up's wait and the slots' numbering in node
-order. :class:`~.nodes.NodeHub` reads these and only does what they say (send, close,
+order. :class:`~..nodes.hub.NodeHub` reads these and only does what they say (send, close,
 start, time), as the supervisor does with :mod:`.coordinator`'s actions.
 """
 
@@ -204,7 +204,7 @@ def layout(own: Sequence[str], nodes: Mapping[int, Sequence[str]]) -> Layout:
 
 # -- what must agree across nodes ----------------------------------------------------------
 def disagreements(head: Mapping[str, Any], node: Mapping[str, Any], plan: Plan) -> list[str]:
-    """What a node's agreement (:func:`~.nodes.agreement`) has otherwise than the head's,
+    """What a node's agreement (:func:`~..nodes.shared.agreement`) has otherwise than the head's,
     each in a short line: a setting's two values, the plan's fields that differ, which
     samples of the data differ and how (never a whole record)."""
     found = []

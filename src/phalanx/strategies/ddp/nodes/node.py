@@ -1,0 +1,346 @@
+"""A node's side of several machines: :func:`run_node`, the ``fit`` of every node but the
+head: the hello, the head's welcome, then an agent that starts, watches, kills and dumps the
+stacks of its own workers as the head orders and sends back everything it sees. A node that
+loses the head (its link closed, or silent for ``node_timeout``) has its workers save what
+the run committed and ends with :class:`~phalanx.errors.HeadLost` (:mod:`.headloss`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from phalanx.errors import (
+    HeadLost,
+    HeadLostError,
+    NodeFencedError,
+    NodesDisagreeError,
+)
+from phalanx.events import Notice
+from phalanx.interrupt import Interrupter
+from phalanx.launch import SPARE, Launch
+from phalanx.ranks import acting_as
+from phalanx.run import RunEnd, RunInputs, stopped
+from phalanx.snapshot.config import snapshots_off
+from phalanx.spec import FitConfig
+from phalanx.strategies.ddp.agent.agent import Agent, start_fork_server
+from phalanx.strategies.ddp.agent.routing import LocalAgent
+from phalanx.strategies.ddp.agent.spawner import Spawner
+from phalanx.strategies.ddp.coordinator.nodeplan import (
+    Hello,
+)
+from phalanx.strategies.ddp.nodes.headloss import head_lost_message, save_on_head_loss
+from phalanx.strategies.ddp.nodes.shared import (
+    agreement,
+    check_interface,
+    link_address,
+    node_token,
+    tell,
+)
+from phalanx.strategies.ddp.timing import Timing
+from phalanx.strategies.ddp.wire.control import Signer
+from phalanx.strategies.ddp.wire.link import Link, LinkError
+from phalanx.strategies.ddp.wire.messages import (
+    BadMessage,
+    DumpOrder,
+    End,
+    Fenced,
+    FinalWeights,
+    KeepAlive,
+    KillOrder,
+    Message,
+    Parked,
+    Refused,
+    SpawnOrder,
+    StopAsked,
+    Welcome,
+    decode,
+    encode,
+)
+from phalanx.strategies.ddp.wire.protocol import Done, Saved
+
+
+# -- a node's side ------------------------------------------------------------------------
+def connect_to_head(
+    launch: Launch, token: bytes, hello: Hello, timing: Timing
+) -> tuple[Link, Message]:
+    """Connect to the head, retrying while it is not up yet (for ``timing.join``); the
+    link and the head's answer."""
+    address = link_address(launch)
+    deadline = timing.join
+    end = time.monotonic() + deadline.total_seconds()
+    frame = encode(hello)
+    while True:
+        try:
+            connect = timing.connect.total_seconds()
+            link, answer = Link.connect(address, token, frame, connect, timing.handshake)
+            break
+        except (OSError, LinkError) as exc:
+            if time.monotonic() > end:
+                raise NodesDisagreeError(
+                    f"could not join the head at {launch.head} within "
+                    f"{deadline.total_seconds():g}s: {exc}"
+                ) from None
+            time.sleep(timing.connect_retry.total_seconds())
+    try:
+        return link, decode(answer)
+    except BadMessage:
+        link.close()
+        raise
+
+
+def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter) -> RunEnd:
+    """A node's agent for one run: join the head, start and watch this node's workers as it
+    orders, and return the run's end as the head tells it (the model with it)."""
+    started = time.time()
+    config = run.config
+    timing = Timing.of(config)  # (this node's every duration: the same config as the head's)
+    check_interface(launch, config)
+    start_fork_server()  # (before joining: a worker's start never holds up the node's loop)
+    token = node_token(config.run_dir, timing.join.total_seconds(), timing.join_poll)
+    link, answer = _join(run, launch, token, emit, timing)
+    if isinstance(answer, End):  # a spare that never had to take a place
+        link.close()
+        return _node_end(run, answer, time.time() - started)
+    launch = dataclasses.replace(launch, node_rank=answer.node)
+    labels, first = list(answer.devices), answer.first
+    signer = Signer.for_run(token, answer.run)
+    agent = Agent(
+        bind=None, store_at=answer.store, signer=signer, prefix=answer.prefix, timing=timing
+    )
+    data = (run.train, run.valid, run.valid_size)
+    global_config = _with_devices(config, labels)
+    local = len(config.devices)
+    spawner = Spawner(run.spec, global_config, run.plan, data, agent, local, first)
+    if config.snapshots is not None and agent.snapshot_folder() is None:
+        emit(snapshots_off(agent.snapshot_error))
+    link.start()
+    last = first + len(config.devices) - 1
+    emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
+    saved: list[Saved] = []
+    try:
+        end = _serve(link, agent, LocalAgent(agent, spawner), interrupter)
+        if end is None:  # the head is lost: keep what was committed
+            saved = save_on_head_loss(agent)
+    finally:
+        agent.close()
+        link.close()
+    if end is None:
+        raise _head_lost(launch, config, first, saved, emit)
+    if isinstance(end, Fenced):
+        raise NodeFencedError(fenced_message(launch.node_rank, end))
+    return _node_end(run, end, time.time() - started)
+
+
+def _join(
+    run: RunInputs, launch: Launch, token: bytes, emit: Any, timing: Timing
+) -> tuple[Link, Welcome | End]:
+    """Register with the head (who this node is, what must agree); its answer, or raise
+    NodesDisagreeError when it refused this node."""
+    precision = str(getattr(run.spec, "precision", "32"))
+    hello = Hello(
+        rank=launch.node_rank,
+        host=socket.gethostname(),
+        devices=tuple(run.config.devices),
+        spare=launch.spare,
+        check=agreement(run.config, run.plan, precision),
+    )
+    who = "spare" if launch.spare else f"node {launch.node_rank}"
+    emit(Notice(f"{who}: joining the head at {launch.head}"))
+    link, answer = connect_to_head(launch, token, hello, timing)
+    if isinstance(answer, Refused):
+        link.close()
+        raise NodesDisagreeError(answer.message)
+    if isinstance(answer, Parked):
+        emit(Notice("spare: waiting at the head to take the place of a node that is lost"))
+        placed = _parked(link, timing)
+        if placed is None:
+            link.close()
+            raise _head_lost(launch, run.config, SPARE, [], emit)
+        if isinstance(placed, Welcome):
+            emit(Notice(f"spare: takes node {placed.node}'s place"))
+        answer = placed
+    if not isinstance(answer, (Welcome, End)):
+        link.close()
+        raise BadMessage(encode(answer).kind, "kind", "not an answer to a hello")
+    return link, answer
+
+
+def _parked(link: Link, timing: Timing) -> Welcome | End | None:
+    """A spare, until the head places it (``welcome``) or the run ends (``end``); None when
+    the head is lost (the link closed, or no word for ``timing.node``)."""
+    limit, beat = timing.node.total_seconds(), timing.beat_every.total_seconds()
+    tick = timing.link_poll.total_seconds()
+    link.start()
+    last_sent = time.monotonic()
+    while True:
+        item = link.next(tick)  # (one at a time: the orders after a welcome are the node's)
+        if isinstance(item, LinkError):
+            return None
+        message = None if item is None else decode(item)
+        if isinstance(message, (Welcome, End)):
+            return message
+        if time.monotonic() - link.last_heard > limit:
+            return None
+        if time.monotonic() - last_sent > beat:
+            with contextlib.suppress(LinkError):
+                tell(link, KeepAlive())
+            last_sent = time.monotonic()
+
+
+def fenced_message(node: int, fenced: Fenced) -> str:
+    silent, limit = fenced.silent, fenced.limit
+    return (
+        f"node {node} was cut off from the run: the head heard nothing from it for "
+        f"{silent:.1f}s (node_timeout {limit:g}s) and went on without it, so its workers "
+        "were stopped and nothing they computed since was committed. Start this node again "
+        "to rejoin the run (the head takes it back at a step boundary), or leave it out."
+    )
+
+
+def _head_lost(
+    launch: Launch, config: FitConfig, first: int, saved: list[Saved], emit: Any
+) -> HeadLost:
+    """The node's end when the head was lost: told to its sinks, raised as HeadLost."""
+    error = HeadLostError(head_lost_message(launch, config, first, saved))
+    emit(Notice(str(error), level="error"))
+    kept = [s for s in saved if s.path]
+    if not kept:
+        return HeadLost(error, None, None)
+    best = max(kept, key=lambda s: s.step)
+    return HeadLost(error, best.step, best.path)
+
+
+def _node_end(run: RunInputs, end: End, seconds: float) -> RunEnd:
+    """The run's end as the head told it: the same model and record as on the head, or
+    raise the same report."""
+    failures, fates = list(end.failures), list(end.fates)
+    if not end.ok:
+        raise stopped(failures, end.poison, _no_dir(run.config), end.notes, fates)
+    return RunEnd(
+        model=_load_model(run, end.weights),
+        history=list(end.history),
+        steps=end.steps,
+        epochs=end.epochs,
+        interrupted=end.interrupted,
+        ledger=[list(row) for row in end.ledger],
+        failures=failures,
+        seconds=seconds,
+        fates=fates,
+        model_path=_shared(run.config.run_dir, end.model_path),
+        quarantine=dict(end.quarantine),
+    )
+
+
+def _shared(run_dir: str | None, path: object) -> str | None:
+    """The head's final weights file, where this node sees it: its own run_dir is the
+    same folder (a shared file system) and the file is there."""
+    if not run_dir or not isinstance(path, str):
+        return None
+    mine = os.path.join(os.path.abspath(run_dir), os.path.basename(path))
+    same = os.path.exists(mine) and os.path.exists(path) and os.path.samefile(mine, path)
+    return mine if same else None
+
+
+def _serve(
+    link: Link, agent: Agent, local: LocalAgent, interrupter: Interrupter
+) -> End | Fenced | None:
+    """Until the head says the run ended (its ``end`` frame) or went on without this node
+    (``fenced``), or is lost: no word for the agent's ``timing.node``, or the link closed
+    (None). Its orders are carried out by ``local`` (this node's agent)."""
+    timing = agent.timing
+    limit, beat = timing.node.total_seconds(), timing.beat_every.total_seconds()
+    stop_sent = False
+    last_sent = time.monotonic()
+    try:
+        while True:
+            if _forward(agent, link):
+                last_sent = time.monotonic()
+            for item in link.drain():
+                if isinstance(item, LinkError):
+                    return _last_word(link, timing)
+                message = decode(item)
+                if isinstance(message, (End, Fenced)):
+                    return message
+                _order(message, link, local)
+            if time.monotonic() - link.last_heard > limit:
+                return _last_word(link, timing)
+            if not stop_sent and interrupter.should_stop():
+                stop_sent = True
+                tell(link, StopAsked(interrupter.reason or "stop requested"))
+            if time.monotonic() - last_sent > beat:
+                tell(link, KeepAlive())
+                last_sent = time.monotonic()
+    except LinkError:
+        return _last_word(link, timing)
+
+
+def _forward(agent: Agent, link: Link) -> bool:
+    """What this node's workers said (and their exits) to the head; whether anything went."""
+    sent = False
+    for seen in agent.poll(agent.timing.poll):
+        if isinstance(seen.message, Done) and seen.message.weights_path:
+            with open(seen.message.weights_path, "rb") as fh:
+                tell(link, FinalWeights(seen.slot, fh.read()))
+        tell(link, seen)
+        sent = True
+    return sent
+
+
+def _last_word(link: Link, timing: Timing) -> End | Fenced | None:
+    """The head's last frame that says how this node's part ended, if it came before the
+    link was lost (within ``timing.last_word``): ``end`` (the run ended: a send raced the
+    head's close) or ``fenced`` (a node that was frozen reads it on waking; its reader may
+    need a moment), else None."""
+    deadline = time.monotonic() + timing.last_word.total_seconds()
+    while time.monotonic() < deadline:
+        for item in link.drain():
+            if isinstance(item, LinkError):
+                continue
+            with contextlib.suppress(BadMessage):  # (the head is lost all the same)
+                message = decode(item)
+                if isinstance(message, (End, Fenced)):
+                    return message
+        time.sleep(timing.link_poll.total_seconds())
+    return None
+
+
+def _order(message: Message, link: Link, local: LocalAgent) -> None:
+    """The head's order, carried out by this node's agent; its answer sent back."""
+    answer: Message | None = None
+    if isinstance(message, SpawnOrder):
+        answer = local.spawn(message)
+    elif isinstance(message, KillOrder):
+        local.kill(message.slot)
+    elif isinstance(message, DumpOrder):
+        answer = local.stacks(message.slots)
+    if answer is not None:
+        tell(link, answer)
+
+
+def _with_devices(config: FitConfig, labels: list[str]) -> FitConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, devices=labels)
+
+
+def _no_dir(config: FitConfig) -> FitConfig:
+    """A node writes nothing in run_dir: the head's sinks and reports do."""
+    import dataclasses
+
+    return dataclasses.replace(config, run_dir=None)
+
+
+def _load_model(run: RunInputs, payload: bytes) -> torch.nn.Module:
+    import io
+
+    with acting_as(0, len(run.config.devices)):  # (as the main member sees it)
+        model = run.spec.build_model()
+    state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
+    return model
