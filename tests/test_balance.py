@@ -77,6 +77,22 @@ def test_without_balance_shares_stay_even_and_the_slow_member_is_still_named() -
     assert b.shares == [1 / 3] * 3
 
 
+def test_a_member_over_slow_worker_is_put_out_at_the_second_decision_in_a_row() -> None:
+    b = Balancer(3, limit=2.5)
+    found = [b.observe([1e-3, 1e-3, 4e-3]) for _ in range(2 * EVERY)]
+    decisions = [d for d in found if d is not None]
+    assert [d.too_slow for d in decisions] == [[], [2]]  # over it twice: out
+
+
+def test_one_noisy_stretch_over_slow_worker_puts_no_one_out() -> None:
+    b = Balancer(2, limit=2.5, paces=[1e-3, 1e-3])
+    b.seen = WARMUP  # (past the warm-up: each EVERY steps is a decision)
+    paces = [[1e-3, 9e-3]] * EVERY + [[1e-3, 1e-3]] * (4 * EVERY)  # a loaded stretch, then calm
+    decisions = [d for d in (b.observe(p) for p in paces) if d is not None]
+    assert decisions and all(d.too_slow == [] for d in decisions)
+    assert b.over == {0: 0, 1: 0}
+
+
 def test_members_with_no_samples_keep_their_pace() -> None:
     b = Balancer(2)
     b.observe([1e-3, 2e-3])

@@ -122,6 +122,7 @@ class Balancer:
     seen: int = 0  # committed steps observed
     named: set[int] = field(default_factory=set)
     beyond: int = 0  # decisions in a row whose proposal left the dead band
+    over: dict[int, int] = field(default_factory=dict)  # decisions in a row over the limit
 
     def __post_init__(self) -> None:
         if not self.shares:
@@ -163,14 +164,16 @@ class Balancer:
         return Decision(list(self.shares), slow, list(self.paces), moved, too_slow)
 
     def too_slow(self) -> list[int]:
-        """Members slower than the ``limit`` (times the median of their peers), if set."""
+        """Members slower than the ``limit`` (times the median of their peers), if set, in
+        :data:`CONFIRM` decisions in a row: one noisy stretch (a loaded machine, a peer's
+        hiccup that moves the median of two) puts no one out. Called once per decision."""
         if self.limit is None:
             return []
-        return [
-            i
-            for i in range(self.members)
-            if (ratio := slower_than_peers(self.paces, i)) is not None and ratio > self.limit
-        ]
+        for i in range(self.members):
+            ratio = slower_than_peers(self.paces, i)
+            over = ratio is not None and ratio > self.limit
+            self.over[i] = self.over.get(i, 0) + 1 if over else 0
+        return [i for i in range(self.members) if self.over[i] >= CONFIRM]
 
     def slow_members(self) -> list[int]:
         """Members whose smoothed pace is above :data:`SLOW` times the median of the others'."""

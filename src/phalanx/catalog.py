@@ -657,7 +657,8 @@ _ENTRIES = [
         "smoothed) stayed above F times the median of its peers'. Balance (on by default) "
         "already gives it a smaller share; past F it is put out like a failed worker: under "
         "ddp respawned or shrunk as on_failure says, so the others stop waiting for it.",
-        when="During training, at a balance decision (every 8 committed steps).",
+        when="During training, at a balance decision (every 8 committed steps), once it was over "
+        "F at two decisions in a row.",
         causes=[
             "A throttled or faulty GPU (thermal throttling, a slower model in the mix).",
             "A noisy neighbour on that machine, a degraded network link to it.",
