@@ -106,6 +106,22 @@ class WorkerFailure:
         return self.exception_type in STEP_CONTRACT_ERRORS
 
 
+def bad_sample_errors(failures: list[WorkerFailure]) -> dict[int, str]:
+    """Each sample a bisection found failing alone (dataset index), with the error it failed
+    with: the first failure that names it says it."""
+    errors: dict[int, str] = {}
+    for f in failures:
+        for index, error in f.bad_samples or []:
+            errors.setdefault(int(index), str(error))
+    return errors
+
+
+def one_line(text: str, limit: int = 120) -> str:
+    """``text`` on one line (whitespace runs made one space), cut at ``limit`` with an ellipsis."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
 def is_oom(exc: BaseException) -> bool:
     import torch
 

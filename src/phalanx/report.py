@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import InvalidStepError, TrainingFailed
-from phalanx.failures import WorkerFailure, headline
+from phalanx.failures import WorkerFailure, bad_sample_errors, headline, one_line
 from phalanx.policy import MAX_ATTEMPTS, keeps_failing
 
 # What a survivor's collective says when a peer fell (gloo's socket errors name its source
@@ -181,11 +181,10 @@ def environment(devices: list[str], failures: list[WorkerFailure]) -> dict[str, 
 def _alone(root: WorkerFailure, failures: list[WorkerFailure]) -> list[str]:
     """The samples of the poison batch that failed alone (dataset indices), found when the
     retry of its step bisected the failing part."""
-    bisected = [f for f in failures if f.bad_samples and f.step == root.step]
-    if not bisected:
+    bad = bad_sample_errors([f for f in failures if f.step == root.step])
+    if not bad:
         return []
-    bad = {int(i): str(e) for f in bisected for i, e in f.bad_samples or []}
-    found = ", ".join(f"{i} ({' '.join(e.split())[:120]})" for i, e in sorted(bad.items()))
+    found = ", ".join(f"{i} ({one_line(e)})" for i, e in sorted(bad.items()))
     return [
         f"Sample(s) that fail alone: {found}. fit(on_bad_sample='skip') would leave them out "
         "and go on."

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from phalanx import ledger, report
 from phalanx.errors import TrainingFailed
-from phalanx.failures import WorkerFailure
+from phalanx.failures import WorkerFailure, bad_sample_errors
 from phalanx.launch import Launch
 from phalanx.plan import Plan
 from phalanx.spec import FitConfig, TrainSpec
@@ -113,7 +113,7 @@ def write_quarantine(
     the error it failed with alone (from the failure whose bisection found it)."""
     if not run_dir or not quarantine:
         return
-    errors = {int(index): str(error) for f in failures for index, error in (f.bad_samples or [])}
+    errors = bad_sample_errors(failures)
     rows = [
         {"index": i, "step": g + 1, "error": errors.get(i, "")}
         for i, g in sorted(quarantine.items())

@@ -29,7 +29,7 @@ from phalanx.events import (
     WorkerFailed,
     WorkerState,
 )
-from phalanx.failures import WorkerFailure
+from phalanx.failures import WorkerFailure, bad_sample_errors, one_line
 from phalanx.sinks.format import fmt_number, fmt_share
 
 _SPLIT_ORDER = {"train": 0, "valid": 1, "test": 2}
@@ -329,14 +329,11 @@ QUARANTINE_SHOWN = 8  # samples listed one by one at the run's end; quarantine.j
 def quarantine_lines(failures: list[WorkerFailure], run_dir: str | None) -> list[str]:
     """``Quarantined 2 sample(s), left out of every later step: 17 (ValueError: ...), ...``:
     each sample ``on_bad_sample="skip"`` left out, with the error it failed with alone."""
-    errors: dict[int, str] = {}
-    for f in failures:
-        for index, error in f.bad_samples or []:
-            errors.setdefault(int(index), str(error))
+    errors = bad_sample_errors(failures)
     if not errors:
         return []
     first = sorted(errors.items())[:QUARANTINE_SHOWN]
-    shown = [f"{index} ({_one_line(error)})" for index, error in first]
+    shown = [f"{index} ({one_line(error)})" for index, error in first]
     more = len(errors) - len(shown)
     where = f"{run_dir}/quarantine.json" if run_dir else "FitResult.quarantined"
     return [
@@ -345,11 +342,6 @@ def quarantine_lines(failures: list[WorkerFailure], run_dir: str | None) -> list
         + (f", and {more} more" if more else "")
         + f"; all in {where}."
     ]
-
-
-def _one_line(error: str, limit: int = 120) -> str:
-    text = " ".join(error.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def end_lines(story: RunStory, end: RunEnded) -> list[str]:
