@@ -77,20 +77,30 @@ def test_without_balance_shares_stay_even_and_the_slow_member_is_still_named() -
     assert b.shares == [1 / 3] * 3
 
 
-def test_a_member_over_slow_worker_is_put_out_at_the_second_decision_in_a_row() -> None:
-    b = Balancer(3, limit=2.5)
-    found = [b.observe([1e-3, 1e-3, 4e-3]) for _ in range(2 * EVERY)]
-    decisions = [d for d in found if d is not None]
-    assert [d.too_slow for d in decisions] == [[], [2]]  # over it twice: out
+FAST, SLOW3, SLOW9 = [1e-3, 1e-3, 1e-3], [1e-3, 1e-3, 3e-3], [1e-3, 1e-3, 9e-3]
 
 
-def test_one_noisy_stretch_over_slow_worker_puts_no_one_out() -> None:
-    b = Balancer(2, limit=2.5, paces=[1e-3, 1e-3])
-    b.seen = WARMUP  # (past the warm-up: each EVERY steps is a decision)
-    paces = [[1e-3, 9e-3]] * EVERY + [[1e-3, 1e-3]] * (4 * EVERY)  # a loaded stretch, then calm
-    decisions = [d for d in (b.observe(p) for p in paces) if d is not None]
-    assert decisions and all(d.too_slow == [] for d in decisions)
-    assert b.over == {0: 0, 1: 0}
+@pytest.mark.parametrize(
+    ("stretches", "put_out"),
+    [
+        # (paces for EVERY steps, one stretch per decision) -> too_slow at each decision
+        ([SLOW9, SLOW9], [[], [2]]),  # over the bound at two decisions in a row: out
+        ([SLOW9, FAST, FAST], [[], [], []]),  # one loaded stretch: no one
+        ([SLOW9, FAST, SLOW9, FAST], [[], [], [], []]),  # over, under, over: never twice running
+        ([SLOW3, SLOW3, SLOW3], [[], [], []]),  # slower, but under slow_worker=4: named only
+        ([SLOW9, SLOW9, SLOW9], [[], [2], [2]]),  # (until the engine puts it out)
+    ],
+)
+def test_slow_worker_puts_a_member_out_only_at_the_second_decision_in_a_row(
+    stretches: list[list[float]], put_out: list[list[int]]
+) -> None:
+    b = Balancer(3, limit=4.0, paces=[1e-3] * 3)
+    found = []
+    for paces in stretches:  # (a decision at the last step of each stretch)
+        decisions = [b.observe(paces) for _ in range(EVERY)]
+        assert all(d is None for d in decisions[:-1])
+        found.append(decisions[-1].too_slow if decisions[-1] is not None else [])
+    assert found == put_out
 
 
 def test_members_with_no_samples_keep_their_pace() -> None:
