@@ -1,5 +1,7 @@
 """A node lost mid-run: killed (SIGKILL of its processes) or frozen (SIGSTOP: sockets stay
-open, as a partition or a suspended host), two nodes of one CPU worker each on loopback.
+open, as a partition or a suspended host), two nodes of one CPU worker each on loopback;
+and the head's node lost the same two ways, three nodes on a shared run_dir (node 1 takes
+over as the head, node 2 follows it).
 
     .venv/bin/python bench/nodes.py [--trials 3] [--node-timeout 3] [--epochs 12]
 
@@ -13,6 +15,10 @@ once the head has finished epoch 2. From the head's record of the failure:
 - steps lost: committed steps computed again (0 when the ledger is exact and the run has
   its full step count: phalanx goes on from the last step every member agreed on);
 - the run ends with the model of a run that lost nothing (checked against one clean run).
+
+For the head, the same from the new head's record (the failure that names the head's loss,
+its time when node 1 saw it); steps lost: the first step the new head commits minus the one
+after the step its workers kept (0: it goes on from the last committed step).
 """
 
 from __future__ import annotations
@@ -38,13 +44,13 @@ SCRIPT = ROOT / "tests" / "multinode_script.py"
 PATHS = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])
 
 
-def _env(rank: int | None, port: int, node_timeout: float) -> dict[str, str]:
+def _env(rank: int | None, port: int, node_timeout: float, nnodes: int = 2) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=PATHS, PHALANX_TEST_NODE_TIMEOUT=str(node_timeout))
     for name in ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD"):
         env.pop(name, None)
     if rank is not None:
         env.update(
-            PHALANX_NNODES="2",
+            PHALANX_NNODES=str(nnodes),
             PHALANX_NODE_RANK=str(rank),
             PHALANX_HEAD=f"127.0.0.1:{port}",
             PHALANX_TOKEN="bench token",
@@ -119,6 +125,43 @@ def trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict[str,
     }
 
 
+def head_trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict[str, float]:
+    """Three nodes on a shared run_dir; the head's node hit once it finished epoch 2."""
+    port, run_dir = _free_port(), folder / f"head-{how}-run"
+    logs = [folder / f"head-{how}-node{r}.log" for r in (0, 1, 2)]
+    procs = []
+    for r in (0, 1, 2):
+        env = dict(_env(r, port, node_timeout, 3), PHALANX_TEST_STEPS="1")
+        out = str(folder / f"head-{how}-node{r}.pt")
+        procs.append(_start([out, "cpu:0", str(epochs), str(run_dir)], env, logs[r]))
+    try:
+        deadline = time.monotonic() + 300
+        while f"epoch 2/{epochs} done" not in logs[0].read_text():
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise RuntimeError(logs[0].read_text()[-3000:])
+            time.sleep(0.05)
+        hit = time.time()
+        os.killpg(procs[0].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        for p in procs[1:]:
+            if p.wait(timeout=600) != 0:
+                raise RuntimeError("\n".join(log.read_text()[-3000:] for log in logs[1:]))
+    finally:
+        for p in procs:
+            _end(p)
+    head = _result(logs[1])
+    [failure] = [f for f in head["failures"] if ", the head, lost" in f["message"]]
+    first = min(s for s, _ in head["steps_at"])
+    full = head["steps"] == epochs * 10 and head["ledger_ok"]
+    return {
+        "named": failure["time"] - hit,
+        "next_step": failure["time"] + (failure["recovery_seconds"] or float("nan")) - hit,
+        "lost": float(first - (failure["step"] + 1)) if full else float("nan"),
+        "same": float(
+            _same(folder / f"head-{how}-node1.pt") and _same(folder / f"head-{how}-node2.pt")
+        ),
+    }
+
+
 CLEAN: list[torch.Tensor] = []
 
 
@@ -140,20 +183,27 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         CLEAN[:] = clean_run(folder, args.epochs)
-        rows: dict[str, list[dict[str, float]]] = {"killed": [], "frozen": []}
+        rows: dict[str, list[dict[str, float]]] = {
+            "node 1 killed": [],
+            "node 1 frozen": [],
+            "head (node 0 of 3) killed": [],
+            "head (node 0 of 3) frozen": [],
+        }
         for t in range(args.trials):
-            for how in rows:
-                rows[how].append(trial(folder, how, args.epochs, args.node_timeout))
-                print(f"trial {t + 1} {how}: {rows[how][-1]}", file=sys.stderr, flush=True)
-    print("\n| node 1 | fault -> named | fault -> next committed step | steps lost | "
+            for name in rows:
+                how = name.split()[-1]
+                run = head_trial if name.startswith("head") else trial
+                rows[name].append(run(folder, how, args.epochs, args.node_timeout))
+                print(f"trial {t + 1} {name}: {rows[name][-1]}", file=sys.stderr, flush=True)
+    print("\n| lost | fault -> named | fault -> next committed step | steps lost | "
           "clean model |")  # fmt: skip
     print("|---|---|---|---|---|")
-    for how, got in rows.items():
+    for name, got in rows.items():
         named = statistics.median(r["named"] for r in got)
         nxt = statistics.median(r["next_step"] for r in got)
         lost = "0" if all(r["lost"] == 0 for r in got) else "?"
         same = sum(int(r["same"]) for r in got)
-        print(f"| {how} | {named:.2f} s | {nxt:.2f} s | {lost} | {same}/{len(got)} |")
+        print(f"| {name} | {named:.2f} s | {nxt:.2f} s | {lost} | {same}/{len(got)} |")
     return 0
 
 

@@ -23,6 +23,7 @@ from phalanx.strategies.ddp.wire.messages import (
     End,
     Fenced,
     FinalWeights,
+    Heir,
     Hello,
     KeepAlive,
     KillOrder,
@@ -61,7 +62,9 @@ FAILED = End(ok=False, failures=(FAILURE,), poison=True, notes=("a poison batch"
 EXAMPLES: list[Message] = [
     Hello(1, "gpu7", ("cuda:0",), False, {"torch": "2.13.0", "plan": {"n": 1}}),
     Hello(SPARE, "gpu9", ("cpu:0",), True, {}),
+    Hello(2, "gpu8", ("cpu:0",), False, {}, standby=40001),
     Welcome(2, ("cpu:0", "cpu:1", "cuda:0"), 2, ("10.0.0.1", 29400), "phalanx/r1", "run-7"),
+    Welcome(1, ("cpu:0", "cpu:0"), 1, ("h", 1), "", "run-8", 3, (Heir(0, "n0", 0, ("cpu:0",)),)),
     Refused("PX144", "nodes disagree: epochs: the head has 4, this node 5"),
     Parked(),
     Fenced(12.5, 10.0),
@@ -80,6 +83,7 @@ EXAMPLES: list[Message] = [
     Stacks({2: "Thread 0x1 (most recent call first):", 3: ""}),
     StopAsked("SIGINT"),
     KeepAlive(),
+    KeepAlive((Heir(0, "gpu7", 0, ("cuda:0",)), Heir(2, "gpu8", 40001, ("cuda:0", "cuda:1")))),
 ]
 
 
@@ -159,6 +163,28 @@ MALFORMED = [
     ("welcome", {"store": [None, 29400]}, "store[0]"),
     ("welcome", {"run": GONE}, "run"),
     ("welcome", {"prefix": 3}, "prefix"),
+    ("welcome", {"term": -1}, "term"),
+    ("welcome", {"term": GONE}, "term"),
+    ("welcome", {"succession": {}}, "succession"),
+    ("welcome", {"succession": [3]}, "succession[0]"),
+    ("welcome", {"succession": [{"node": 1, "host": "h", "port": 1}]}, "succession[0].devices"),
+    (
+        "beat",
+        {"succession": [{"node": -1, "host": "h", "port": 1, "devices": []}]},
+        "succession[0].node",
+    ),
+    (
+        "beat",
+        {"succession": [{"node": 1, "host": "h", "port": 1 << 20, "devices": []}]},
+        "succession[0].port",
+    ),
+    (
+        "beat",
+        {"succession": [{"node": 1, "host": "h", "port": 2, "devices": [0]}]},
+        "succession[0].devices[0]",
+    ),
+    ("hello", {"standby": -1}, "standby"),
+    ("hello", {"standby": GONE}, "standby"),
     ("refused", {"message": GONE}, "message"),
     ("refused", {"code": 144}, "code"),
     ("fenced", {"silent": "long"}, "silent"),

@@ -64,6 +64,36 @@ def namespaces() -> Iterator[list[tuple[str, str, str]]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+@pytest.fixture
+def three_hosts() -> Iterator[list[tuple[str, str, str]]]:
+    """[(namespace, interface, address)] for nodes 0, 1 and 2, each joined by a veth pair
+    to a bridge in a namespace of its own (a switch): a node's link can be cut alone."""
+    tag = f"{os.getpid() % 200 + 20}"
+    switch = f"pxt{tag}sw"
+    nodes = [(f"pxt{tag}h{i}", f"pxv{tag}h{i}", f"10.78.{tag}.{i + 1}") for i in (0, 1, 2)]
+    made = [switch]
+    try:
+        ip("netns", "add", switch)
+        ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", switch, "link", "set", "br0", "up")
+        for i, (ns, dev, addr) in enumerate(nodes):
+            ip("netns", "add", ns)
+            made.append(ns)
+            port = f"pxp{tag}h{i}"
+            ip("link", "add", dev, "type", "veth", "peer", "name", port)
+            ip("link", "set", dev, "netns", ns)
+            ip("link", "set", port, "netns", switch)
+            ip("-n", switch, "link", "set", port, "master", "br0")
+            ip("-n", switch, "link", "set", port, "up")
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield nodes
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def start_in(
     node: tuple[str, str, str],
     rank: int,
@@ -72,13 +102,14 @@ def start_in(
     log: Path,
     ifname: bool = True,
     node_timeout: float | None = None,
+    nnodes: int = 2,
 ) -> subprocess.Popen[bytes]:
     ns, dev, _ = node
     env = dict(os.environ)
     env.pop("GLOO_SOCKET_IFNAME", None)
     env.update(
         PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]),
-        PHALANX_NNODES="2",
+        PHALANX_NNODES=str(nnodes),
         PHALANX_NODE_RANK=str(rank),
         PHALANX_HEAD=head,
         PHALANX_TOKEN="netns token",
@@ -218,3 +249,43 @@ def test_a_host_name_on_loopback_is_refused_on_every_node_before_anything_trains
         assert "PX146" in text and "GLOO_SOCKET_IFNAME" in text, text[-2000:]
         assert "RESULT" not in text and "waiting for 1 node" not in text
     assert codes == [1, 1] and took < 30, took
+
+
+@pytest.mark.timeout(400)
+def test_the_heads_link_cut_the_two_other_nodes_take_over_and_the_head_is_fenced(
+    tmp_path: Path, three_hosts: list[tuple[str, str, str]]
+) -> None:
+    """Three hosts on a switch, a shared run_dir; the head's link goes down mid-run (a
+    partition: it and its worker live on, alone). Nodes 1 and 2 (two of three) name the head
+    lost after node_timeout, node 1 takes over, node 2 follows it, and both end with the model
+    of a run that lost nothing and an exact ledger. The head, on its side, names both nodes
+    lost and goes on alone until it reads the newer term (within a second): it stops its
+    worker and ends with PX145, committing nothing more. No namespace is left (the fixture)."""
+    head = f"{three_hosts[0][2]}:29613"
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / f"n{r}.log" for r in (0, 1, 2)]
+    args = ["cpu:0", "12", str(run_dir)]
+    procs = [
+        start_in(three_hosts[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], True, 3, 3)
+        for r in (0, 1, 2)
+    ]
+    try:
+        wait_for("epoch 2/12 done", logs[0], procs[0])
+        ip("-n", three_hosts[0][0], "link", "set", three_hosts[0][1], "down")
+        codes = [finish(p, timeout=200) for p in procs[1:]]
+        head_code = finish(procs[0], timeout=60)
+    finally:
+        for p in procs:
+            kill_group(p)
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts[1:])
+    assert "this node takes over as the head, with node(s) 2" in texts[1]
+    assert f"following node 1, the new head, at {three_hosts[1][2]}:" in texts[2]
+    results = [result_of(logs[r]) for r in (1, 2)]
+    assert [r["steps"] for r in results] == [120, 120] and all(r["ledger_ok"] for r in results)
+    lost = [f for f in results[0]["failures"] if ", the head, lost" in f["message"]]
+    assert len(lost) == 1 and "no word for" in lost[0]["message"]
+    clean = one_node_run(tmp_path, epochs=12)
+    assert same(weights(tmp_path / "n1.pt"), clean) and same(weights(tmp_path / "n2.pt"), clean)
+    assert head_code != 0 and "PX145" in texts[0] and "was replaced by node 1" in texts[0]
+    assert "RESULT" not in texts[0]

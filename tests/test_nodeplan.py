@@ -16,6 +16,8 @@ from phalanx.strategies.ddp.coordinator.nodeplan import (
     Admit,
     Beat,
     Decision,
+    Follow,
+    Heir,
     Hello,
     Keep,
     Layout,
@@ -24,12 +26,16 @@ from phalanx.strategies.ddp.coordinator.nodeplan import (
     Park,
     Place,
     Refuse,
+    Stop,
+    TakeOver,
     admit,
     disagreements,
+    fenced,
     hear,
     layout,
     missing,
     place_spares,
+    successor,
 )
 from phalanx.strategies.ddp.timing import Timing
 
@@ -234,18 +240,90 @@ def test_a_node_silent_past_node_timeout_or_whose_link_closed_is_lost_once(
 
 # -- start-up: who is awaited, and the slots ---------------------------------------------------
 MISSING = [
-    (3, [], [1, 2]),
-    (3, [2], [1]),
-    (3, [1, 2], []),
-    (1, [], []),  # one node: nobody to wait for
+    (3, [], None, [1, 2]),
+    (3, [2], None, [1]),
+    (3, [1, 2], None, []),
+    (1, [], None, []),  # one node: nobody to wait for
+    # a successor (node 1 of 4) waits for the survivors only
+    (4, [], (2, 3), [2, 3]),
+    (4, [3], (2, 3), [2]),
+    (4, [2, 3], (2, 3), []),
 ]
 
 
-@pytest.mark.parametrize(("nnodes", "joined", "awaited"), MISSING)
+@pytest.mark.parametrize(("nnodes", "joined", "expected", "awaited"), MISSING)
 def test_start_up_waits_for_every_other_node_rank(
-    nnodes: int, joined: list[int], awaited: list[int]
+    nnodes: int, joined: list[int], expected: tuple[int, ...] | None, awaited: list[int]
 ) -> None:
-    assert missing(nnodes, joined) == awaited
+    assert missing(nnodes, joined, expected) == awaited
+
+
+def heirs(*ranks: int, listening: bool = True) -> tuple[Heir, ...]:
+    """A succession of these node ranks, the head (the first) with no node port."""
+    return tuple(
+        Heir(r, f"h{r}", 0 if i == 0 or not listening else 40000 + r, ONE)
+        for i, r in enumerate(ranks)
+    )
+
+
+SUCCESSION: list[Any] = [
+    # (the head's last succession, this node, also lost, why none may lead, what it does)
+    pytest.param(heirs(0, 1, 2), 1, (), None, TakeOver((2,)), id="lowest survivor leads"),
+    pytest.param(heirs(0, 1, 2), 2, (), None, Follow(heirs(0, 1, 2)[1]), id="the next follows"),
+    pytest.param(heirs(0, 1, 2, 3, 4), 2, (1,), None, TakeOver((3, 4)), id="3 of 5: leads"),
+    pytest.param(heirs(0, 1, 2, 3), 3, (), None, Follow(heirs(0, 1, 2, 3)[1]), id="3 of 4"),
+    # a later head (node 1 led since the first failover) lost: node 2 leads node 3
+    pytest.param(heirs(1, 2, 3), 2, (), None, TakeOver((3,)), id="a second head lost"),
+    pytest.param(heirs(0, 1), 1, (), None, "2 nodes are left", id="alone of two: stops"),
+    pytest.param(heirs(0, 1, 2, 3), 1, (2,), None, "2 of the run's 4", id="half: stops"),
+    pytest.param(heirs(0, 1, 2), 1, (), "no run_dir", "no run_dir", id="cannot"),
+    pytest.param(heirs(0, 1, 2), 5, (), None, "not in the run's succession", id="a newcomer"),
+    pytest.param(
+        heirs(0, 1, 2, listening=False), 1, (), None, "no surviving node listens", id="no port"
+    ),
+    pytest.param((), 1, (), None, "no surviving node listens", id="never heard one"),
+    # a spare placed in node 1's rank has no node port: node 2 leads, node 3 follows
+    pytest.param(
+        (*heirs(0), Heir(1, "s", 0, ONE), *heirs(0, 2, 3, 4)[1:]),
+        3,
+        (),
+        None,
+        Follow(heirs(0, 2)[1]),
+        id="a spare does not lead",
+    ),
+]
+
+
+@pytest.mark.parametrize(("succession", "me", "lost", "cannot", "does"), SUCCESSION)
+def test_the_lowest_surviving_node_leads_a_strict_majority_and_the_others_follow(
+    succession: tuple[Heir, ...],
+    me: int,
+    lost: tuple[int, ...],
+    cannot: str | None,
+    does: Any,
+) -> None:
+    decision = successor(succession, me, lost, cannot)
+    if isinstance(does, str):
+        assert isinstance(decision, Stop) and does in decision.why, decision
+    else:
+        assert decision == does
+
+
+FENCED = [
+    # (this head's term, the term in run_dir, replaced)
+    (1, 1, False),
+    (1, 2, True),
+    (3, 2, False),  # (an older file: a successor's failed write never lowers a term)
+    (1, None, False),  # no file, or none readable: nothing says another head leads
+    (0, 5, False),  # a head without a term (no run_dir) is never fenced
+]
+
+
+@pytest.mark.parametrize(("mine", "current", "replaced"), FENCED)
+def test_a_head_is_fenced_only_by_a_newer_term(
+    mine: int, current: int | None, replaced: bool
+) -> None:
+    assert fenced(mine, current) is replaced
 
 
 LAYOUT = [

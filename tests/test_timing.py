@@ -263,19 +263,19 @@ def config(hang: float, node: float) -> FitConfig:
 
 
 # hang_timeout, node_timeout -> forming (max(10 s, hang)), collective (2 hang + 30 s),
-# verdict (node + 5 s)
+# verdict (node + 5 s), takeover (node + 10 s)
 DERIVED = [
-    (60, 10, 60, 150, 15),  # fit's defaults
-    (5, 3, 10, 40, 8),  # a short hang_timeout: forming never under 10 s
-    (10, 1, 10, 50, 6),
-    (0.5, 0.5, 10, 31, 5.5),
-    (600, 120, 600, 1230, 125),
+    (60, 10, 60, 150, 15, 20),  # fit's defaults
+    (5, 3, 10, 40, 8, 13),  # a short hang_timeout: forming never under 10 s
+    (10, 1, 10, 50, 6, 11),
+    (0.5, 0.5, 10, 31, 5.5, 10.5),
+    (600, 120, 600, 1230, 125, 130),
 ]
 
 
-@pytest.mark.parametrize(("hang", "node", "forming", "collective", "verdict"), DERIVED)
+@pytest.mark.parametrize(("hang", "node", "forming", "collective", "verdict", "takeover"), DERIVED)
 def test_timing_of_a_configuration_derives_its_bounds(
-    hang: float, node: float, forming: float, collective: float, verdict: float
+    hang: float, node: float, forming: float, collective: float, verdict: float, takeover: float
 ) -> None:
     timing = Timing.of(config(hang, node))
     assert timing.hang == timedelta(seconds=hang)
@@ -283,7 +283,8 @@ def test_timing_of_a_configuration_derives_its_bounds(
     assert timing.forming == timedelta(seconds=forming)
     assert timing.collective == timedelta(seconds=collective)
     assert timing.verdict == timedelta(seconds=verdict)
-    derived = {"hang", "node", "forming", "collective", "verdict"}
+    assert timing.takeover == timedelta(seconds=takeover)
+    derived = {"hang", "node", "forming", "collective", "verdict", "takeover"}
     for f in dataclasses.fields(Timing):  # every other bound is the configuration's own
         if f.name not in derived:
             assert getattr(timing, f.name) == getattr(DEFAULT, f.name), f.name

@@ -1139,10 +1139,13 @@ _ENTRIES = [
         "workers (their collectives with it are abandoned at once). When such a node wakes "
         "up it reads that word, stops its workers and ends fit() with this error: nothing "
         "its workers computed after the cut was committed, and the run's model is the "
-        "head's.",
+        "head's. A head is fenced the same way: when the other nodes lost it and one of them "
+        "took over (a newer term in run_dir's head.json), the old head, woken, stops its "
+        "workers, writes no checkpoint and ends fit() with this error.",
         when="In fit() on a node other than the head, when it wakes up after the head gave "
         "it up. (A node whose link was cut for longer than node_timeout names the head lost "
-        "instead: the word cannot reach it.)",
+        "instead: the word cannot reach it.) On a head that was replaced while it was "
+        "frozen or cut off.",
         causes=[
             "The node's processes were stopped (SIGSTOP, a debugger, a suspended VM or "
             "container) for longer than node_timeout.",
@@ -1170,9 +1173,15 @@ _ENTRIES = [
         "the last step every member agreed on, into the shared run_dir (one node at a time, "
         "under a lock file; a step already saved, or an older one, is skipped). fit() then "
         "ends with HeadLost, a SystemExit with status 75 (EX_TEMPFAIL): the message says "
-        "which step was kept and in which file.",
+        "which step was kept and in which file. That is the fallback: with a run_dir every "
+        "node shares and more than half of the run's nodes left, the lowest surviving node "
+        "rank takes over as the head instead and the run goes on from that checkpoint "
+        "without a restart (Recovery(head_failover=True), the default); this error comes "
+        "when no node may take over, and the message says why.",
         when="In fit() on a node other than the head, when the head's process, host or "
-        "network is gone.",
+        "network is gone and no failover can be: no shared run_dir, not more than half of "
+        "the nodes left (two nodes: one left), Recovery(head_failover=False) or "
+        'mode="abort", or the survivors did not reach the node taking over.',
         causes=[
             "The head's process was killed (out of memory, a crash, a scheduler's kill), or "
             "its host went down.",
@@ -1185,6 +1194,8 @@ _ENTRIES = [
             "Let the launcher do it: torchrun --max-restarts N, or Slurm's --requeue with "
             "the batch script passing resume=True; exit status 75 means 'run me again'.",
             "Without a shared run_dir nothing is saved (the message says so): give fit() one.",
+            "To go on without a restart when the head falls, run three nodes or more on a "
+            "shared run_dir: the lowest surviving node takes over.",
         ],
         example="# [PX147] node 1: the head at 10.0.0.1:29410 was lost (its link closed, or "
         "no word for 10s); ... kept what the run had committed: step 1234 is in "

@@ -18,6 +18,7 @@ from phalanx.checkpoint import Checkpoints
 from phalanx.data import fingerprint
 from phalanx.devices import DeviceSpec, check_free_memory, parse_devices
 from phalanx.early_stopping import EarlyStopping
+from phalanx.errors import HeadLost, NodeFencedError, RunDirLockedError
 from phalanx.events import Fanout, Notice, RunEnded, RunOpened, Sink
 from phalanx.failures import FailedHere
 from phalanx.faults import Fault
@@ -220,8 +221,8 @@ class Learner:
                 launch=launch,
                 notices=[text for text in [requeued, *learned] if text],
             )
-            if remote:
-                return self._run_node(run, sinks)  # (the head's loggers log the run)
+            if remote:  # (the head's loggers log the run, and a successor's)
+                return self._run_node(run, sinks, loggers)
             return self._run(run, lock, sinks, loggers)
 
     def _run(
@@ -261,6 +262,10 @@ class Learner:
                     result.history, result.steps, result.epochs, result.interrupted, result.seconds
                 )
             )
+        except (NodeFencedError, HeadLost):
+            # (a head replaced by another: the run goes on there, its record too; a
+            # successor that stopped short: the run is paused, resume=True goes on)
+            raise
         except BaseException:
             emit(RunEnded([], 0, 0, None, 0.0, failed=True))
             raise
@@ -269,10 +274,25 @@ class Learner:
         self.interrupter.raise_if_signalled(result)  # Ctrl-C, SIGTERM: not a success
         return result
 
-    def _run_node(self, run: RunInputs, sinks: Sequence[Sink] | None) -> FitResult:
+    def _run_node(
+        self, run: RunInputs, sinks: Sequence[Sink] | None, loggers: Sequence[Sink] = ()
+    ) -> FitResult:
         """A node other than the head: its agent trains this node's workers as the head
         orders and returns the run's end as the head tells it. Its sinks see only its own
-        notices (the head's have the run); it writes nothing in run_dir."""
+        notices (the head's have the run); it writes nothing in run_dir. When the head is
+        lost and this node goes on (the ddp strategy's ``Failover``), it follows the new
+        head, or leads the run from here as the head (:meth:`_take_over`)."""
+        from phalanx.strategies.ddp.nodes.failover import Failover
+
+        while True:
+            try:
+                return self._node_once(run, sinks)
+            except Failover as failover:
+                run = _after_failover(run, failover)
+                if failover.leads:
+                    return self._take_over(run, sinks, loggers)
+
+    def _node_once(self, run: RunInputs, sinks: Sequence[Sink] | None) -> FitResult:
         from dataclasses import replace
 
         from phalanx.strategies.ddp import run_ddp
@@ -292,6 +312,26 @@ class Learner:
             emit.close()
         self.interrupter.raise_if_signalled(result)
         return result
+
+    def _take_over(
+        self, run: RunInputs, sinks: Sequence[Sink] | None, loggers: Sequence[Sink]
+    ) -> FitResult:
+        """This node leads the run from here: as the head, from the newest checkpoint in
+        the shared run_dir (its workers' emergency one), its sinks opened there again
+        (appending: one run, one record). The lost head may still hold run_dir's lock
+        (frozen): the fencing term the new head takes is what keeps it out then."""
+        run_dir = run.config.run_dir
+        assert run_dir is not None
+        with contextlib.ExitStack() as stack:
+            lock: RunLock | None = None
+            try:
+                lock = stack.enter_context(RunLock.acquire(run_dir))
+            except RunDirLockedError as exc:
+                run.notices.append(
+                    f"the lost head still holds {run_dir}'s lock ({exc.args[0][:200]}); this "
+                    "node takes over under a newer fencing term, which keeps it out"
+                )
+            return self._run(run, lock, sinks, loggers)
 
     def _dispatch(self, run: RunInputs, emit: Fanout) -> RunEnd:
         """Train with the run's strategy; raises TrainingFailed when it stopped."""
@@ -360,6 +400,18 @@ def save_final_model(run_dir: str, model: nn.Module) -> str:
     path = os.path.join(run_dir, FINAL_MODEL)
     write_atomic(path, model.state_dict())
     return path
+
+
+def _after_failover(run: RunInputs, failover: Any) -> RunInputs:
+    """The run as this node goes on with it after the head's loss: from the newest
+    checkpoint in run_dir (``resume``), in its new place (the new head, or a node of it)."""
+    from dataclasses import replace
+
+    config = replace(run.config, resume=True)
+    check_resume_plan(config, run.plan)
+    assert run.launch is not None
+    launch = failover.launch(run.launch)
+    return replace(run, config=config, launch=launch, failover=failover, notices=[])
 
 
 def _requeued(launch: Launch | None, run_dir: str | None, resume: bool) -> str | None:

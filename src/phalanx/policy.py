@@ -236,12 +236,17 @@ class Recovery:
     stop the run in every mode.
     ``hang_timeout`` (None: fit's ``hang_timeout``) is how long a worker may make no
     progress while its peers wait.
+    ``head_failover`` (across nodes, with a ``run_dir`` every node shares): when the head's
+    node is lost, the lowest surviving node rank takes over as the head and the run goes on
+    from its last committed step (see docs/multinode.md); False (or ``mode="abort"``): every
+    node keeps that step in an emergency checkpoint and exits 75 for a launcher to restart.
     """
 
     mode: str = "respawn"
     max_restarts: int = 3
     min_workers: int = 1
     hang_timeout: timedelta | None = None
+    head_failover: bool = True
 
     def __post_init__(self) -> None:
         from phalanx.errors import InvalidSettingError

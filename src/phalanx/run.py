@@ -36,6 +36,9 @@ class RunInputs:
     valid_size: int  # 0 without a validation set
     launch: Launch | None = None  # how this process was started (several nodes: ddp only)
     notices: list[str] = field(default_factory=list)  # said once the run's sinks are open
+    # Across nodes, the head was lost and this node goes on: the ddp strategy's ``Failover``
+    # (this node leads the run from here, or follows the node that does)
+    failover: Any = None
 
     @property
     def valid_or_none(self) -> int | None:

@@ -41,7 +41,13 @@ def make_checkpointer(config: FitConfig, emit: Emit) -> Checkpointer | None:
     if not config.run_dir:
         return None
     settings = config.checkpoint if config.checkpoint is not None else Checkpoints()
-    return Checkpointer(checkpoint_dir(config.run_dir), settings, emit)
+    guard = None
+    if config.head_term > 0:  # (a head another node replaced must not write here)
+        from phalanx.strategies.ddp.nodes.fencing import replaced_since
+
+        run_dir, term = config.run_dir, config.head_term
+        guard = lambda: replaced_since(run_dir, term)  # noqa: E731
+    return Checkpointer(checkpoint_dir(config.run_dir), settings, emit, guard)
 
 
 def build_loop(

@@ -107,6 +107,9 @@ class FitConfig:
     max_bad_samples: int = 8  # with "skip": more than this stops the run (data broken)
     # ddp: snapshots of the committed state in each machine's shared memory (None: none)
     snapshots: Snapshots | None = field(default_factory=Snapshots)
+    # ddp across nodes with a shared run_dir: the fencing term of the head this run's
+    # workers answer to (0: none); a checkpoint is not written once a newer head leads
+    head_term: int = 0
 
     def loading(self) -> Loading:
         """What every DataLoader of the run is built with."""

@@ -18,6 +18,7 @@ import math
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +62,17 @@ class Checkpointer:
     - :meth:`close` waits for pending saves and joins the thread; call it (or use ``with``).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], config: Checkpoints, emit: Emit) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        config: Checkpoints,
+        emit: Emit,
+        guard: Callable[[], str | None] | None = None,
+    ) -> None:
         self.directory = os.fspath(directory)
+        # Read just before each write: why this writer may no longer write here (a head that
+        # another took over from), or None; a write it stops is skipped (CheckpointSkipped).
+        self.guard = guard
         self.config = config
         self._emit = emit
         os.makedirs(self.directory, exist_ok=True)
@@ -166,6 +176,10 @@ class Checkpointer:
     def _write(self, job: _Job) -> None:
         name = checkpoint_name(job.step)
         path = os.path.join(self.directory, name)
+        stopped = None if self.guard is None else self.guard()
+        if stopped is not None:
+            self._emit(CheckpointSkipped(path=path, reason=stopped))
+            return
         meta = {"step": job.step, "epoch": job.epoch, "metric": job.metric}
         if self._index.pop(name, None) is not None:  # the same step again (an epoch end that
             self._write_index()  # is a step multiple too): never leave its old checksum listed

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from phalanx.errors import NodeFencedError
 from phalanx.events import Notice, WorkerFailed
 from phalanx.failures import WorkerFailure
 from phalanx.interrupt import Interrupter
@@ -124,6 +125,8 @@ class Supervisor:
         self.rejected: set[tuple[str, str]] = set()  # (key, digest) already warned about
         self.stacks_due: tuple[float, dict[int, str | None]] | None = None  # remote dumps
         self.told = False  # whether the other nodes were told how the run ended
+        self.fence = nodes.fence if nodes is not None else None
+        self.inherited = nodes.inherited if nodes is not None else []
 
     @property
     def outcome(self) -> FailureBook:
@@ -133,12 +136,15 @@ class Supervisor:
         if self.config.snapshots is not None and self.agent.snapshot_folder() is None:
             self.emit(snapshots_off(self.agent.snapshot_error))
         self._act(self.coord.start(now()))
+        for failure in self.inherited:  # (the lost head's, named by this successor)
+            self._act(self.coord.inherit(failure, now()))
 
     def watch(self) -> FailureBook:
         """Until every worker has ended (the coordinator kills them once the run is
         decided and its grace has passed)."""
         stop_told = False
         while True:
+            self._check_fence()
             self._see(self.timing.poll)
             if not stop_told and self.interrupter.should_stop():
                 stop_told = True
@@ -252,6 +258,7 @@ class Supervisor:
         elif isinstance(action, Record):
             self.emit(WorkerFailed(action.failure, action.failure.action or ""))
         elif isinstance(action, Announce):
+            self._check_fence(now=True)  # (a head that was replaced announces nothing)
             self.agent.announce(action.announcement)
         elif isinstance(action, Spawn):
             self._spawn(action)
@@ -263,6 +270,22 @@ class Supervisor:
             self.agent.set_stop(action.reason)
         elif isinstance(action, SetAbort):
             self.agent.set_abort(action.reason)
+
+    def _check_fence(self, now: bool = False) -> None:
+        """A head that another node replaced (a newer term in run_dir's head.json: it was
+        frozen or cut off, and the survivors went on with a successor) stops its workers
+        and commits nothing more: raises NodeFencedError (PX145)."""
+        if self.fence is None:
+            return
+        newer = self.fence.replaced(now)
+        if newer is None:
+            return
+        self.agent.kill_all()
+        raise NodeFencedError(
+            f"this head (term {self.fence.term.term}) was replaced by {newer.describe()}: it was "
+            "frozen or cut off long enough for the other nodes to go on without it, so its "
+            "workers were stopped and nothing they computed since was committed"
+        )
 
     def _spawn(self, action: Spawn) -> None:
         """Start the worker of a slot as the coordinator asked, on its node (a node's
@@ -333,6 +356,9 @@ def run_ddp(
     nodes = None
     if launch is not None and launch.nnodes > 1:
         nodes = start_head(run, launch, emit, timing)
+        if nodes.fence is not None:  # (its workers write checkpoints only while it leads)
+            config = dataclasses.replace(run.config, head_term=nodes.fence.term.term)
+            run = dataclasses.replace(run, config=config)
     data = (run.train, run.valid, run.valid_size)
     sup = Supervisor(run.spec, run.config, run.plan, data, emit, interrupter, nodes, timing)
     try:

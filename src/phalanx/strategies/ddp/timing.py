@@ -38,6 +38,9 @@ class Timing:
     # node + 5 s: across machines, a worker out of its generation while the head's store
     # does not answer waits this long for its agent to say whether the head is lost
     verdict: timedelta = timedelta(seconds=15)
+    # node + 10 s: the head lost, its successor waits this long for the other survivors to
+    # reach it (from when it listens as the new head), then goes on with those that came
+    takeover: timedelta = timedelta(seconds=20)
 
     # -- the coordinator ------------------------------------------------------------------
     grace: timedelta = timedelta(seconds=2)  # to exit by themselves once the run is decided
@@ -75,6 +78,9 @@ class Timing:
     probe: timedelta = timedelta(seconds=1)  # the probe that asks whether the head's store answers
     probe_every: timedelta = timedelta(seconds=0.05)  # between two such probes
     reconnect_every: timedelta = timedelta(seconds=1)  # (across machines) after a failed client
+    # a head with a fencing term reads run_dir's head.json at most this often (and before
+    # each generation it announces)
+    fence_every: timedelta = timedelta(seconds=1)
     # between two reads of the store while waiting for a generation, or for its members
     store_poll: timedelta = timedelta(seconds=0.02)
 
@@ -97,6 +103,9 @@ class Timing:
     # a node's agent waits for its workers to save and exit after the head was lost (a
     # worker blocked in a store call to a frozen head answers once that call times out)
     save_wait: timedelta = timedelta(seconds=60)
+    # the head lost: a node's wait for its successor's welcome (the successor welcomes once
+    # its own workers saved and the others came: at most its save_wait and takeover)
+    follow: timedelta = timedelta(seconds=90)
 
     @classmethod
     def of(cls, config: FitConfig) -> Timing:
@@ -109,6 +118,7 @@ class Timing:
             forming=max(timedelta(seconds=10), hang),
             collective=hang * 2 + timedelta(seconds=30),
             verdict=node + timedelta(seconds=5),
+            takeover=node + timedelta(seconds=10),
         )
 
     def limit(self, state: Watched) -> float:

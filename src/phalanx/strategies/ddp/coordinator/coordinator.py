@@ -157,6 +157,14 @@ class Coordinator(Roster):
             self.unready.add(slot)
         return self._flush()
 
+    def inherit(self, failure: WorkerFailure, now: Now) -> list[Action]:
+        """A failure decided before this coordinator started (the head lost, named by the
+        node that took over from it): in the run's record and report like any other, its
+        recovery time set when this run's first step is committed."""
+        self.now = now
+        self.book.record(failure, failure.action, self.out, recovers=True)
+        return self._flush()
+
     def handle(self, event: CoordinatorEvent, now: Now) -> list[Action]:
         self.now = now
         if isinstance(event, Received):

@@ -21,7 +21,7 @@ from typing import Any
 
 from phalanx.plan import Plan, plan_difference
 from phalanx.strategies.ddp.timing import Timing
-from phalanx.strategies.ddp.wire.messages import Hello
+from phalanx.strategies.ddp.wire.messages import Heir, Hello
 
 
 # -- what goes in -------------------------------------------------------------------------
@@ -174,9 +174,13 @@ def hear(
     return Keep()
 
 
-def missing(nnodes: int, joined: Sequence[int] | Mapping[int, Any]) -> list[int]:
-    """The node ranks that have not joined yet (start-up waits until none)."""
-    return sorted(set(range(1, nnodes)) - set(joined))
+def missing(
+    nnodes: int, joined: Sequence[int] | Mapping[int, Any], expected: Sequence[int] | None = None
+) -> list[int]:
+    """The node ranks that have not joined yet (start-up waits until none): of
+    ``expected`` (a successor's survivors) when given, else of every node but the head."""
+    awaited = set(range(1, nnodes)) if expected is None else set(expected)
+    return sorted(awaited - set(joined))
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,66 @@ def layout(own: Sequence[str], nodes: Mapping[int, Sequence[str]]) -> Layout:
         shown += [f"{d}@node{rank}" for d in nodes[rank]]
         slot_nodes += [rank] * len(nodes[rank])
     return Layout(tuple(labels), tuple(shown), tuple(slot_nodes), first)
+
+
+# -- the head's loss ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TakeOver:
+    """This node leads the run from here: it waits for ``expected`` (the other survivors'
+    node ranks) to reach it, and goes on with those that came."""
+
+    expected: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Follow:
+    """This node joins ``heir``, the run's new head."""
+
+    heir: Heir
+
+
+@dataclass(frozen=True)
+class Stop:
+    """No failover: this node keeps what was committed and stops (today's emergency
+    checkpoint), with why."""
+
+    why: str
+
+
+def successor(
+    succession: Sequence[Heir], me: int, lost: Sequence[int] = (), cannot: str | None = None
+) -> TakeOver | Follow | Stop:
+    """What node ``me`` does when the head (and the nodes in ``lost``) are gone, from the
+    head's last succession (every live node then, the head first). The lowest live node
+    rank that listens for nodes leads; the others follow it. It leads only a strict majority
+    of the succession (itself and those expected to reach it): of two halves of a
+    partition at most one goes on, and the head keeps a tie (a node alone of two stops).
+    ``cannot``: why no node of this run may lead (no run_dir shared with the head to resume
+    from and fence in, a recovery policy without failover), or None."""
+    if cannot is not None:
+        return Stop(cannot)
+    gone = set(lost) | ({succession[0].rank} if succession else set())
+    live = [h for h in succession if h.rank not in gone and h.port > 0]  # (those that can go on)
+    if not live:
+        return Stop("no surviving node listens for nodes")
+    if me not in {h.rank for h in live}:
+        return Stop("this node is not in the run's succession (it joined after the last word)")
+    if 2 * len(live) <= len(succession):
+        return Stop(
+            f"{len(live)} of the run's {len(succession)} nodes are left, not more than half: "
+            "the head may be alive on the other side of a partition, and at most one side "
+            "may go on"
+        )
+    leader = live[0]
+    if leader.rank == me:
+        return TakeOver(tuple(h.rank for h in live if h.rank != me))
+    return Follow(leader)
+
+
+def fenced(mine: int, current: int | None) -> bool:
+    """Whether a head of fencing term ``mine`` was replaced: a newer term is in run_dir's
+    ``head.json`` (None: no term there, or none readable; 0: the head keeps no term)."""
+    return mine > 0 and current is not None and current > mine
 
 
 # -- what must agree across nodes ----------------------------------------------------------

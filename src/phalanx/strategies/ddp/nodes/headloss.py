@@ -29,18 +29,22 @@ def save_on_head_loss(agent: Agent) -> list[Saved]:
             return saved
 
 
-def head_lost_message(launch: Launch, config: FitConfig, first: int, saved: list[Saved]) -> str:
-    """The node's word on the head's loss: what was kept, where, and how to go on."""
+def head_lost_message(
+    launch: Launch, config: FitConfig, first: int, saved: list[Saved], why: str = ""
+) -> str:
+    """The node's word on the head's loss: what was kept, where, and how to go on (``why``:
+    how the head was lost, and why no node took over from it)."""
     limit = config.node_timeout.total_seconds()
+    how = why or f"its link closed, or no word for {limit:g}s"
     if launch.spare:
         return (
             f"spare: the head at {launch.head} was lost before this spare took a node's "
             f"place (its link closed, or no word for {limit:g}s); nothing to save here"
         )
     lead = (
-        f"node {launch.node_rank}: the head at {launch.head} was lost (its link closed, or "
-        f"no word for {limit:g}s); no generation can form without it, so this node's "
-        f"workers (from {first}) stopped"
+        f"node {launch.node_rank}: the head at {launch.head} was lost ({how}); no generation "
+        f"can form without it, so this node's workers{f' (from {first})' if first >= 0 else ''} "
+        "stopped"
     )
     kept = [s for s in saved if s.path]
     if kept:

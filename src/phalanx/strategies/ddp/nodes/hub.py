@@ -25,6 +25,7 @@ from phalanx.errors import (
     NodesDisagreeError,
 )
 from phalanx.events import Notice
+from phalanx.failures import WorkerFailure
 from phalanx.launch import SPARE, Launch, is_loopback
 from phalanx.plan import Plan
 from phalanx.run import RunInputs
@@ -37,6 +38,7 @@ from phalanx.strategies.ddp.coordinator.nodeplan import (
     NodeView,
     Park,
     Refuse,
+    TakeOver,
     admit,
     disagreements,
     hear,
@@ -44,6 +46,8 @@ from phalanx.strategies.ddp.coordinator.nodeplan import (
     missing,
     place_spares,
 )
+from phalanx.strategies.ddp.nodes.failover import Failover, check_quorum
+from phalanx.strategies.ddp.nodes.fencing import Fence, claim
 from phalanx.strategies.ddp.nodes.shared import (
     agreement,
     check_interface,
@@ -59,6 +63,7 @@ from phalanx.strategies.ddp.wire.messages import (
     DumpOrder,
     End,
     Fenced,
+    Heir,
     KeepAlive,
     KillOrder,
     Message,
@@ -83,6 +88,7 @@ class RemoteNode:
     last_sent: float = field(default_factory=time.monotonic)
     alive: set[int] = field(default_factory=set)  # its slots with a live process
     spare: bool = False  # a spare that took this node rank's place
+    standby: int = 0  # the node port it would lead the run from (0: none)
     agent: RemoteAgent = field(init=False, repr=False, compare=False)  # (its slots' actions)
 
     def __post_init__(self) -> None:
@@ -102,6 +108,11 @@ class RemoteNode:
             self.last_sent = time.monotonic()
         except LinkError:
             pass
+
+    def heir(self) -> Heir:
+        """Its entry in the run's succession: the address the head reaches it on."""
+        host = self.link.peer.rsplit(":", 1)[0].strip("[]")
+        return Heir(self.rank, host, self.standby, tuple(self.devices))
 
     def view(self) -> NodeView:
         """What :mod:`.nodeplan`'s rules read of it (its link's last frame: now)."""
@@ -157,17 +168,34 @@ class NodeHub:
         self.labels: list[str] = []
         self.run_id = ""  # the nodes sign with Signer.for_run(token, run_id), as the head
         self.prefix = ""  # of the run's keys in the store (see Agent.prefix)
+        self.own = Heir(0, "?", 0)  # the head's own entry in the succession
+        self.term = 0  # the head's fencing term (0: none; see fencing)
+
+    def succession(self) -> tuple[Heir, ...]:
+        """The run's succession as the head knows it now: itself, then every live node in
+        rank order (spares are not in it)."""
+        live = [node.heir() for rank, node in sorted(self.nodes.items()) if not node.lost]
+        return (self.own, *live)
 
     def gather(
-        self, check: dict[str, Any], plan: Plan, own: list[str], deadline: timedelta
+        self,
+        check: dict[str, Any],
+        plan: Plan,
+        own: list[str],
+        deadline: timedelta,
+        expected: Sequence[int] | None = None,
     ) -> Layout:
         """Wait for every other node's hello; refuse one that disagrees (the head fails
-        too: PX144). Returns the slots in node order (each node's first slot set)."""
+        too: PX144). Returns the slots in node order (each node's first slot set).
+        ``expected``: a successor's wait for the survivors' node ranks, which goes on at
+        ``deadline`` with those that came."""
         self.check, self.plan = check, plan
         end = time.monotonic() + deadline.total_seconds()
-        while missing(self.nnodes, self.nodes):
+        while missing(self.nnodes, self.nodes, expected):
             self._rejected()
             left = end - time.monotonic()
+            if left <= 0 and expected is not None:
+                break
             if left <= 0:
                 raise NodesDisagreeError(
                     f"nodes {missing(self.nnodes, self.nodes)} did not join within "
@@ -179,14 +207,18 @@ class NodeHub:
                 link, hello = self.listener.joined.get(timeout=min(left, tick))
             except Exception:
                 continue
-            self._hello(link, hello)
+            self._hello(link, hello, expected=expected)
         slots = layout(own, {rank: node.devices for rank, node in self.nodes.items()})
         for rank, first in slots.first.items():
             self.nodes[rank].first = first
         return slots
 
     def _hello(
-        self, link: Link, frame: Frame, admits: Callable[[int], bool] | None = None
+        self,
+        link: Link,
+        frame: Frame,
+        admits: Callable[[int], bool] | None = None,
+        expected: Sequence[int] | None = None,
     ) -> tuple[RemoteNode, str] | None:
         """A hello, at start-up (``admits`` None) or during the run, as
         :func:`~.nodeplan.admit` decides: a spare parked (or refused: a warning note); a
@@ -197,9 +229,12 @@ class NodeHub:
         assert self.plan is not None
         hello, unread = _read_hello(frame)
         problems = unread + disagreements(self.check, hello.check, self.plan)
+        if expected is not None and not hello.spare and hello.rank not in expected:
+            problems.append(f"node {hello.rank} is not a survivor this head waits for")
         views = {rank: node.view() for rank, node in self.nodes.items()}
         decision = admit(hello, problems, views, self.nnodes, admits)
         node = RemoteNode(hello.rank, hello.host, list(hello.devices), link)
+        node.standby = hello.standby
         if isinstance(decision, Refuse):
             with contextlib.suppress(LinkError):
                 tell(link, Refused(NodesDisagreeError.code, decision.message))
@@ -208,8 +243,11 @@ class NodeHub:
                 note = f"refused a spare on {hello.host}: {decision.message}"
                 self.notes.append(("warning", note))
                 return None
-            if admits is None:
+            if admits is None and expected is None:
                 raise NodesDisagreeError(f"node {hello.rank} ({hello.host}): {decision.message}")
+            if admits is None:
+                self.notes.append(("warning", f"refused node {hello.rank}: {decision.message}"))
+                return None
             return node, decision.message
         if isinstance(decision, Park):  # kept (its link beats both ways) until a node is lost
             with contextlib.suppress(LinkError):
@@ -236,7 +274,18 @@ class NodeHub:
     def _welcome(self, node: RemoteNode) -> None:
         assert self.store is not None
         labels, store = tuple(self.labels), self.store
-        tell(node.link, Welcome(node.rank, labels, node.first, store, self.prefix, self.run_id))
+        welcome = Welcome(
+            node.rank,
+            labels,
+            node.first,
+            store,
+            self.prefix,
+            self.run_id,
+            self.term,
+            self.succession(),
+        )
+        with contextlib.suppress(LinkError):  # (gone since its hello: poll sees its loss)
+            tell(node.link, welcome)
         node.link.start()
 
     def rejoined(self, admits: Callable[[int], bool]) -> list[tuple[RemoteNode, str]]:
@@ -313,7 +362,7 @@ class NodeHub:
             frames.append((node, item))
         verdict = hear(node.view(), now, self.timing, closed)
         if isinstance(verdict, Beat):
-            node.send(KeepAlive())
+            node.send(KeepAlive(self.succession()))
         if isinstance(verdict, (Beat, Keep)):
             return None
         if verdict.silent is not None:  # (a frozen node reads this when it wakes: it is out)
@@ -350,43 +399,85 @@ class Nodes:
     labels: list[str]  # every slot's device, node 0's first
     shown: list[str]  # the same, with the node of each remote one (for reports)
     slot_nodes: tuple[int, ...]
+    fence: Fence | None = None  # the head's term, while it leads (a shared run_dir)
+    # failures decided before this head started: the lost head's, named by its successor
+    inherited: list[WorkerFailure] = field(default_factory=list)
 
 
 def start_head(run: RunInputs, launch: Launch, emit: Any, timing: Timing) -> Nodes:
     """Listen on ``PHALANX_HEAD``'s address, host the store there, and wait for every node
-    to join and agree; every node is then told the slots and where the store is."""
-
+    to join and agree; every node is then told the slots and where the store is. With a
+    shared run_dir the head takes a fencing term first (:mod:`.fencing`). A successor
+    (``run.failover``: the head was lost and this node leads) listens on the node port it
+    had open, takes the next term, waits ``timing.takeover`` for the other survivors and
+    goes on with those that came while they are more than half of the run's succession."""
     config = run.config
+    failover: Failover | None = run.failover
     check_interface(launch, config)
     token = head_token(config.run_dir)
     run_id = new_run_id()  # this run's signing key is made from the token and it
     host, port = link_address(launch)
-    listener = Listener.open(host, port, token, timing)
+    if failover is not None and failover.standby is not None:
+        listener = failover.standby.listener
+    else:
+        listener = Listener.open(host, port, token, timing)
     try:
-        agent = head_agent(launch, host, token, run_id, os.environ, timing)
+        term = None
+        if config.run_dir:
+            term = claim(
+                config.run_dir,
+                launch.node_rank if failover is None else failover.me,
+                host,
+                listener.port,
+            )
+        env = os.environ if failover is None else {}  # (a successor's store: any free port)
+        agent = head_agent(launch, host, token, run_id, env, timing)
         hub = NodeHub(listener, launch.nnodes, timing)
-        emit(waiting_notice(launch.nnodes, f"{host}:{listener.port}", agent))
+        hub.term = 0 if term is None else term.term
+        awaited = None if failover is None else failover.awaited()
+        emit(waiting_notice(launch.nnodes, f"{host}:{listener.port}", agent, awaited))
         if is_loopback(host):
             emit(Notice(f"head: {host} is loopback: only nodes on this machine reach it"))
         precision = str(getattr(run.spec, "precision", "32"))
         check = agreement(config, run.plan, precision)
-        slots = hub.gather(check, run.plan, list(config.devices), timing.join)
+        expected = None
+        wait = timing.join
+        if failover is not None:
+            assert isinstance(failover.decision, TakeOver)
+            expected, wait = failover.decision.expected, timing.takeover
+        slots = hub.gather(check, run.plan, list(config.devices), wait, expected)
+        if failover is not None:
+            check_quorum(failover, sorted(hub.nodes), emit)
     except BaseException:
         listener.close()
         raise
     assert agent.store_at is not None
     labels = list(slots.labels)
+    me = launch.node_rank if failover is None else failover.me
+    hub.own = Heir(me, host, 0, tuple(config.devices))
     hub.welcome(labels, agent.store_at, run_id, agent.prefix)
+    for level, text in hub.notes:
+        emit(Notice(text, level))
+    hub.notes.clear()
     for address, why in hub.rejected:
         emit(rejected_link(address, why))
     hub.rejected.clear()
-    return Nodes(hub, agent, labels, list(slots.shown), slots.slot_nodes)
+    fence = (
+        None
+        if term is None
+        else Fence(config.run_dir or "", term, timing.fence_every.total_seconds())
+    )
+    inherited = [] if failover is None else [failover.failure]
+    return Nodes(hub, agent, labels, list(slots.shown), slots.slot_nodes, fence, inherited)
 
 
-def waiting_notice(nnodes: int, address: str, agent: Agent) -> Notice:
+def waiting_notice(
+    nnodes: int, address: str, agent: Agent, awaited: Sequence[int] | None = None
+) -> Notice:
     assert agent.store_at is not None
     store = f"{agent.store_at[0]}:{agent.store_at[1]}" + (" (torchrun's)" if agent.client else "")
-    return Notice(f"head: waiting for {nnodes - 1} node(s) at {address} (store at {store})")
+    who = f"{nnodes - 1} node(s)" if awaited is None else f"node(s) {list(awaited)}"
+    return Notice(f"head: waiting for {who} at {address} (store at {store})")
 
 
 def head_agent(

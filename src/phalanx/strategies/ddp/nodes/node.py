@@ -11,6 +11,7 @@ import dataclasses
 import os
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,9 +32,9 @@ from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.agent.agent import Agent, start_fork_server
 from phalanx.strategies.ddp.agent.routing import LocalAgent
 from phalanx.strategies.ddp.agent.spawner import Spawner
-from phalanx.strategies.ddp.coordinator.nodeplan import (
-    Hello,
-)
+from phalanx.strategies.ddp.coordinator.nodeplan import Hello, Stop, TakeOver, successor
+from phalanx.strategies.ddp.nodes.failover import Failover, Standby, head_loss_failure
+from phalanx.strategies.ddp.nodes.fencing import read_term
 from phalanx.strategies.ddp.nodes.headloss import head_lost_message, save_on_head_loss
 from phalanx.strategies.ddp.nodes.shared import (
     agreement,
@@ -51,6 +52,7 @@ from phalanx.strategies.ddp.wire.messages import (
     End,
     Fenced,
     FinalWeights,
+    Heir,
     KeepAlive,
     KillOrder,
     Message,
@@ -66,19 +68,40 @@ from phalanx.strategies.ddp.wire.protocol import Done, Saved
 
 
 # -- a node's side ------------------------------------------------------------------------
+@dataclass
+class HeadWord:
+    """What a node knows of the head from its last words: the run's succession, the
+    head's fencing term, and how the head was lost (``why``; ``silent``: by its silence)."""
+
+    succession: tuple[Heir, ...] = ()
+    term: int = 0
+    why: str = ""
+    silent: float | None = None  # lost by its silence: this long (None: its link closed)
+    lost_at: float = 0.0  # when this node saw the loss (wall clock)
+
+    def lost(self, why: str, silent: float | None = None) -> None:
+        self.why, self.silent, self.lost_at = why, silent, time.time()
+
+    def heard(self, message: Message) -> None:
+        if isinstance(message, (KeepAlive, Welcome)) and message.succession:
+            self.succession = message.succession
+
+
 def connect_to_head(
-    launch: Launch, token: bytes, hello: Hello, timing: Timing
+    launch: Launch, token: bytes, hello: Hello, timing: Timing, following: bool = False
 ) -> tuple[Link, Message]:
     """Connect to the head, retrying while it is not up yet (for ``timing.join``); the
-    link and the head's answer."""
+    link and the head's answer. ``following``: the head is a successor, which answers
+    once its own workers saved and the others came (``timing.follow``)."""
     address = link_address(launch)
-    deadline = timing.join
+    deadline = timing.follow if following else timing.join
     end = time.monotonic() + deadline.total_seconds()
     frame = encode(hello)
+    handshake = timing.follow if following else timing.handshake
     while True:
         try:
             connect = timing.connect.total_seconds()
-            link, answer = Link.connect(address, token, frame, connect, timing.handshake)
+            link, answer = Link.connect(address, token, frame, connect, handshake)
             break
         except (OSError, LinkError) as exc:
             if time.monotonic() > end:
@@ -103,18 +126,28 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     check_interface(launch, config)
     start_fork_server()  # (before joining: a worker's start never holds up the node's loop)
     token = node_token(config.run_dir, timing.join.total_seconds(), timing.join_poll)
-    link, answer = _join(run, launch, token, emit, timing)
+    standby = _standby(run, launch, token, timing)
+    try:
+        link, answer = _join(run, launch, token, emit, timing, standby)
+    except BaseException:
+        if standby is not None:
+            standby.close()
+        raise
     if isinstance(answer, End):  # a spare that never had to take a place
         link.close()
+        if standby is not None:
+            standby.close()
         return _node_end(run, answer, time.time() - started)
     launch = dataclasses.replace(launch, node_rank=answer.node)
+    word = HeadWord(term=answer.term)
+    word.heard(answer)
     labels, first = list(answer.devices), answer.first
     signer = Signer.for_run(token, answer.run)
     agent = Agent(
         bind=None, store_at=answer.store, signer=signer, prefix=answer.prefix, timing=timing
     )
     data = (run.train, run.valid, run.valid_size)
-    global_config = _with_devices(config, labels)
+    global_config = dataclasses.replace(config, devices=labels, head_term=answer.term)
     local = len(config.devices)
     spawner = Spawner(run.spec, global_config, run.plan, data, agent, local, first)
     if config.snapshots is not None and agent.snapshot_folder() is None:
@@ -123,22 +156,93 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     last = first + len(config.devices) - 1
     emit(Notice(f"node {launch.node_rank}: joined; workers {first}..{last}"))
     saved: list[Saved] = []
+    failover: Failover | None = None
     try:
-        end = _serve(link, agent, LocalAgent(agent, spawner), interrupter)
-        if end is None:  # the head is lost: keep what was committed
+        end = _serve(link, agent, LocalAgent(agent, spawner), interrupter, word)
+        if end is None:  # the head is lost: keep what was committed, then go on or stop
             saved = save_on_head_loss(agent)
+            failover = _failover(run, launch, word, saved, standby, emit)
     finally:
         agent.close()
         link.close()
+        if standby is not None and (failover is None or not failover.leads):
+            standby.close()
+    if failover is not None:
+        raise failover
     if end is None:
-        raise _head_lost(launch, config, first, saved, emit)
+        raise _head_lost(launch, config, first, saved, emit, word.why)
     if isinstance(end, Fenced):
         raise NodeFencedError(fenced_message(launch.node_rank, end))
     return _node_end(run, end, time.time() - started)
 
 
+def _standby(run: RunInputs, launch: Launch, token: bytes, timing: Timing) -> Standby | None:
+    """This node's own node port, from which it would lead the run were the head lost; None
+    where no failover can be (no run_dir to resume from and fence in, a recovery policy
+    without it, a spare)."""
+    if _cannot_fail_over(run.config) is not None or launch.spare:
+        return None
+    return Standby.open(link_address(launch), token, timing)
+
+
+def _cannot_fail_over(config: FitConfig) -> str | None:
+    """Why no node of this run may take over from a lost head, or None."""
+    if not config.run_dir:
+        return "the head's failover needs a run_dir every node shares, and this run has none"
+    if not config.recovery.head_failover:
+        return "the recovery policy turns the head's failover off (head_failover=False)"
+    if config.recovery.mode == "abort":
+        return 'the recovery policy is mode="abort"'
+    return None
+
+
+def _failover(
+    run: RunInputs,
+    launch: Launch,
+    word: HeadWord,
+    saved: list[Saved],
+    standby: Standby | None,
+    emit: Any,
+) -> Failover | None:
+    """After the head's loss: whether this node goes on (leads or follows, the run's rule:
+    :func:`~..coordinator.nodeplan.successor`) or stops (None; the reason in ``word.why``)."""
+    config = run.config
+    cannot = _cannot_fail_over(config)
+    if cannot is None and standby is None:
+        cannot = "this node is a spare"
+    if cannot is None:
+        assert config.run_dir is not None
+        current = read_term(config.run_dir)
+        if word.term == 0 or current is None or current.term < word.term:
+            cannot = f"{config.run_dir} is not the head's run_dir (no head.json of its term)"
+    decision = successor(word.succession, launch.node_rank, (), cannot)
+    if isinstance(decision, Stop):
+        word.why = f"{word.why}; no failover: {decision.why}"
+        return None
+    head, me = word.succession[0], launch.node_rank
+    if isinstance(decision, TakeOver):
+        leader, others = me, ", ".join(str(r) for r in decision.expected)
+        text = f"this node takes over as the head, with node(s) {others}"
+    else:
+        heir = decision.heir
+        leader, text = (
+            heir.rank,
+            f"following node {heir.rank}, the new head, at {heir.host}:{heir.port}",
+        )
+    failure = head_loss_failure(head, word.why, word.silent, saved, leader, word.lost_at)
+    failover = Failover(decision, me, word.succession, failure, saved, standby)
+    text = f"node {me}: the head was lost ({word.why}); {text}"
+    emit(Notice(text, level="warning"))
+    return failover
+
+
 def _join(
-    run: RunInputs, launch: Launch, token: bytes, emit: Any, timing: Timing
+    run: RunInputs,
+    launch: Launch,
+    token: bytes,
+    emit: Any,
+    timing: Timing,
+    standby: Standby | None = None,
 ) -> tuple[Link, Welcome | End]:
     """Register with the head (who this node is, what must agree); its answer, or raise
     NodesDisagreeError when it refused this node."""
@@ -149,12 +253,24 @@ def _join(
         devices=tuple(run.config.devices),
         spare=launch.spare,
         check=agreement(run.config, run.plan, precision),
+        standby=0 if standby is None else standby.port,
     )
     who = "spare" if launch.spare else f"node {launch.node_rank}"
     emit(Notice(f"{who}: joining the head at {launch.head}"))
-    link, answer = connect_to_head(launch, token, hello, timing)
+    following = run.failover is not None
+    try:
+        link, answer = connect_to_head(launch, token, hello, timing, following)
+    except NodesDisagreeError as exc:
+        if not following:
+            raise
+        saved = list(run.failover.saved)
+        why = f"and the new head did not take this node in ({exc})"
+        raise _head_lost(launch, run.config, -1, saved, emit, why) from None
     if isinstance(answer, Refused):
         link.close()
+        if following:  # (a survivor that came late, or disagrees with the new head)
+            why = f"and the new head refused this node ({answer.message})"
+            raise _head_lost(launch, run.config, -1, list(run.failover.saved), emit, why)
         raise NodesDisagreeError(answer.message)
     if isinstance(answer, Parked):
         emit(Notice("spare: waiting at the head to take the place of a node that is lost"))
@@ -204,10 +320,10 @@ def fenced_message(node: int, fenced: Fenced) -> str:
 
 
 def _head_lost(
-    launch: Launch, config: FitConfig, first: int, saved: list[Saved], emit: Any
+    launch: Launch, config: FitConfig, first: int, saved: list[Saved], emit: Any, why: str = ""
 ) -> HeadLost:
     """The node's end when the head was lost: told to its sinks, raised as HeadLost."""
-    error = HeadLostError(head_lost_message(launch, config, first, saved))
+    error = HeadLostError(head_lost_message(launch, config, first, saved, why))
     emit(Notice(str(error), level="error"))
     kept = [s for s in saved if s.path]
     if not kept:
@@ -248,11 +364,12 @@ def _shared(run_dir: str | None, path: object) -> str | None:
 
 
 def _serve(
-    link: Link, agent: Agent, local: LocalAgent, interrupter: Interrupter
+    link: Link, agent: Agent, local: LocalAgent, interrupter: Interrupter, word: HeadWord
 ) -> End | Fenced | None:
     """Until the head says the run ended (its ``end`` frame) or went on without this node
     (``fenced``), or is lost: no word for the agent's ``timing.node``, or the link closed
-    (None). Its orders are carried out by ``local`` (this node's agent)."""
+    (None; how, in ``word``). Its orders are carried out by ``local`` (this node's agent);
+    its keep-alives' succession is kept in ``word``."""
     timing = agent.timing
     limit, beat = timing.node.total_seconds(), timing.beat_every.total_seconds()
     stop_sent = False
@@ -263,12 +380,16 @@ def _serve(
                 last_sent = time.monotonic()
             for item in link.drain():
                 if isinstance(item, LinkError):
+                    word.lost(_closed(item))
                     return _last_word(link, timing)
                 message = decode(item)
                 if isinstance(message, (End, Fenced)):
                     return message
+                word.heard(message)
                 _order(message, link, local)
-            if time.monotonic() - link.last_heard > limit:
+            silent = time.monotonic() - link.last_heard
+            if silent > limit:
+                word.lost(f"no word for {silent:.1f}s (node_timeout {limit:g}s)", silent)
                 return _last_word(link, timing)
             if not stop_sent and interrupter.should_stop():
                 stop_sent = True
@@ -276,8 +397,14 @@ def _serve(
             if time.monotonic() - last_sent > beat:
                 tell(link, KeepAlive())
                 last_sent = time.monotonic()
-    except LinkError:
+    except LinkError as exc:
+        word.lost(_closed(exc))
         return _last_word(link, timing)
+
+
+def _closed(error: LinkError) -> str:
+    text = str(error)
+    return "its link closed" if text == "the link is closed" else f"its link closed ({text})"
 
 
 def _forward(agent: Agent, link: Link) -> bool:
@@ -321,12 +448,6 @@ def _order(message: Message, link: Link, local: LocalAgent) -> None:
         answer = local.stacks(message.slots)
     if answer is not None:
         tell(link, answer)
-
-
-def _with_devices(config: FitConfig, labels: list[str]) -> FitConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, devices=labels)
 
 
 def _no_dir(config: FitConfig) -> FitConfig:

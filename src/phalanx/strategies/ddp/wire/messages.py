@@ -40,6 +40,18 @@ class BadMessage(ValueError):
 
 # -- the head to a node -------------------------------------------------------------------
 @dataclass(frozen=True)
+class Heir:
+    """A node in the run's succession (what the head's :class:`Welcome` and
+    :class:`KeepAlive` carry): its node rank, host and devices, and the node port it
+    would lead the run from (``port`` 0: none; the head's own entry has none)."""
+
+    rank: int
+    host: str
+    port: int
+    devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Hello:
     """A node's registration (its ``hello`` frame, read by :func:`decode`)."""
 
@@ -48,13 +60,15 @@ class Hello:
     devices: tuple[str, ...] = ()
     spare: bool = False  # PHALANX_NODE_RANK=spare: it waits to take a lost node's place
     check: Mapping[str, Any] = field(default_factory=dict)  # its agreement (see nodes)
+    standby: int = 0  # the node port it would lead the run from, were the head lost (0: none)
 
 
 @dataclass(frozen=True)
 class Welcome:
     """A node is in (at start-up, taken back, or a spare placed): its node rank, every
     slot's device, its first slot, the store's address and the run's keys' prefix there,
-    and the run id its signing key is made from."""
+    and the run id its signing key is made from; the head's fencing ``term`` (in the shared
+    run_dir's ``head.json``; 0: none) and the run's ``succession`` (see :class:`Heir`)."""
 
     node: int
     devices: tuple[str, ...]
@@ -62,6 +76,8 @@ class Welcome:
     store: tuple[str, int]
     prefix: str
     run: str
+    term: int = 0
+    succession: tuple[Heir, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,7 +192,10 @@ class StopAsked:
 # -- both ways ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KeepAlive:
-    """Nothing to say: the link is alive."""
+    """Nothing new: the link is alive. The head's carries the run's succession (every live
+    node in rank order, the head first), which a node follows if the head is lost."""
+
+    succession: tuple[Heir, ...] = ()
 
 
 Message = (
@@ -282,6 +301,13 @@ class _Doc:
 
 
 # -- each kind ----------------------------------------------------------------------------
+def _port(d: _Doc, name: str, value: Any) -> int:
+    port = d.check_int(name, value, least=0)
+    if port > 65535:
+        raise d.bad(name, f"{port} is not a port")
+    return port
+
+
 def _hello(d: _Doc, payload: bytes) -> Hello:
     return Hello(
         rank=d.integer("node", least=SPARE),
@@ -289,7 +315,30 @@ def _hello(d: _Doc, payload: bytes) -> Hello:
         devices=d.texts("devices"),
         spare=d.flag("spare"),
         check=d.mapping("check"),
+        standby=_port(d, "standby", d.value("standby")),
     )
+
+
+def _succession(d: _Doc) -> tuple[Heir, ...]:
+    heirs = []
+    for i, item in enumerate(d.items("succession")):
+        name = f"succession[{i}]"
+        doc = d.check_object(name, item)
+        for key in ("node", "host", "port", "devices"):
+            if key not in doc:
+                raise d.bad(f"{name}.{key}", "missing")
+        devices = d.check_list(f"{name}.devices", doc["devices"])
+        heirs.append(
+            Heir(
+                rank=d.check_int(f"{name}.node", doc["node"], least=0),
+                host=d.check_text(f"{name}.host", doc["host"]),
+                port=_port(d, f"{name}.port", doc["port"]),
+                devices=tuple(
+                    d.check_text(f"{name}.devices[{j}]", v) for j, v in enumerate(devices)
+                ),
+            )
+        )
+    return tuple(heirs)
 
 
 def _welcome(d: _Doc, payload: bytes) -> Welcome:
@@ -297,9 +346,7 @@ def _welcome(d: _Doc, payload: bytes) -> Welcome:
     if len(store) != 2:
         raise d.bad("store", f"{len(store)} items where (host, port) is due")
     host = d.check_text("store[0]", store[0])
-    port = d.check_int("store[1]", store[1], least=0)
-    if port > 65535:
-        raise d.bad("store[1]", f"{port} is not a port")
+    port = _port(d, "store[1]", store[1])
     return Welcome(
         node=d.integer("node", least=0),
         devices=d.texts("devices"),
@@ -307,6 +354,8 @@ def _welcome(d: _Doc, payload: bytes) -> Welcome:
         store=(host, port),
         prefix=d.text("prefix"),
         run=d.text("run"),
+        term=d.integer("term", least=0),
+        succession=_succession(d),
     )
 
 
@@ -407,7 +456,7 @@ _DECODERS: dict[str, Callable[[_Doc, bytes], Message]] = {
     "spawned": lambda d, p: Started(d.integer("slot", least=0), d.maybe_integer("pid", 0)),
     "stacks": _stacks,
     "stop": lambda d, p: StopAsked(d.text("reason")),
-    "beat": lambda d, p: KeepAlive(),
+    "beat": lambda d, p: KeepAlive(_succession(d)),
 }
 
 
@@ -441,12 +490,19 @@ def _end_doc(m: End) -> dict[str, Any]:
 
 def _hello_doc(m: Hello) -> dict[str, Any]:
     doc = {"node": m.rank, "host": m.host, "devices": list(m.devices), "spare": m.spare}
-    return {**doc, "check": dict(m.check)}
+    return {**doc, "check": dict(m.check), "standby": m.standby}
+
+
+def _heirs_doc(heirs: tuple[Heir, ...]) -> list[dict[str, Any]]:
+    return [
+        {"node": h.rank, "host": h.host, "port": h.port, "devices": list(h.devices)} for h in heirs
+    ]
 
 
 def _welcome_doc(m: Welcome) -> dict[str, Any]:
     doc = {"node": m.node, "devices": list(m.devices), "first": m.first}
-    return {**doc, "store": list(m.store), "prefix": m.prefix, "run": m.run}
+    doc.update(store=list(m.store), prefix=m.prefix, run=m.run, term=m.term)
+    return {**doc, "succession": _heirs_doc(m.succession)}
 
 
 def _spawn_doc(m: SpawnOrder) -> dict[str, Any]:
@@ -476,7 +532,7 @@ _ENCODERS: dict[type, tuple[str, Callable[[Any], dict[str, Any]]]] = {
     Started: ("spawned", lambda m: {"slot": m.slot, "pid": m.pid}),
     Stacks: ("stacks", lambda m: {"stacks": {str(s): t for s, t in m.stacks.items()}}),
     StopAsked: ("stop", lambda m: {"reason": m.reason}),
-    KeepAlive: ("beat", lambda m: {}),
+    KeepAlive: ("beat", lambda m: {"succession": _heirs_doc(m.succession)}),
 }
 
 

@@ -1,0 +1,164 @@
+"""The head lost, and the run goes on without a restart: the node side of the failover.
+
+Every node listens, from its start, on a node port of its own (:class:`Standby`), and the
+head's keep-alives carry the run's succession (every live node, the head first, each with
+that port). When a node loses the head (:mod:`.headloss`: its workers first keep what the
+run committed, as an emergency checkpoint in the shared ``run_dir``), it reads
+:func:`~..coordinator.nodeplan.successor`'s rule: the lowest live node rank leads a strict
+majority of the succession, the others follow it. ``run_node`` then raises
+:class:`Failover`, and the node's ``fit`` goes on (``Learner``): the leader takes the next
+fencing term (:mod:`.fencing`), opens the run's sinks in ``run_dir`` again (appending) and
+runs as the head from the newest checkpoint (``resume``), with the head's loss as the run's
+first failure; each follower joins it as a node. Where the rule says stop (no run_dir, a
+node alone of two, a policy without failover), the node ends as before: ``HeadLost``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.failures import WorkerFailure
+from phalanx.launch import Address, Launch
+from phalanx.strategies.ddp.coordinator.nodeplan import Follow, TakeOver
+from phalanx.strategies.ddp.timing import Timing
+from phalanx.strategies.ddp.wire.link import Listener
+from phalanx.strategies.ddp.wire.messages import Heir
+from phalanx.strategies.ddp.wire.protocol import Saved
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (the interface the other nodes
+    reach it on; no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
+
+
+@dataclass
+class Standby:
+    """A node's node port, open while it runs: the head's successor listens here."""
+
+    listener: Listener
+    host: str
+
+    @classmethod
+    def open(cls, head: tuple[str, int], token: bytes, timing: Timing) -> Standby:
+        host = address_towards(*head)
+        return cls(Listener.open(host, 0, token, timing), host)
+
+    @property
+    def port(self) -> int:
+        return self.listener.port
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@dataclass
+class Failover(Exception):
+    """The head was lost and this node goes on (``run_node`` raises it, the node's ``fit``
+    catches it): ``decision`` says whether it leads (``TakeOver``, with its ``standby``
+    port) or follows. ``failure`` names the head's loss for the run's record; ``saved``
+    is what this node's workers kept."""
+
+    decision: TakeOver | Follow
+    me: int
+    succession: tuple[Heir, ...]
+    failure: WorkerFailure
+    saved: list[Saved] = field(default_factory=list)
+    standby: Standby | None = None
+
+    def __str__(self) -> str:
+        return self.failure.message
+
+    @property
+    def leads(self) -> bool:
+        return isinstance(self.decision, TakeOver)
+
+    def launch(self, launch: Launch) -> Launch:
+        """This node's place in the run from here: the new head (node rank 0 at its own
+        port; it hosts the store) or a node of it."""
+        if isinstance(self.decision, TakeOver):
+            assert self.standby is not None
+            head = Address(self.standby.host, self.standby.port)
+            return dataclasses.replace(launch, source="phalanx", node_rank=0, head=head)
+        heir = self.decision.heir
+        return dataclasses.replace(launch, source="phalanx", head=Address(heir.host, heir.port))
+
+    def awaited(self) -> tuple[int, ...]:
+        """The node ranks a leader waits for (none for a follower)."""
+        return self.decision.expected if isinstance(self.decision, TakeOver) else ()
+
+    def release(self) -> None:
+        if self.standby is not None:
+            with contextlib.suppress(OSError):
+                self.standby.close()
+
+
+def head_loss_failure(
+    head: Heir, why: str, silent: float | None, saved: list[Saved], leader: int, at: float
+) -> WorkerFailure:
+    """The one failure that names the head's loss in the run that goes on (node ``leader``
+    took over): its node, host and workers, the last committed step kept; ``at``: when this
+    node saw the loss (wall clock), ``silent``: how long the head had been silent then (a
+    frozen or cut-off head: its cost counts from its last word), None: its link closed."""
+    kept = [s.step for s in saved if s.path]
+    step = max(kept) if kept else None
+    workers = list(range(len(head.devices))) or [0]
+    shown = "?" if step is None else step + 1
+    message = (
+        f"node {head.rank} ({head.host}), the head, lost with its workers {workers} at step "
+        f"{shown}: {why}; node {leader} took over as the head and the run went on from its "
+        "last committed step without a restart"
+    )
+    return WorkerFailure(
+        worker=workers[0],
+        rank=0,
+        device=(head.devices[0] if head.devices else "?") + f"@node{head.rank}",
+        kind="crash" if silent is None else "hang",
+        message=message,
+        phase="sync",
+        step=step,
+        host=head.host,
+        time=at,
+        action="shrunk",
+        last_progress=None if silent is None else at - silent,
+    )
+
+
+def _came(came: list[int]) -> str:
+    return f"node(s) {came} came" if came else "no other node came"
+
+
+def check_quorum(failover: Failover, came: list[int], emit: Any) -> None:
+    """The successor, once it waited for the others: it goes on only while it and those
+    that came are more than half of the run's succession; else it stops as a node that
+    lost the head without a failover does (raises ``HeadLost``: exit 75, resume=True)."""
+    total = len(failover.succession)
+    present = 1 + len(came)
+    if 2 * present > total:
+        return
+    from phalanx.errors import HeadLost, HeadLostError
+
+    kept = [s for s in failover.saved if s.path]
+    best = max(kept, key=lambda s: s.step) if kept else None
+    where = "nothing was saved"
+    if best is not None:
+        who = "this node wrote it" if any(s.wrote for s in kept) else "another node wrote it"
+        where = (
+            f"it kept what the run had committed: step {best.step} is in {best.path} ({who}). "
+            "Start the same command on every node with resume=True to go on from there"
+        )
+    error = HeadLostError(
+        f"node {failover.me}: the head was lost and this node was to take over, but only "
+        f"{present} of the run's {total} nodes reached it ({_came(came)}): not more than "
+        f"half, so it does not go on; {where}"
+    )
+    from phalanx.events import Notice
+
+    emit(Notice(str(error), level="error"))
+    raise HeadLost(error, None if best is None else best.step, None if best is None else best.path)

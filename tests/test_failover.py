@@ -1,0 +1,208 @@
+"""The head's failover: three nodes on one machine (each its own ``python script.py``
+process and process group, as on a cluster) share a run_dir; the head's node is killed,
+or frozen (and woken later), and the run goes on without a restart: the lowest surviving
+node takes over as the head, the other follows it, both return the model of a run that lost
+nothing with an exact ledger, the run's record names the head's loss once, and an old head
+that wakes is fenced. With a second failure during the failover, or two nodes (one left, not
+more than half), nobody takes over: the survivor keeps the step in an emergency checkpoint
+and exits 75 as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_multinode import (
+    alive_in_group,
+    env_for,
+    finish,
+    free_port,
+    kill_group,
+    one_node_run,
+    result_of,
+    same,
+    saved_by_node,
+    start,
+    wait_for,
+    weights,
+)
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="POSIX processes"),
+    pytest.mark.slow,
+]
+
+EPOCHS = 6  # 10 steps each, a checkpoint at each epoch's end
+
+
+def nodes(
+    tmp_path: Path, count: int, run_dir: Path, node_timeout: float | None = None
+) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+    """``count`` nodes of one CPU worker each on ``run_dir``; node k's log and model are
+    ``node{k}.log`` and ``node{k}.pt``."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(count):
+        log = tmp_path / f"node{rank}.log"
+        env = env_for(rank, port, "t")
+        env["PHALANX_NNODES"] = str(count)
+        env["PHALANX_TEST_STEPS"] = "1"
+        if node_timeout is not None:
+            env["PHALANX_TEST_NODE_TIMEOUT"] = str(node_timeout)
+        args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", str(EPOCHS), str(run_dir)]
+        procs.append(start(args, env, log))
+        logs.append(log)
+    return procs, logs
+
+
+def into_epoch_three(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> float:
+    """Once epoch 2 is done (checkpoints at steps 10 and 20) and half a second into epoch
+    3 (steps committed after the newest checkpoint): the time."""
+    wait_for(f"epoch 2/{EPOCHS} done", logs[0], procs[0])
+    time.sleep(0.5)
+    return time.time()
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def head_losses(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [f for f in failures if ", the head, lost with its workers" in f["message"]]
+
+
+def assert_went_on_clean(tmp_path: Path, logs: list[Path], survivors: list[int]) -> list[dict]:
+    """Every survivor returned the full run's steps, an exact ledger and the model of a run
+    that lost nothing; their results."""
+    results = [result_of(logs[k]) for k in survivors]
+    assert [r["steps"] for r in results] == [EPOCHS * 10] * len(survivors)
+    assert all(r["ledger_ok"] for r in results)
+    clean = one_node_run(tmp_path, epochs=EPOCHS)
+    for k in survivors:
+        assert same(weights(tmp_path / f"node{k}.pt"), clean), f"node {k}"
+    return results
+
+
+@pytest.mark.timeout(400)
+def test_the_head_killed_node_1_takes_over_and_the_run_goes_on_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    procs, logs = nodes(tmp_path, 3, run_dir)
+    try:
+        killed_at = into_epoch_three(procs, logs)
+        kill_group(procs[0])  # the head: its process, the store, its worker
+        codes = [finish(p, 200) for p in procs[1:]]
+    finally:
+        for p in procs:
+            kill_group(p)
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts[1:])
+    new_head, follower = assert_went_on_clean(tmp_path, logs, [1, 2])
+    assert "this node takes over as the head, with node(s) 2" in texts[1]
+    assert "following node 1, the new head" in texts[2]
+    # One failure names the head's loss, in both results, with the time to the next step.
+    [lost] = head_losses(new_head["failures"])
+    assert head_losses(follower["failures"]) == [lost]
+    assert lost["message"].startswith("node 0 (") and "its link closed" in lost["message"]
+    assert "node 1 took over as the head" in lost["message"]
+    assert lost["worker"] == 0 and lost["kind"] == "crash" and lost["action"] == "shrunk"
+    assert 20 <= lost["step"] < 60  # the emergency checkpoint: newer than epoch 2's
+    assert lost["recovery_seconds"] is not None
+    # The next committed step after the kill: node_timeout (10 s) is not waited for, the link
+    # closed; the workers' emergency save, a new store and new workers (forked) come first.
+    next_step = min(t for s, t in new_head["steps_at"] if s > lost["step"])
+    print(f"head killed -> next committed step: {next_step - killed_at:.2f}s")
+    assert next_step - killed_at < 10.0
+    # No committed step lost: the first step after the takeover is the one after the save.
+    assert min(s for s, _ in new_head["steps_at"]) == lost["step"] + 1
+    # One run, one record: the same run id, a second session, both heads' events appended.
+    doc = json.loads((run_dir / "run.json").read_text())
+    assert len(doc["sessions"]) == 2
+    recorded = events(run_dir)
+    assert (
+        len(head_losses([e["failure"] for e in recorded if e.get("event") == "WorkerFailed"])) == 1
+    )
+    assert json.loads((run_dir / "head.json").read_text())["term"] == 2
+    for p in procs:
+        assert not alive_in_group(p.pid)
+
+
+@pytest.mark.timeout(400)
+def test_a_frozen_head_is_replaced_after_node_timeout_and_fenced_when_it_wakes(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    procs, logs = nodes(tmp_path, 3, run_dir, node_timeout=3)
+    try:
+        frozen_at = into_epoch_three(procs, logs)
+        os.killpg(procs[0].pid, signal.SIGSTOP)  # the head and its worker: sockets open
+        codes = [finish(p, 200) for p in procs[1:]]
+        os.killpg(procs[0].pid, signal.SIGCONT)  # the old head wakes after the run ended
+        old_code = finish(procs[0], 60)
+        deadline = time.monotonic() + 10
+        while alive_in_group(procs[0].pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left_behind = alive_in_group(procs[0].pid)
+    finally:
+        for p in procs:
+            kill_group(p)
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts[1:])
+    new_head, _ = assert_went_on_clean(tmp_path, logs, [1, 2])
+    [lost] = head_losses(new_head["failures"])
+    assert "no word for" in lost["message"] and lost["kind"] == "hang"
+    next_step = min(t for s, t in new_head["steps_at"] if s > lost["step"])
+    print(f"head frozen -> next committed step: {next_step - frozen_at:.2f}s")
+    assert next_step - frozen_at < 3.0 + 10.0
+    # The old head woke to a newer term: it committed nothing and said why.
+    assert old_code != 0 and "PX145" in texts[0] and "was replaced by node 1" in texts[0]
+    assert "RESULT" not in texts[0] and not (tmp_path / "node0.pt").exists()
+    assert not left_behind, "the woken head left processes behind"
+
+
+@pytest.mark.timeout(300)
+def test_a_second_failure_during_the_failover_leaves_no_majority_and_the_survivor_saves(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    procs, logs = nodes(tmp_path, 3, run_dir)
+    try:
+        into_epoch_three(procs, logs)
+        kill_group(procs[0])
+        kill_group(procs[2])  # node 2 lost too, as node 1 waits for it
+        code = finish(procs[1], 120)
+    finally:
+        for p in procs:
+            kill_group(p)
+    text = logs[1].read_text()
+    assert code == 75, text[-3000:]  # EX_TEMPFAIL: the same command again, resume=True
+    step, _ = saved_by_node(text)
+    assert 20 < step < 60
+    assert "1 of the run's 3 nodes" in text or "only 1 of the run's 3 nodes" in text, text[-3000:]
+    assert "RESULT" not in text
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_one_left_is_not_more_than_half_and_it_saves_as_before(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    procs, logs = nodes(tmp_path, 2, run_dir)
+    try:
+        into_epoch_three(procs, logs)
+        kill_group(procs[0])
+        code = finish(procs[1], 120)
+    finally:
+        for p in procs:
+            kill_group(p)
+    text = logs[1].read_text()
+    assert code == 75, text[-3000:]
+    assert "no failover: 1 of the run's 2 nodes are left, not more than half" in text
+    saved_by_node(text)
