@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -128,6 +129,7 @@ def trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict[str,
 def head_trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict[str, float]:
     """Three nodes on a shared run_dir; the head's node hit once it finished epoch 2."""
     port, run_dir = _free_port(), folder / f"head-{how}-run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # (each trial a run of its own)
     logs = [folder / f"head-{how}-node{r}.log" for r in (0, 1, 2)]
     procs = []
     for r in (0, 1, 2):

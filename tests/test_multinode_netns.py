@@ -5,6 +5,7 @@ the head's address is not loopback and each node's gloo uses its own interface
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -279,7 +280,7 @@ def test_the_heads_link_cut_the_two_other_nodes_take_over_and_the_head_is_fenced
             kill_group(p)
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts[1:])
-    assert "this node takes over as the head, with node(s) 2" in texts[1]
+    assert "this node takes over as the head, with node(s) [2]" in texts[1]
     assert f"following node 1, the new head, at {three_hosts[1][2]}:" in texts[2]
     results = [result_of(logs[r]) for r in (1, 2)]
     assert [r["steps"] for r in results] == [120, 120] and all(r["ledger_ok"] for r in results)
@@ -289,3 +290,40 @@ def test_the_heads_link_cut_the_two_other_nodes_take_over_and_the_head_is_fenced
     assert same(weights(tmp_path / "n1.pt"), clean) and same(weights(tmp_path / "n2.pt"), clean)
     assert head_code != 0 and "PX145" in texts[0] and "was replaced by node 1" in texts[0]
     assert "RESULT" not in texts[0]
+
+
+@pytest.mark.timeout(400)
+def test_a_node_cut_off_alone_does_not_take_over_and_the_run_goes_on_under_its_head(
+    tmp_path: Path, three_hosts: list[tuple[str, str, str]]
+) -> None:
+    """Three hosts, node 1's link cut: node 1 loses the head, and by the succession it would
+    lead; but node 2 still hears the head and never comes, so node 1 (one of three) does not
+    take over: it saves and exits 75, claiming no term. The head names node 1 lost and ends
+    the run with node 2, the model of a run that lost nothing, and still term 1."""
+    head = f"{three_hosts[0][2]}:29614"
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / f"n{r}.log" for r in (0, 1, 2)]
+    args = ["cpu:0", "12", str(run_dir), "shrink"]
+    procs = [
+        start_in(three_hosts[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], True, 3, 3)
+        for r in (0, 1, 2)
+    ]
+    try:
+        wait_for("epoch 2/12 done", logs[0], procs[0])
+        ip("-n", three_hosts[1][0], "link", "set", three_hosts[1][1], "down")
+        node1_code = finish(procs[1], timeout=120)
+        codes = [finish(procs[r], timeout=200) for r in (0, 2)]
+    finally:
+        for p in procs:
+            kill_group(p)
+    texts = [log.read_text() for log in logs]
+    assert node1_code == 75, texts[1][-3000:]
+    assert "only 1 of the run's 3 nodes reached it (no other node came)" in texts[1]
+    assert "cut off from this node only" in texts[1] and "[PX147]" in texts[1]
+    assert codes == [0, 0], "\n".join(texts[r][-3000:] for r in (0, 2))
+    results = [result_of(logs[r]) for r in (0, 2)]
+    assert [r["steps"] for r in results] == [120, 120] and all(r["ledger_ok"] for r in results)
+    [failure] = results[0]["failures"]
+    assert failure["message"].startswith("node 1 (") and failure["action"] == "shrunk"
+    assert json.loads((run_dir / "head.json").read_text())["term"] == 1
+    assert same(weights(tmp_path / "n0.pt"), one_node_run(tmp_path, epochs=12))

@@ -263,19 +263,27 @@ def config(hang: float, node: float) -> FitConfig:
 
 
 # hang_timeout, node_timeout -> forming (max(10 s, hang)), collective (2 hang + 30 s),
-# verdict (node + 5 s), takeover (node + 10 s)
+# verdict (node + 5 s), takeover (node + 10 s), follow (save_wait 60 s + node + 20 s)
 DERIVED = [
-    (60, 10, 60, 150, 15, 20),  # fit's defaults
-    (5, 3, 10, 40, 8, 13),  # a short hang_timeout: forming never under 10 s
-    (10, 1, 10, 50, 6, 11),
-    (0.5, 0.5, 10, 31, 5.5, 10.5),
-    (600, 120, 600, 1230, 125, 130),
+    (60, 10, 60, 150, 15, 20, 90),  # fit's defaults
+    (5, 3, 10, 40, 8, 13, 83),  # a short hang_timeout: forming never under 10 s
+    (10, 1, 10, 50, 6, 11, 81),
+    (0.5, 0.5, 10, 31, 5.5, 10.5, 80.5),
+    (600, 120, 600, 1230, 125, 130, 200),  # (a follower outwaits its leader's wait)
 ]
 
 
-@pytest.mark.parametrize(("hang", "node", "forming", "collective", "verdict", "takeover"), DERIVED)
+@pytest.mark.parametrize(
+    ("hang", "node", "forming", "collective", "verdict", "takeover", "follow"), DERIVED
+)
 def test_timing_of_a_configuration_derives_its_bounds(
-    hang: float, node: float, forming: float, collective: float, verdict: float, takeover: float
+    hang: float,
+    node: float,
+    forming: float,
+    collective: float,
+    verdict: float,
+    takeover: float,
+    follow: float,
 ) -> None:
     timing = Timing.of(config(hang, node))
     assert timing.hang == timedelta(seconds=hang)
@@ -284,7 +292,9 @@ def test_timing_of_a_configuration_derives_its_bounds(
     assert timing.collective == timedelta(seconds=collective)
     assert timing.verdict == timedelta(seconds=verdict)
     assert timing.takeover == timedelta(seconds=takeover)
-    derived = {"hang", "node", "forming", "collective", "verdict", "takeover"}
+    assert timing.follow == timedelta(seconds=follow)
+    assert timing.follow > timing.save_wait + timing.takeover  # (the leader saves, then waits)
+    derived = {"hang", "node", "forming", "collective", "verdict", "takeover", "follow"}
     for f in dataclasses.fields(Timing):  # every other bound is the configuration's own
         if f.name not in derived:
             assert getattr(timing, f.name) == getattr(DEFAULT, f.name), f.name

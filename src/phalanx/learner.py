@@ -223,7 +223,7 @@ class Learner:
             )
             if remote:  # (the head's loggers log the run, and a successor's)
                 return self._run_node(run, sinks, loggers)
-            return self._run(run, lock, sinks, loggers)
+            return self._run(run, lock, sinks, loggers, fresh=False)
 
     def _run(
         self,
@@ -231,8 +231,11 @@ class Learner:
         lock: RunLock | None,
         sinks: Sequence[Sink] | None,
         loggers: Sequence[Sink] = (),
+        fresh: bool = True,
     ) -> FitResult:
-        """Open the run folder and the sinks, train, close; the caller holds the lock."""
+        """Open the run folder and the sinks, train, close; the caller holds the lock.
+        ``fresh``: a new fit (a stop asked for before it is forgotten); False for a node
+        that takes over from a lost head, where a stop asked for meanwhile holds."""
         config = run.config
         run_dir = config.run_dir
         opened = _open_run(config)  # run.json; an earlier run's files moved aside
@@ -251,7 +254,8 @@ class Learner:
         slow = cpu_notice(run.spec.precision.name, config.devices)
         if slow is not None:
             emit(Notice(slow, level="warning"))
-        self.interrupter.reset()
+        if fresh:
+            self.interrupter.reset()
         try:
             with handle_signals(self.interrupter), _keep_rng(config.devices):
                 result = finish(self._dispatch(run, emit), run)
@@ -282,17 +286,32 @@ class Learner:
         notices (the head's have the run); it writes nothing in run_dir. When the head is
         lost and this node goes on (the ddp strategy's ``Failover``), it follows the new
         head, or leads the run from here as the head (:meth:`_take_over`)."""
-        from phalanx.strategies.ddp.nodes.failover import Failover
+        from phalanx.strategies.ddp.nodes.failover import Failover, head_lost_after
 
+        self.interrupter.reset()
         while True:
             try:
                 return self._node_once(run, sinks)
             except Failover as failover:
-                run = _after_failover(run, failover)
-                if failover.leads:
-                    return self._take_over(run, sinks, loggers)
+                try:
+                    if self.interrupter.should_stop():  # (asked to stop: no new start)
+                        why = f"a stop was asked for ({self.interrupter.reason})"
+                        from phalanx.sinks import default_sinks
+
+                        say = Fanout(list(sinks) if sinks is not None else default_sinks(None))
+                        lost = head_lost_after(failover, why, say)
+                        say.close()
+                        raise lost from None
+                    run = _after_failover(run, failover)
+                    if failover.leads:
+                        return self._take_over(run, sinks, loggers)
+                except BaseException:
+                    failover.release()  # (its node port, and the hellos waiting there)
+                    raise
 
     def _node_once(self, run: RunInputs, sinks: Sequence[Sink] | None) -> FitResult:
+        """One run of this node under one head (the interrupter is the caller's to reset:
+        a stop asked for during a failover holds)."""
         from dataclasses import replace
 
         from phalanx.strategies.ddp import run_ddp
@@ -302,7 +321,6 @@ class Learner:
 
             sinks = default_sinks(None)
         emit = Fanout(list(sinks))
-        self.interrupter.reset()
         try:
             with handle_signals(self.interrupter), _keep_rng(run.config.devices):
                 end = run_ddp(run, emit, self.interrupter, run.launch)
@@ -331,7 +349,7 @@ class Learner:
                     f"the lost head still holds {run_dir}'s lock ({exc.args[0][:200]}); this "
                     "node takes over under a newer fencing term, which keeps it out"
                 )
-            return self._run(run, lock, sinks, loggers)
+            return self._run(run, lock, sinks, loggers, fresh=False)
 
     def _dispatch(self, run: RunInputs, emit: Fanout) -> RunEnd:
         """Train with the run's strategy; raises TrainingFailed when it stopped."""

@@ -174,6 +174,7 @@ class Supervisor:
     def _hear(self) -> None:
         """What the other nodes' agents sent, and the nodes lost."""
         assert self.hub is not None
+        self._check_fence()  # (a head woken from a freeze: before it acts on what it missed)
         frames, lost = self.hub.poll()
         for node, frame in frames:
             try:
@@ -284,7 +285,8 @@ class Supervisor:
         raise NodeFencedError(
             f"this head (term {self.fence.term.term}) was replaced by {newer.describe()}: it was "
             "frozen or cut off long enough for the other nodes to go on without it, so its "
-            "workers were stopped and nothing they computed since was committed"
+            "workers were stopped: the run goes on under the new head, and nothing this head's "
+            "workers computed after it took over is kept (they write no checkpoint)"
         )
 
     def _spawn(self, action: Spawn) -> None:

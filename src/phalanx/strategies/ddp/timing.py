@@ -103,8 +103,9 @@ class Timing:
     # a node's agent waits for its workers to save and exit after the head was lost (a
     # worker blocked in a store call to a frozen head answers once that call times out)
     save_wait: timedelta = timedelta(seconds=60)
-    # the head lost: a node's wait for its successor's welcome (the successor welcomes once
-    # its own workers saved and the others came: at most its save_wait and takeover)
+    # save_wait + node + 20 s: the head lost, a node's wait for its successor's welcome (the
+    # successor welcomes once its own workers saved and the others came: at most its
+    # save_wait and takeover, node + 10 s), with 10 s to spare
     follow: timedelta = timedelta(seconds=90)
 
     @classmethod
@@ -119,6 +120,7 @@ class Timing:
             collective=hang * 2 + timedelta(seconds=30),
             verdict=node + timedelta(seconds=5),
             takeover=node + timedelta(seconds=10),
+            follow=cls.save_wait + node + timedelta(seconds=20),
         )
 
     def limit(self, state: Watched) -> float:

@@ -16,16 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import queue
 import socket
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
+from phalanx.errors import HeadLost, HeadLostError
+from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.launch import Address, Launch
 from phalanx.strategies.ddp.coordinator.nodeplan import Follow, TakeOver
+from phalanx.strategies.ddp.nodes.shared import tell
 from phalanx.strategies.ddp.timing import Timing
-from phalanx.strategies.ddp.wire.link import Listener
-from phalanx.strategies.ddp.wire.messages import Heir
+from phalanx.strategies.ddp.wire.link import Frame, Link, LinkError, Listener
+from phalanx.strategies.ddp.wire.messages import BadMessage, Heir, Hello, Refused, decode
 from phalanx.strategies.ddp.wire.protocol import Saved
 
 
@@ -46,9 +53,54 @@ class Standby:
     host: str
 
     @classmethod
-    def open(cls, head: tuple[str, int], token: bytes, timing: Timing) -> Standby:
-        host = address_towards(*head)
-        return cls(Listener.open(host, 0, token, timing), host)
+    def open(cls, head: tuple[str, int], token: bytes, timing: Timing) -> Standby | str:
+        """The node port, or why there is none (the head's address does not resolve yet, no
+        route to it: this node joins all the same, without a failover)."""
+        try:
+            host = address_towards(*head)
+            return cls(Listener.open(host, 0, token, timing), host)
+        except OSError as exc:
+            return f"this node could not open a node port towards {head[0]} ({exc})"
+
+    def rally(
+        self, expected: Sequence[int], wait: timedelta, total: int, me: int
+    ) -> tuple[int, ...] | str:
+        """Before it takes the head's place, the node that leads waits ``wait`` for the other
+        survivors' hellos (each one lost the head too, or it would not come). It goes on
+        only when it and those that came are more than half of ``total`` (the succession):
+        a node cut off alone from a live head never fences it. Returns the node ranks that
+        came (their hellos are left for the new head to answer) or why it does not go on
+        (each that came is refused and closed)."""
+        came: dict[int, tuple[Link, Frame]] = {}
+        end = time.monotonic() + wait.total_seconds()
+        while len(came) < len(expected) and time.monotonic() < end:
+            try:
+                tick = self.listener.timing.join_poll.total_seconds()
+                link, frame = self.listener.joined.get(
+                    timeout=max(0.0, min(tick, end - time.monotonic()))
+                )
+            except queue.Empty:
+                continue
+            hello = _hello_of(frame)
+            if hello is None or hello.rank not in expected or hello.rank in came:
+                link.close()  # (not a survivor this node waits for: it retries or gives up)
+                continue
+            came[hello.rank] = (link, frame)
+        if 2 * (1 + len(came)) > total:
+            for pair in came.values():
+                self.listener.joined.put(pair)  # (the new head's gather answers them)
+            return tuple(sorted(came))
+        why = (
+            f"node {me} was to take over, but only {1 + len(came)} of the run's {total} nodes "
+            f"reached it ({_came(sorted(came))}) within {wait.total_seconds():g}s: not more "
+            "than half, so it does not go on (the head may be alive, and cut off from this node "
+            "only)"
+        )
+        for link, _ in came.values():
+            with contextlib.suppress(LinkError, OSError):
+                tell(link, Refused(HeadLostError.code, why))
+            link.close()
+        return why
 
     @property
     def port(self) -> int:
@@ -71,6 +123,7 @@ class Failover(Exception):
     failure: WorkerFailure
     saved: list[Saved] = field(default_factory=list)
     standby: Standby | None = None
+    token: bytes = field(default=b"", repr=False)  # the run's: a new head keeps it
 
     def __str__(self) -> str:
         return self.failure.message
@@ -130,20 +183,35 @@ def head_loss_failure(
     )
 
 
+def _hello_of(frame: Frame) -> Hello | None:
+    try:
+        hello = decode(frame)
+    except BadMessage:
+        return None
+    return hello if isinstance(hello, Hello) else None
+
+
 def _came(came: list[int]) -> str:
     return f"node(s) {came} came" if came else "no other node came"
 
 
-def check_quorum(failover: Failover, came: list[int], emit: Any) -> None:
-    """The successor, once it waited for the others: it goes on only while it and those
-    that came are more than half of the run's succession; else it stops as a node that
-    lost the head without a failover does (raises ``HeadLost``: exit 75, resume=True)."""
-    total = len(failover.succession)
-    present = 1 + len(came)
+def check_quorum(failover: Failover, came: Sequence[int], emit: Any) -> None:
+    """The new head, once the survivors it waited for are in: it goes on only while it and
+    those that came are more than half of the run's succession; else it stops as a node
+    that lost the head without a failover does (raises ``HeadLost``: exit 75, resume=True)."""
+    total, present = len(failover.succession), 1 + len(came)
     if 2 * present > total:
         return
-    from phalanx.errors import HeadLost, HeadLostError
+    why = (
+        f"this node was to take over, but only {present} of the run's {total} nodes reached "
+        f"it ({_came(list(came))}): not more than half, so it does not go on"
+    )
+    raise head_lost_after(failover, why, emit)
 
+
+def head_lost_after(failover: Failover, why: str, emit: Any) -> HeadLost:
+    """A node that was to go on after the head's loss stops instead (``why``): it keeps the
+    step its workers saved, as a node without a failover does (PX147, exit 75)."""
     kept = [s for s in failover.saved if s.path]
     best = max(kept, key=lambda s: s.step) if kept else None
     where = "nothing was saved"
@@ -153,12 +221,6 @@ def check_quorum(failover: Failover, came: list[int], emit: Any) -> None:
             f"it kept what the run had committed: step {best.step} is in {best.path} ({who}). "
             "Start the same command on every node with resume=True to go on from there"
         )
-    error = HeadLostError(
-        f"node {failover.me}: the head was lost and this node was to take over, but only "
-        f"{present} of the run's {total} nodes reached it ({_came(came)}): not more than "
-        f"half, so it does not go on; {where}"
-    )
-    from phalanx.events import Notice
-
+    error = HeadLostError(f"node {failover.me}: the head was lost; {why}; {where}")
     emit(Notice(str(error), level="error"))
-    raise HeadLost(error, None if best is None else best.step, None if best is None else best.path)
+    return HeadLost(error, None if best is None else best.step, None if best is None else best.path)

@@ -414,13 +414,15 @@ def start_head(run: RunInputs, launch: Launch, emit: Any, timing: Timing) -> Nod
     config = run.config
     failover: Failover | None = run.failover
     check_interface(launch, config)
-    token = head_token(config.run_dir)
+    # (a new head keeps the run's token: the nodes hold it, and run_dir/token stays)
+    token = head_token(config.run_dir) if failover is None else failover.token
     run_id = new_run_id()  # this run's signing key is made from the token and it
     host, port = link_address(launch)
     if failover is not None and failover.standby is not None:
         listener = failover.standby.listener
     else:
         listener = Listener.open(host, port, token, timing)
+    hub: NodeHub | None = None
     try:
         term = None
         if config.run_dir:
@@ -449,6 +451,8 @@ def start_head(run: RunInputs, launch: Launch, emit: Any, timing: Timing) -> Nod
         if failover is not None:
             check_quorum(failover, sorted(hub.nodes), emit)
     except BaseException:
+        if hub is not None:
+            hub.close()  # (the links of the nodes that came, and the listener)
         listener.close()
         raise
     assert agent.store_at is not None

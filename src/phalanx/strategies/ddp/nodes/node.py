@@ -127,15 +127,16 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     start_fork_server()  # (before joining: a worker's start never holds up the node's loop)
     token = node_token(config.run_dir, timing.join.total_seconds(), timing.join_poll)
     standby = _standby(run, launch, token, timing)
+    port = standby.port if isinstance(standby, Standby) else 0
     try:
-        link, answer = _join(run, launch, token, emit, timing, standby)
+        link, answer = _join(run, launch, token, emit, timing, port)
     except BaseException:
-        if standby is not None:
+        if isinstance(standby, Standby):
             standby.close()
         raise
     if isinstance(answer, End):  # a spare that never had to take a place
         link.close()
-        if standby is not None:
+        if isinstance(standby, Standby):
             standby.close()
         return _node_end(run, answer, time.time() - started)
     launch = dataclasses.replace(launch, node_rank=answer.node)
@@ -161,11 +162,11 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
         end = _serve(link, agent, LocalAgent(agent, spawner), interrupter, word)
         if end is None:  # the head is lost: keep what was committed, then go on or stop
             saved = save_on_head_loss(agent)
-            failover = _failover(run, launch, word, saved, standby, emit)
+            failover = _failover(run, launch, word, saved, standby, emit, token)
     finally:
         agent.close()
         link.close()
-        if standby is not None and (failover is None or not failover.leads):
+        if isinstance(standby, Standby) and (failover is None or not failover.leads):
             standby.close()
     if failover is not None:
         raise failover
@@ -176,12 +177,15 @@ def run_node(run: RunInputs, launch: Launch, emit: Any, interrupter: Interrupter
     return _node_end(run, end, time.time() - started)
 
 
-def _standby(run: RunInputs, launch: Launch, token: bytes, timing: Timing) -> Standby | None:
-    """This node's own node port, from which it would lead the run were the head lost; None
-    where no failover can be (no run_dir to resume from and fence in, a recovery policy
-    without it, a spare)."""
-    if _cannot_fail_over(run.config) is not None or launch.spare:
-        return None
+def _standby(run: RunInputs, launch: Launch, token: bytes, timing: Timing) -> Standby | str:
+    """This node's own node port, from which it would lead the run were the head lost, or
+    why it has none (no run_dir to resume from and fence in, a recovery policy without a
+    failover, a spare, no route to the head's address yet)."""
+    cannot = _cannot_fail_over(run.config)
+    if cannot is not None:
+        return cannot
+    if launch.spare:
+        return "this node is a spare"
     return Standby.open(link_address(launch), token, timing)
 
 
@@ -201,38 +205,48 @@ def _failover(
     launch: Launch,
     word: HeadWord,
     saved: list[Saved],
-    standby: Standby | None,
+    standby: Standby | str,
     emit: Any,
+    token: bytes,
 ) -> Failover | None:
     """After the head's loss: whether this node goes on (leads or follows, the run's rule:
-    :func:`~..coordinator.nodeplan.successor`) or stops (None; the reason in ``word.why``)."""
-    config = run.config
-    cannot = _cannot_fail_over(config)
-    if cannot is None and standby is None:
-        cannot = "this node is a spare"
+    :func:`~..coordinator.nodeplan.successor`; a leader first rallies a majority) or stops
+    (None; the reason in ``word.why``)."""
+    config, me = run.config, launch.node_rank
+    cannot = standby if isinstance(standby, str) else None
     if cannot is None:
         assert config.run_dir is not None
         current = read_term(config.run_dir)
         if word.term == 0 or current is None or current.term < word.term:
             cannot = f"{config.run_dir} is not the head's run_dir (no head.json of its term)"
-    decision = successor(word.succession, launch.node_rank, (), cannot)
+    decision = successor(word.succession, me, (), cannot)
     if isinstance(decision, Stop):
         word.why = f"{word.why}; no failover: {decision.why}"
         return None
-    head, me = word.succession[0], launch.node_rank
+    assert isinstance(standby, Standby)
+    head = word.succession[0]
     if isinstance(decision, TakeOver):
-        leader, others = me, ", ".join(str(r) for r in decision.expected)
-        text = f"this node takes over as the head, with node(s) {others}"
+        timing = Timing.of(config)
+        awaited = list(decision.expected)
+        emit(
+            Notice(
+                f"node {me}: the head was lost ({word.why}); this node is to take over: "
+                f"waiting up to {timing.takeover.total_seconds():g}s for node(s) {awaited}"
+            )
+        )
+        came = standby.rally(decision.expected, timing.takeover, len(word.succession), me)
+        if isinstance(came, str):
+            word.why = f"{word.why}; no failover: {came}"
+            return None
+        decision = TakeOver(came)
+        leader, text = me, f"this node takes over as the head, with node(s) {list(came)}"
     else:
         heir = decision.heir
-        leader, text = (
-            heir.rank,
-            f"following node {heir.rank}, the new head, at {heir.host}:{heir.port}",
-        )
+        leader = heir.rank
+        text = f"following node {heir.rank}, the new head, at {heir.host}:{heir.port}"
     failure = head_loss_failure(head, word.why, word.silent, saved, leader, word.lost_at)
-    failover = Failover(decision, me, word.succession, failure, saved, standby)
-    text = f"node {me}: the head was lost ({word.why}); {text}"
-    emit(Notice(text, level="warning"))
+    failover = Failover(decision, me, word.succession, failure, saved, standby, token)
+    emit(Notice(f"node {me}: the head was lost ({word.why}); {text}", level="warning"))
     return failover
 
 
@@ -242,7 +256,7 @@ def _join(
     token: bytes,
     emit: Any,
     timing: Timing,
-    standby: Standby | None = None,
+    standby: int = 0,
 ) -> tuple[Link, Welcome | End]:
     """Register with the head (who this node is, what must agree); its answer, or raise
     NodesDisagreeError when it refused this node."""
@@ -253,7 +267,7 @@ def _join(
         devices=tuple(run.config.devices),
         spare=launch.spare,
         check=agreement(run.config, run.plan, precision),
-        standby=0 if standby is None else standby.port,
+        standby=standby,
     )
     who = "spare" if launch.spare else f"node {launch.node_rank}"
     emit(Notice(f"{who}: joining the head at {launch.head}"))

@@ -393,3 +393,9 @@ class Listener:
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
+        while True:  # (hellos nobody answered: their nodes see the link close, not a wait)
+            try:
+                link, _ = self.joined.get_nowait()
+            except queue.Empty:
+                return
+            link.close()

@@ -315,11 +315,14 @@ def _hello(d: _Doc, payload: bytes) -> Hello:
         devices=d.texts("devices"),
         spare=d.flag("spare"),
         check=d.mapping("check"),
-        standby=_port(d, "standby", d.value("standby")),
+        standby=_port(d, "standby", d.doc.get("standby", 0)),  # (an older node: none)
     )
 
 
 def _succession(d: _Doc) -> tuple[Heir, ...]:
+    """The succession a welcome or a keep-alive carries (none from an older head)."""
+    if "succession" not in d.doc:
+        return ()
     heirs = []
     for i, item in enumerate(d.items("succession")):
         name = f"succession[{i}]"
@@ -354,7 +357,7 @@ def _welcome(d: _Doc, payload: bytes) -> Welcome:
         store=(host, port),
         prefix=d.text("prefix"),
         run=d.text("run"),
-        term=d.integer("term", least=0),
+        term=d.integer("term", least=0) if "term" in d.doc else 0,
         succession=_succession(d),
     )
 
