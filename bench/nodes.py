@@ -94,6 +94,21 @@ def clean_run(folder: Path, epochs: int) -> list[torch.Tensor]:
     return list(torch.load(out, weights_only=True).values())
 
 
+def _hit_after_epoch_two(
+    procs: list[subprocess.Popen[bytes]], logs: list[Path], epochs: int, node: int, how: str
+) -> float:
+    """Once the head finished epoch 2, kill (SIGKILL) or freeze (SIGSTOP) ``node``'s
+    processes; when."""
+    deadline = time.monotonic() + 300
+    while f"epoch 2/{epochs} done" not in logs[0].read_text():
+        if time.monotonic() > deadline or procs[0].poll() is not None:
+            raise RuntimeError(logs[0].read_text()[-3000:])
+        time.sleep(0.05)
+    hit = time.time()
+    os.killpg(procs[node].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    return hit
+
+
 def trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict[str, float]:
     port = _free_port()
     logs = [folder / f"{how}-node{r}.log" for r in (0, 1)]
@@ -103,13 +118,7 @@ def trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict[str,
         for r in (0, 1)
     ]
     try:
-        deadline = time.monotonic() + 300
-        while f"epoch 2/{epochs} done" not in logs[0].read_text():
-            if time.monotonic() > deadline or procs[0].poll() is not None:
-                raise RuntimeError(logs[0].read_text()[-3000:])
-            time.sleep(0.05)
-        hit = time.time()
-        os.killpg(procs[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        hit = _hit_after_epoch_two(procs, logs, epochs, 1, how)
         if procs[0].wait(timeout=600) != 0:
             raise RuntimeError(logs[0].read_text()[-3000:])
     finally:
@@ -137,13 +146,7 @@ def head_trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict
         out = str(folder / f"head-{how}-node{r}.pt")
         procs.append(_start([out, "cpu:0", str(epochs), str(run_dir)], env, logs[r]))
     try:
-        deadline = time.monotonic() + 300
-        while f"epoch 2/{epochs} done" not in logs[0].read_text():
-            if time.monotonic() > deadline or procs[0].poll() is not None:
-                raise RuntimeError(logs[0].read_text()[-3000:])
-            time.sleep(0.05)
-        hit = time.time()
-        os.killpg(procs[0].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        hit = _hit_after_epoch_two(procs, logs, epochs, 0, how)
         for p in procs[1:]:
             if p.wait(timeout=600) != 0:
                 raise RuntimeError("\n".join(log.read_text()[-3000:] for log in logs[1:]))

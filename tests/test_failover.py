@@ -49,16 +49,31 @@ def nodes(
     run_dir: Path,
     node_timeout: float | None = None,
     token: str | None = "t",
+    form: str = "phalanx",
 ) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
     """``count`` nodes of one CPU worker each on ``run_dir``; node k's log and model are
     ``node{k}.log`` and ``node{k}.pt``. ``token`` None: no PHALANX_TOKEN (the head writes
-    one in run_dir, the nodes read it there)."""
+    one in run_dir, the nodes read it there). ``form``: the launch, ``phalanx``
+    (PHALANX_NNODES/NODE_RANK/HEAD) or ``slurm`` (the variables srun gives each task of a
+    step, one task a node; the head is the step's first node, on PHALANX_PORT)."""
     port = free_port()
     procs, logs = [], []
     for rank in range(count):
         log = tmp_path / f"node{rank}.log"
         env = env_for(rank, port, token)
         env["PHALANX_NNODES"] = str(count)
+        if form == "slurm":
+            for name in ("PHALANX_NNODES", "PHALANX_NODE_RANK", "PHALANX_HEAD"):
+                del env[name]
+            env.update(
+                SLURM_JOB_ID="4242",
+                SLURM_STEP_ID="0",
+                SLURM_STEP_NUM_NODES=str(count),
+                SLURM_NODEID=str(rank),
+                SLURM_STEP_NODELIST=",".join(["127.0.0.1"] * count),
+                SLURM_STEP_TASKS_PER_NODE=f"1(x{count})",
+                PHALANX_PORT=str(port),
+            )
         env["PHALANX_TEST_STEPS"] = "1"
         if node_timeout is not None:
             env["PHALANX_TEST_NODE_TIMEOUT"] = str(node_timeout)
@@ -97,11 +112,12 @@ def assert_went_on_clean(tmp_path: Path, logs: list[Path], survivors: list[int])
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("form", ["phalanx", "slurm"])
 def test_the_head_killed_node_1_takes_over_and_the_run_goes_on_without_a_restart(
-    tmp_path: Path,
+    tmp_path: Path, form: str
 ) -> None:
     run_dir = tmp_path / "run"
-    procs, logs = nodes(tmp_path, 3, run_dir, token=None)  # (the token in run_dir: kept)
+    procs, logs = nodes(tmp_path, 3, run_dir, token=None, form=form)  # (run_dir's token)
     try:
         killed_at = into_epoch_three(procs, logs)
         kill_group(procs[0])  # the head: its process, the store, its worker

@@ -252,6 +252,20 @@ def test_a_host_name_on_loopback_is_refused_on_every_node_before_anything_trains
     assert codes == [1, 1] and took < 30, took
 
 
+def start_three(
+    hosts: list[tuple[str, str, str]], port: int, tmp_path: Path, args: list[str]
+) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+    """The three hosts' nodes (``node_timeout`` 3 s), the head on host 0 at ``port``; node
+    k's log and model are ``n{k}.log`` and ``n{k}.pt``."""
+    head = f"{hosts[0][2]}:{port}"
+    logs = [tmp_path / f"n{r}.log" for r in (0, 1, 2)]
+    procs = [
+        start_in(hosts[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], True, 3, 3)
+        for r in (0, 1, 2)
+    ]
+    return procs, logs
+
+
 @pytest.mark.timeout(400)
 def test_the_heads_link_cut_the_two_other_nodes_take_over_and_the_head_is_fenced(
     tmp_path: Path, three_hosts: list[tuple[str, str, str]]
@@ -262,14 +276,8 @@ def test_the_heads_link_cut_the_two_other_nodes_take_over_and_the_head_is_fenced
     of a run that lost nothing and an exact ledger. The head, on its side, names both nodes
     lost and goes on alone until it reads the newer term (within a second): it stops its
     worker and ends with PX145, committing nothing more. No namespace is left (the fixture)."""
-    head = f"{three_hosts[0][2]}:29613"
     run_dir = tmp_path / "run"
-    logs = [tmp_path / f"n{r}.log" for r in (0, 1, 2)]
-    args = ["cpu:0", "12", str(run_dir)]
-    procs = [
-        start_in(three_hosts[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], True, 3, 3)
-        for r in (0, 1, 2)
-    ]
+    procs, logs = start_three(three_hosts, 29613, tmp_path, ["cpu:0", "12", str(run_dir)])
     try:
         wait_for("epoch 2/12 done", logs[0], procs[0])
         ip("-n", three_hosts[0][0], "link", "set", three_hosts[0][1], "down")
@@ -300,14 +308,9 @@ def test_a_node_cut_off_alone_does_not_take_over_and_the_run_goes_on_under_its_h
     lead; but node 2 still hears the head and never comes, so node 1 (one of three) does not
     take over: it saves and exits 75, claiming no term. The head names node 1 lost and ends
     the run with node 2, the model of a run that lost nothing, and still term 1."""
-    head = f"{three_hosts[0][2]}:29614"
     run_dir = tmp_path / "run"
-    logs = [tmp_path / f"n{r}.log" for r in (0, 1, 2)]
     args = ["cpu:0", "12", str(run_dir), "shrink"]
-    procs = [
-        start_in(three_hosts[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], True, 3, 3)
-        for r in (0, 1, 2)
-    ]
+    procs, logs = start_three(three_hosts, 29614, tmp_path, args)
     try:
         wait_for("epoch 2/12 done", logs[0], procs[0])
         ip("-n", three_hosts[1][0], "link", "set", three_hosts[1][1], "down")

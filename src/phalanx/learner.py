@@ -223,7 +223,7 @@ class Learner:
             )
             if remote:  # (the head's loggers log the run, and a successor's)
                 return self._run_node(run, sinks, loggers)
-            return self._run(run, lock, sinks, loggers, fresh=False)
+            return self._run(run, lock, sinks, loggers)
 
     def _run(
         self,
