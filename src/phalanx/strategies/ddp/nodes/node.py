@@ -217,7 +217,9 @@ def _failover(
     if cannot is None:
         assert config.run_dir is not None
         current = read_term(config.run_dir)
-        if word.term == 0 or current is None or current.term < word.term:
+        if word.term == 0 or current is None or current.term != word.term:
+            # (the head's term, exactly: a folder of this machine's own could hold an older
+            # run's head.json, and a successor claims the next term only after this check)
             cannot = f"{config.run_dir} is not the head's run_dir (no head.json of its term)"
     decision = successor(word.succession, me, (), cannot)
     if isinstance(decision, Stop):
