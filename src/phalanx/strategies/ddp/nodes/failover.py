@@ -6,11 +6,13 @@ that port). When a node loses the head (:mod:`.headloss`: its workers first keep
 run committed, as an emergency checkpoint in the shared ``run_dir``), it reads
 :func:`~..coordinator.nodeplan.successor`'s rule: the lowest live node rank leads a strict
 majority of the succession, the others follow it. ``run_node`` then raises
-:class:`Failover`, and the node's ``fit`` goes on (``Learner``): the leader takes the next
-fencing term (:mod:`.fencing`), opens the run's sinks in ``run_dir`` again (appending) and
-runs as the head from the newest checkpoint (``resume``), with the head's loss as the run's
-first failure; each follower joins it as a node. Where the rule says stop (no run_dir, a
-node alone of two, a policy without failover), the node ends as before: ``HeadLost``."""
+:class:`Failover`, and the node's ``fit`` goes on (``Learner``). The leader has first
+rallied the others on its node port (:meth:`Standby.rally`: a strict majority, or it stops);
+it then takes the next fencing term (:mod:`.fencing`), opens the run's sinks in ``run_dir``
+again (appending) and runs as the head from the newest checkpoint (``resume``), with the
+head's loss as the run's first failure; each follower joins it as a node. Where the rule
+says stop (no run_dir, a node alone of two, a policy without failover, no majority), the node
+ends as before: ``HeadLost``."""
 
 from __future__ import annotations
 
