@@ -33,6 +33,7 @@ from phalanx.strategies.ddp.coordinator.nodeplan import (
     fenced,
     hear,
     layout,
+    majority,
     missing,
     place_spares,
     successor,
@@ -307,6 +308,25 @@ def test_the_lowest_surviving_node_leads_a_strict_majority_and_the_others_follow
         assert isinstance(decision, Stop) and does in decision.why, decision
     else:
         assert decision == does
+
+
+MAJORITY = [
+    # (nodes that may go on, the leader included; the head's last succession; they go on)
+    (2, 3, True),
+    (1, 3, False),
+    (1, 2, False),  # a node alone of two: the head keeps the tie
+    (2, 4, False),  # half of four: a partition could hold the other half and the head
+    (3, 4, True),
+    (3, 5, True),
+    (1, 1, True),
+]
+
+
+@pytest.mark.parametrize(("present", "total", "goes_on"), MAJORITY)
+def test_a_node_goes_on_without_the_head_only_with_more_than_half(
+    present: int, total: int, goes_on: bool
+) -> None:
+    assert majority(present, total) is goes_on
 
 
 FENCED = [

@@ -230,6 +230,12 @@ class Stop:
     why: str
 
 
+def majority(present: int, total: int) -> bool:
+    """Whether ``present`` nodes (the one that leads included) may go on without the head:
+    more than half of the ``total`` in the head's last succession (the head keeps a tie)."""
+    return 2 * present > total
+
+
 def successor(
     succession: Sequence[Heir], me: int, lost: Sequence[int] = (), cannot: str | None = None
 ) -> TakeOver | Follow | Stop:
@@ -248,7 +254,7 @@ def successor(
         return Stop("no surviving node listens for nodes")
     if me not in {h.rank for h in live}:
         return Stop("this node is not in the run's succession (it joined after the last word)")
-    if 2 * len(live) <= len(succession):
+    if not majority(len(live), len(succession)):
         return Stop(
             f"{len(live)} of the run's {len(succession)} nodes are left, not more than half: "
             "the head may be alive on the other side of a partition, and at most one side "

@@ -27,10 +27,10 @@ from datetime import timedelta
 from typing import Any
 
 from phalanx.errors import HeadLost, HeadLostError
-from phalanx.events import Notice
 from phalanx.failures import WorkerFailure
 from phalanx.launch import Address, Launch
-from phalanx.strategies.ddp.coordinator.nodeplan import Follow, TakeOver
+from phalanx.strategies.ddp.coordinator.nodeplan import Follow, TakeOver, majority
+from phalanx.strategies.ddp.nodes.headloss import head_lost, kept_line
 from phalanx.strategies.ddp.nodes.shared import tell
 from phalanx.strategies.ddp.timing import Timing
 from phalanx.strategies.ddp.wire.link import Frame, Link, LinkError, Listener
@@ -88,7 +88,7 @@ class Standby:
                 link.close()  # (not a survivor this node waits for: it retries or gives up)
                 continue
             came[hello.rank] = (link, frame)
-        if 2 * (1 + len(came)) > total:
+        if majority(1 + len(came), total):
             for pair in came.values():
                 self.listener.joined.put(pair)  # (the new head's gather answers them)
             return tuple(sorted(came))
@@ -202,7 +202,7 @@ def check_quorum(failover: Failover, came: Sequence[int], emit: Any) -> None:
     those that came are more than half of the run's succession; else it stops as a node
     that lost the head without a failover does (raises ``HeadLost``: exit 75, resume=True)."""
     total, present = len(failover.succession), 1 + len(came)
-    if 2 * present > total:
+    if majority(present, total):
         return
     why = (
         f"this node was to take over, but only {present} of the run's {total} nodes reached "
@@ -214,15 +214,5 @@ def check_quorum(failover: Failover, came: Sequence[int], emit: Any) -> None:
 def head_lost_after(failover: Failover, why: str, emit: Any) -> HeadLost:
     """A node that was to go on after the head's loss stops instead (``why``): it keeps the
     step its workers saved, as a node without a failover does (PX147, exit 75)."""
-    kept = [s for s in failover.saved if s.path]
-    best = max(kept, key=lambda s: s.step) if kept else None
-    where = "nothing was saved"
-    if best is not None:
-        who = "this node wrote it" if any(s.wrote for s in kept) else "another node wrote it"
-        where = (
-            f"it kept what the run had committed: step {best.step} is in {best.path} ({who}). "
-            "Start the same command on every node with resume=True to go on from there"
-        )
-    error = HeadLostError(f"node {failover.me}: the head was lost; {why}; {where}")
-    emit(Notice(str(error), level="error"))
-    return HeadLost(error, None if best is None else best.step, None if best is None else best.path)
+    message = f"node {failover.me}: the head was lost; {why}{kept_line(failover.saved)}"
+    return head_lost(message, failover.saved, emit)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Any
 
+from phalanx.errors import HeadLost, HeadLostError
+from phalanx.events import Notice
 from phalanx.launch import Launch
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.agent.agent import Agent
@@ -46,14 +49,34 @@ def head_lost_message(
         f"can form without it, so this node's workers{f' (from {first})' if first >= 0 else ''} "
         "stopped"
     )
+    return f"{lead}{kept_line(saved)}"
+
+
+def best_kept(saved: list[Saved]) -> Saved | None:
+    """The newest step a worker of this node kept (in a file), or None."""
     kept = [s for s in saved if s.path]
-    if kept:
-        best = max(kept, key=lambda s: s.step)
-        who = "this node wrote it" if any(s.wrote for s in kept) else "another node wrote it"
+    return max(kept, key=lambda s: s.step) if kept else None
+
+
+def kept_line(saved: list[Saved]) -> str:
+    """What this node's workers kept of the run and how to go on, to end a PX147 message."""
+    best = best_kept(saved)
+    if best is not None:
+        wrote = any(s.wrote for s in saved if s.path)
+        who = "this node wrote it" if wrote else "another node wrote it"
         return (
-            f"{lead} and kept what the run had committed: step {best.step} is in "
-            f"{best.path} ({who}). Start the same command on every node with resume=True "
-            "to go on from there."
+            f" and kept what the run had committed: step {best.step} is in {best.path} "
+            f"({who}). Start the same command on every node with resume=True to go on from "
+            "there."
         )
     why = "; ".join(sorted({s.note for s in saved if s.note})) or "no worker answered"
-    return f"{lead}; nothing was saved ({why}). Start again from the newest checkpoint, if any."
+    return f"; nothing was saved ({why}). Start again from the newest checkpoint, if any."
+
+
+def head_lost(message: str, saved: list[Saved], emit: Any) -> HeadLost:
+    """The node's end when the head was lost and no failover goes on: ``message`` (PX147)
+    told to its sinks, raised by the caller as HeadLost (exit 75) with the step kept."""
+    error = HeadLostError(message)
+    emit(Notice(str(error), level="error"))
+    best = best_kept(saved)
+    return HeadLost(error, None if best is None else best.step, None if best is None else best.path)

@@ -18,7 +18,6 @@ import torch
 
 from phalanx.errors import (
     HeadLost,
-    HeadLostError,
     NodeFencedError,
     NodesDisagreeError,
 )
@@ -35,7 +34,11 @@ from phalanx.strategies.ddp.agent.spawner import Spawner
 from phalanx.strategies.ddp.coordinator.nodeplan import Hello, Stop, TakeOver, successor
 from phalanx.strategies.ddp.nodes.failover import Failover, Standby, head_loss_failure
 from phalanx.strategies.ddp.nodes.fencing import read_term
-from phalanx.strategies.ddp.nodes.headloss import head_lost_message, save_on_head_loss
+from phalanx.strategies.ddp.nodes.headloss import (
+    head_lost,
+    head_lost_message,
+    save_on_head_loss,
+)
 from phalanx.strategies.ddp.nodes.shared import (
     agreement,
     check_interface,
@@ -339,13 +342,7 @@ def _head_lost(
     launch: Launch, config: FitConfig, first: int, saved: list[Saved], emit: Any, why: str = ""
 ) -> HeadLost:
     """The node's end when the head was lost: told to its sinks, raised as HeadLost."""
-    error = HeadLostError(head_lost_message(launch, config, first, saved, why))
-    emit(Notice(str(error), level="error"))
-    kept = [s for s in saved if s.path]
-    if not kept:
-        return HeadLost(error, None, None)
-    best = max(kept, key=lambda s: s.step)
-    return HeadLost(error, best.step, best.path)
+    return head_lost(head_lost_message(launch, config, first, saved, why), saved, emit)
 
 
 def _node_end(run: RunInputs, end: End, seconds: float) -> RunEnd:
