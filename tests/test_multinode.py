@@ -564,6 +564,8 @@ def test_the_head_lost_a_node_saves_what_was_committed_and_a_resume_loses_nothin
     code, decided, text = lose_the_head(tmp_path, run_dir, 6, kill_group)
     assert code == 75, text[-3000:]  # EX_TEMPFAIL: run the same command again
     assert "the head at 127.0.0.1:" in text and "resume=True" in text
+    # (two nodes: no failover, node 1 alone is not more than half; tests/test_failover.py)
+    assert "no failover: 1 of the run's 2 nodes are left, not more than half" in text
     # One clear line: no torch C++ log lines or stacks from the workers' failing store calls.
     assert not [line for line in text.splitlines() if line.startswith(("[W", "[E", "frame #"))]
     step, path = saved_by_node(text)

@@ -10,6 +10,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 from phalanx.strategies.ddp.nodes.failover import Standby
 from phalanx.strategies.ddp.nodes.fencing import HEAD_FILE
 from phalanx.strategies.ddp.timing import Timing
@@ -98,3 +101,57 @@ def test_a_hello_from_a_node_not_awaited_is_let_go(tmp_path: Path) -> None:
         standby.close()
     threads[1].join(10)
     assert came == (2,)
+
+
+def test_a_stop_asked_for_while_the_head_is_lost_ends_the_node_with_the_step_it_kept() -> None:
+    """SIGTERM (or Ctrl-C, or Slurm's warning) arrives while the node loses the head: it
+    does not start again under a new head; it ends as a node without a failover does, with
+    the step its workers kept (PX147, exit 75), and lets its node port go."""
+    import phalanx as px
+    from phalanx.errors import HeadLost
+    from phalanx.failures import WorkerFailure
+    from phalanx.strategies.ddp.coordinator.nodeplan import Follow
+    from phalanx.strategies.ddp.nodes.failover import Failover
+    from phalanx.strategies.ddp.wire.messages import Heir
+    from phalanx.strategies.ddp.wire.protocol import Saved
+
+    class Port:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    port = Port()
+    succession = (Heir(0, "h0", 0, ("cpu:0",)), Heir(1, "h1", 1, ("cpu:0",)))
+    failover = Failover(
+        Follow(succession[1]),
+        2,
+        succession,
+        WorkerFailure(worker=0, rank=0, device="cpu:0@node0", kind="crash", message="lost"),
+        [Saved(2, 30, "/shared/run/checkpoints/ckpt-000000030.pt", wrote=True)],
+        port,  # type: ignore[arg-type]
+    )
+    learner = px.Learner(lambda: torch.nn.Linear(2, 1), torch.optim.SGD, lambda m, b: b)
+    said: list[Any] = []
+
+    class Sink:
+        def handle(self, event: Any) -> None:
+            said.append(event)
+
+        def close(self) -> None:
+            pass
+
+    def lost_while_stopping(run: Any, sinks: Any) -> Any:
+        learner.interrupter.stop("SIGTERM")
+        raise failover
+
+    learner._node_once = lost_while_stopping  # type: ignore[method-assign]
+    learner._take_over = lambda *a: pytest.fail("took over")  # type: ignore[method-assign]
+    with pytest.raises(HeadLost) as info:
+        learner._run_node(None, [Sink()])  # type: ignore[arg-type]
+    assert info.value.code == 75 and info.value.step == 30
+    assert info.value.checkpoint == "/shared/run/checkpoints/ckpt-000000030.pt"
+    text = str(info.value.error)
+    assert "a stop was asked for (SIGTERM)" in text and "step 30 is in /shared/run" in text
+    assert any("[PX147]" in getattr(e, "text", "") and e.level == "error" for e in said)
+    assert port.closed
