@@ -144,7 +144,6 @@ class Supervisor:
         decided and its grace has passed)."""
         stop_told = False
         while True:
-            self._check_fence()
             self._see(self.timing.poll)
             if not stop_told and self.interrupter.should_stop():
                 stop_told = True
@@ -174,7 +173,9 @@ class Supervisor:
     def _hear(self) -> None:
         """What the other nodes' agents sent, and the nodes lost."""
         assert self.hub is not None
-        self._check_fence()  # (a head woken from a freeze: before it acts on what it missed)
+        # Once a second (and at once for a head woken from a freeze), before it acts on
+        # what the nodes said: a head another node replaced stops here.
+        self._check_fence()
         frames, lost = self.hub.poll()
         for node, frame in frames:
             try:
