@@ -6,6 +6,7 @@ why and let go, and nothing in run_dir is touched)."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,11 @@ def test_a_hello_from_a_node_not_awaited_is_let_go(tmp_path: Path) -> None:
     assert isinstance(standby, Standby)
     answers: dict[int, Any] = {}
     try:
-        threads = [hello_from(standby.port, rank, answers) for rank in (7, 2)]
+        threads = [hello_from(standby.port, 7, answers)]
+        deadline = time.monotonic() + 10  # (the stranger's hello queued first: the rally
+        while standby.listener.joined.qsize() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # reads it before node 2's, which ends the rally)
+        threads.append(hello_from(standby.port, 2, answers))
         came = standby.rally((2,), timedelta(seconds=10), total=3, me=1)
         threads[0].join(10)  # (the stranger: let go during the rally)
         assert isinstance(answers[7], Exception)
