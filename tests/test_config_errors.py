@@ -265,7 +265,7 @@ DDP_CASES = [
             "preflight": False,
             "faults": [px.Fault("kill", worker=1, step=0, phase="preflight")],
         },
-        r'preflight fault needs strategy="ddp" and preflight=True',
+        r'preflight fault needs strategy="ddp" or "fsdp", and preflight=True',
     ),
     (
         "ddp-node-timeout-within-a-keep-alive",

@@ -49,6 +49,14 @@ def _flag(value: Any) -> bool:
 _NP_BOOL = ("bool", "bool_")  # numpy's bool scalar (named bool_ before numpy 2)
 
 
+def _classes(value: Any) -> bool:
+    """A class, or a non-empty tuple or list of classes (fit's ``shard=``)."""
+    if isinstance(value, type):
+        return True
+    listed = isinstance(value, tuple | list) and bool(value)
+    return listed and all(isinstance(v, type) for v in value)
+
+
 def _optional(kind: Kind) -> Kind:
     return Kind(f"{kind.says} or None", lambda v: v is None or kind.accepts(v), kind.number)
 
@@ -184,6 +192,10 @@ def fit_kinds() -> dict[str, Kind]:
         "on_failure": _optional(_instance(Recovery, "a px.Recovery")),
         "snapshots": Kind(
             "True, False or a px.Snapshots", lambda v: _flag(v) or isinstance(v, Snapshots)
+        ),
+        "shard": Kind(
+            "None, module classes (a class or a tuple of them) or a function of a module",
+            lambda v: v is None or callable(v) or _classes(v),
         ),
         "sinks": SINKS,
         "loggers": Kind(

@@ -32,9 +32,9 @@ import sys
 
 from phalanx import catalog
 from phalanx.errors import PhalanxError
+from phalanx.strategies import STRATEGIES
 from phalanx.version import __version__
 
-STRATEGIES = ("single", "threads", "ddp")
 EXIT_CODES = """exit status:
   0    done (demo: the run trained to its end, whatever its accuracy)
   1    training failed or a configuration error (the report on stderr); explain: unknown

@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 
 import phalanx as px
 from phalanx.metrics import F1, Accuracy, LearningRate, SamplesPerSecond
+from phalanx.strategies import process_based
 
 VALID_FRACTION = 0.2
 SPLIT_SEED = 0
@@ -132,9 +133,9 @@ def check_args(args: argparse.Namespace) -> list[px.Fault]:
 
     parse_devices(args.devices)
     faults = [px.Fault.parse(f) for f in args.fault]
-    if getattr(args, "chaos", 0) and args.strategy != "ddp":
+    if getattr(args, "chaos", 0) and not process_based(args.strategy):
         raise InvalidSettingError(
-            "phalanx demo: --chaos needs --strategy ddp (and several --devices)"
+            "phalanx demo: --chaos needs --strategy ddp or fsdp (and several --devices)"
         )
     if args.epochs < 1 or args.batch_size < 1:
         raise InvalidSettingError(

@@ -32,8 +32,10 @@ from phalanx.precision import Precision, canonical, cpu_notice
 from phalanx.run import FitResult, RunEnd, RunInputs, finish, stopped
 from phalanx.runlock import RunLock
 from phalanx.runner import check_resume_plan
+from phalanx.sharding import ShardRule
 from phalanx.snapshot import Snapshots, settings_of
 from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFactory, TrainSpec
+from phalanx.strategies import process_based
 from phalanx.stream import Stream
 from phalanx.validate import check_launch, dataset_size, validate_fit, validate_run_dir
 
@@ -121,6 +123,7 @@ class Learner:
         min_free_memory: int | None = None,
         on_failure: Recovery | None = None,
         snapshots: Snapshots | bool = True,
+        shard: ShardRule = None,
         sinks: Sequence[Sink] | None = None,
         loggers: Sequence[Sink] = (),
     ) -> FitResult:
@@ -133,6 +136,9 @@ class Learner:
         raises ``KeyboardInterrupt`` and SIGTERM ``px.FitTerminated``
         (a SystemExit with code 143), each carrying the result as ``.result``.
         ``run_dir=""`` is the same as None: nothing is written.
+        ``strategy="fsdp"`` shards the model's parameters, gradients and optimizer state
+        among the devices (``shard``: which modules are its units, see
+        :mod:`phalanx.sharding` and docs/fsdp.md).
         ``sinks`` replaces the default sinks (terminal, run folder); ``loggers`` adds to the
         sinks in force (``px.sinks.WandbSink``, ``MlflowSink``, ``TensorBoardSink``), on the
         head node only when a run has several (the other nodes' sinks see only their notices).
@@ -177,7 +183,9 @@ class Learner:
             slow_worker=slow_worker,
             on_bad_sample=on_bad_sample,
             max_bad_samples=max_bad_samples,
-            snapshots=settings_of(snapshots),
+            # (fsdp: shard snapshots are not built yet, see docs/fsdp.md)
+            snapshots=settings_of(snapshots) if strategy != "fsdp" else None,
+            shard=shard,
         )
         # A stream's lengths, counted once unless given (kept in run_dir for a resume).
         learned = [
@@ -353,7 +361,7 @@ class Learner:
 
     def _dispatch(self, run: RunInputs, emit: Fanout) -> RunEnd:
         """Train with the run's strategy; raises TrainingFailed when it stopped."""
-        if run.config.strategy == "ddp":
+        if process_based(run.config.strategy):
             from phalanx.strategies.ddp import run_ddp
 
             return run_ddp(run, emit, self.interrupter, run.launch)

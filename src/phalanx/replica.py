@@ -231,6 +231,11 @@ class Replica:
         self.unvoted: WorkerFailure | None = None
         self.unvoted_splittable = False  # it was an out-of-memory error, and the share is
         # now cut smaller (split_factor doubled): trying again is a split, not a retry
+        # fsdp: ``forward`` gathers and scatters shards in every pass, so every member runs
+        # the same number of passes in each attempt (a member with fewer samples than
+        # micro-batches pads with zero passes, and one split is never its own); a failure
+        # after the first pass began breaks the group (no zero pass can line it up again)
+        self.sharded = False
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         ns = getattr(self.forward, "no_sync", None)
@@ -274,8 +279,9 @@ class Replica:
                         data = to_device(batch(), self.device)
                 if data is not None:
                     micro = min(len(samples), micro_batches * self.split_factor)
+                    pad = micro_batches - micro if self.sharded else 0
                     self._micro_steps(
-                        data, samples, global_samples, step, done, tracker, micro, vote
+                        data, samples, global_samples, step, done, tracker, micro, vote, pad
                     )
         except (Exception, SystemExit) as exc:  # sys.exit() in a step fails that step
             failure = from_exception(
@@ -297,15 +303,16 @@ class Replica:
             # A broken collective (DDP's gradient all-reduce, or the bucket rebuild in its
             # second forward) is not followed by the zero pass's collectives.
             broken = self.forward is not self.module and is_secondary(failure)
+            broken = broken or (self.sharded and tracker.phase not in ("", "data"))
             result = LocalResult([0.0] * self.size, failure, splittable, broken=broken)
             result.bad = done.bad
             if tracker.launched:  # the vote said "ok": only leaving the group can undo it
                 result.after_vote = not broken
             elif not tracker.synced and not broken:
-                self.zero_pass(result, vote)
+                self.zero_pass(result, vote, micro_batches if self.sharded else 1)
             return result
         if not tracker.synced:  # (nothing to compute: no samples)
-            self.zero_pass(done, vote)
+            self.zero_pass(done, vote, micro_batches if self.sharded else 1)
         elif vote is None and samples:  # (in-process: no peer to wait for in the backward)
             done.pace = (time.perf_counter() - self._began) / len(samples)
         return done
@@ -333,7 +340,7 @@ class Replica:
 
     def _split_after(self, failure: WorkerFailure, local: int, micro_batches: int) -> bool:
         """After an out-of-memory error, double the split if micro-batches can still shrink."""
-        if failure.kind != "oom" or micro_batches * self.split_factor >= local:
+        if failure.kind != "oom" or micro_batches * self.split_factor >= local or self.sharded:
             return False
         self.split_factor *= 2
         if self.device.type == "cuda":
@@ -350,13 +357,19 @@ class Replica:
         tracker: _PhaseTracker,
         micro_batches: int,
         vote: VoteLaunch | None = None,
+        pad: int = 0,
     ) -> None:
         """Forward, metric states (summed into ``result.sums``) and backward of each
         micro-batch; all but the last under ``no_sync``. Before the last backward, ``vote``
         (ddp) checks phase ``sync`` and launches this member's vote on ``result``
         (``tracker.launched``); ``tracker.synced`` is set as
         soon as the last backward has run, so nothing after it causes a second synchronised
-        backward."""
+        backward. ``pad`` zero passes go first, unsynchronised (fsdp: as many passes as the
+        members with the most micro-batches)."""
+        for _ in range(pad):
+            with self.no_sync(), tracker.enter("forward"):
+                loss, _, _ = self.forward(ZERO_PASS)
+                backward(loss)
         pieces = bounds(len(samples), micro_batches)
         for j, (a, b) in enumerate(pieces):
             last = j == len(pieces) - 1
@@ -413,9 +426,16 @@ class Replica:
                 for buf, saved in zip(self.module.buffers(), buffers, strict=True):
                     buf.copy_(saved)
 
-    def zero_pass(self, result: LocalResult | None = None, vote: VoteLaunch | None = None) -> None:
+    def zero_pass(
+        self, result: LocalResult | None = None, vote: VoteLaunch | None = None, passes: int = 1
+    ) -> None:
         """A backward of zero gradients through ``forward`` (keeps DDP's collectives
-        matched); ``vote`` launches ``result`` as this member's vote right before it."""
+        matched); ``vote`` launches ``result`` as this member's vote right before it.
+        ``passes``: that many, all but the last unsynchronised (fsdp's micro-batches)."""
+        for _ in range(passes - 1):
+            with self.no_sync():
+                loss, _, _ = self.forward(ZERO_PASS)
+                backward(loss)
         loss, _, _ = self.forward(ZERO_PASS)
         backward(loss, vote.launch(result) if vote is not None and result is not None else None)
 
@@ -424,8 +444,9 @@ class Replica:
         """Metric sums of one validation batch (no gradients, no collectives)."""
         if self.on_phase is not None:
             self.on_phase(self.step, "validation")  # a heartbeat: long validations are not hangs
+        run = self.forward if self.sharded else self.module  # (fsdp: the root gathers shards)
         with acting_as(self.identity.rank, self.members):
-            loss, outputs, targets = self.module(to_device(batch, self.device))
+            loss, outputs, targets = run(to_device(batch, self.device))
         return pack_states(self.metrics, StepOutput(loss, outputs, targets), samples)
 
 

@@ -110,6 +110,8 @@ class FitConfig:
     # ddp across nodes with a shared run_dir: the fencing term of the head this run's
     # workers answer to (0: none); a checkpoint is not written once a newer head leads
     head_term: int = 0
+    # fsdp: which modules are sharded as units (phalanx.sharding; None: its default rule)
+    shard: Any = None
 
     def loading(self) -> Loading:
         """What every DataLoader of the run is built with."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from phalanx.precision import LossScaler, step_scheduler_quietly
 from phalanx.replica import StepModule
@@ -13,7 +15,8 @@ from phalanx.spec import TrainSpec
 
 
 class Trainable:
-    """Builds the model on ``device``, the optimizer (see ``TrainSpec.build_optimizer``),
+    """Builds the model on ``device`` (or takes ``model``; ``wrap``, given the step module,
+    runs before the optimizer is built), the optimizer (see ``TrainSpec.build_optimizer``),
     the scheduler, and under ``"16-mixed"`` precision the loss scaler.
 
     ``commit()`` is the step's last phase: clip gradients, step the optimizer (unless the
@@ -22,12 +25,21 @@ class Trainable:
     of a failed attempt.
     """
 
-    def __init__(self, spec: TrainSpec, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        spec: TrainSpec,
+        device: torch.device,
+        seed: int,
+        model: nn.Module | None = None,
+        wrap: Callable[[StepModule], None] | None = None,
+    ) -> None:
         torch.manual_seed(seed)  # the same initial weights on every replica
-        self.model = spec.build_model().to(device)
+        self.model = (spec.build_model() if model is None else model).to(device)
         self.module = StepModule(
             self.model, spec.step, functools.partial(spec.precision.autocast, device)
         )
+        if wrap is not None:  # (fsdp: shards the model before the optimizer sees it)
+            wrap(self.module)
         self.optimizer = spec.build_optimizer(self.model)
         self.scheduler = spec.lr_scheduler(self.optimizer) if spec.lr_scheduler else None
         self.scheduler_per_epoch = spec.lr_scheduler_interval == "epoch"

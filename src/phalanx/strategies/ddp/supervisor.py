@@ -120,7 +120,8 @@ class Supervisor:
         self.user = self.spawner.user
         self.threads = self.spawner.threads
         recovery, run_dir = config.recovery, bool(config.run_dir)
-        setup = Setup(plan, shown, recovery, timing, run_dir, slot_nodes)
+        sharded = config.strategy == "fsdp"
+        setup = Setup(plan, shown, recovery, timing, run_dir, slot_nodes, sharded)
         self.coord = Coordinator(setup) if nodes is None else NodeCoordinator(setup)
         self.rejected: set[tuple[str, str]] = set()  # (key, digest) already warned about
         self.stacks_due: tuple[float, dict[int, str | None]] | None = None  # remote dumps

@@ -15,6 +15,7 @@ from typing import Literal
 
 from phalanx.failures import WorkerFailure
 from phalanx.policy import (
+    RUN_LEVEL_PHASES,
     Recovery,
     counts_as_attempt,
     failed_attempts,
@@ -37,6 +38,11 @@ TOO_FEW = (
     "Every worker had fallen while respawns were left, but too few could start again (a lost "
     "node's cannot before it registers) for min_workers."
 )
+SHARDED = (
+    'Under strategy="fsdp" each worker holds only its shard of the model and optimizer state, '
+    "and no copy of a shard outlives its worker yet: the run cannot go on without the lost one "
+    "(docs/fsdp.md); an exception in a step is retried, a worker's loss ends the run."
+)
 Fall = Literal["respawn", "shrink", "restart", "preflight", "stopped"]
 
 
@@ -53,6 +59,7 @@ class FailureBook:
     held: list[tuple[float, Broke]] = field(default_factory=list)  # Broke, not yet settled
     held_preflight: list[WorkerFailure] = field(default_factory=list)  # until its retry ends
     recovering: list[int] = field(default_factory=list)  # indices waiting for a commit
+    sharded: bool = False  # fsdp: a lost member's shard is lost with it (see SHARDED)
 
     @property
     def decided(self) -> bool:
@@ -160,7 +167,9 @@ class FailureBook:
         action = recover(
             self.recovery, failure, history, survivors, (self.run_dir or kept) and can_restart
         )
-        if action == "abort" and not survivors and restart_was_possible(self.recovery, history):
+        if action == "abort" and self.sharded and failure.phase not in RUN_LEVEL_PHASES:
+            self.notes.append(SHARDED)
+        elif action == "abort" and not survivors and restart_was_possible(self.recovery, history):
             self.notes.append(NO_RUN_DIR if can_restart else TOO_FEW)
         self.record(failure, ACTIONS[action], out, recovers=action != "abort")
         if action == "abort":

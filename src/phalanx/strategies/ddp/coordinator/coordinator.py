@@ -393,6 +393,8 @@ class Coordinator(Roster):
         """How many of ``members`` hold the committed state: all but replacements let in
         that have not joined yet (they get it from a holder when their generation forms;
         once no holder is left, only a restart from a snapshot or checkpoint can go on)."""
+        if self.setup.sharded:  # (each holds a shard: none holds the state)
+            return 0
         return sum(
             1
             for m in members

@@ -77,6 +77,9 @@ class Setup:
     timing: Timing  # the run's durations (the coordinator reads hang, grace, startup, ...)
     run_dir: bool = False
     nodes: tuple[int, ...] = ()  # the node of each slot, across machines (empty: one node)
+    # fsdp: each member holds only its shard of the state, so a member's loss loses a part
+    # of it that no survivor holds (no copy of shards outlives their worker yet)
+    sharded: bool = False
 
     def node_of(self, slot: int) -> int:
         return self.nodes[slot] if self.nodes else 0
@@ -169,7 +172,7 @@ class Roster:
         self.slots: dict[int, Slot] = {}
         self.replacements: list[Slot] = []  # every respawn, for the run's end
         self.gens = Generations()
-        self.book = FailureBook(setup.recovery, setup.run_dir)
+        self.book = FailureBook(setup.recovery, setup.run_dir, sharded=setup.sharded)
         self.now = Now(0.0, 0.0)
         self.out: list[Action] = []
         self.panel = Panel(list(setup.devices), setup.timing.panel_tick)

@@ -22,16 +22,28 @@ instead of one more collective each step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from phalanx.replica import StepModule
+from phalanx.replica import StepModule, ZeroPass
 
 PIECES = 4  # 16-bit pieces of one float64 (little-endian on every member)
+
+
+class BallotBox(Protocol):
+    """How an engine casts a member's vote and counts everyone's (:class:`Ballot` under
+    DDP, :class:`FsdpBallot` under FSDP2)."""
+
+    def cast(self, packed: Sequence[float] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def count(self) -> list[float]: ...
+
+    def rows(self, upto: int) -> list[list[float]]: ...
 
 
 class Ballot(nn.Module):
@@ -109,10 +121,11 @@ def encode(packed: np.ndarray, rank: int, world: int) -> np.ndarray:
 
 class Decoder:
     """The float64 sum over members of the votes in a box's reduced gradient (as DDP left
-    it: the ballots summed, divided by ``world``), into buffers made once."""
+    it: the ballots summed, divided by ``world``; ``scale``: what to multiply it back by,
+    ``world`` unless given), into buffers made once."""
 
-    def __init__(self, world: int, size: int) -> None:
-        self.world = np.float32(world)
+    def __init__(self, world: int, size: int, scale: float | None = None) -> None:
+        self.world = np.float32(world if scale is None else scale)
         self.scaled = np.zeros(world * size * PIECES, dtype=np.float32)
         self.pieces = np.zeros(world * size * PIECES, dtype="<u2")
         self.votes = self.pieces.view("<f8").reshape(world, size)  # (a view of the pieces)
@@ -128,3 +141,98 @@ class Decoder:
 def decode(reduced: np.ndarray, world: int, size: int) -> np.ndarray:
     """The float64 sum over members of the votes in ``reduced`` (see :class:`Decoder`)."""
     return Decoder(world, size)(reduced)
+
+
+class FsdpBallot(nn.Module):
+    """The root of an fsdp member's sharded model (``fully_shard`` on it last): ``step`` (the
+    replica's step module, whose forward this is, over the model's own units) and the box,
+    ``[world, world * size * PIECES]``, in this root unit.
+
+    FSDP2 gives a member only its shard of a reduced gradient: the box's dim-0 shard of a
+    member is one row. So each member's ballot goes into every row (its own slot filled, the
+    others zero), and the root's reduce-scatter, a plain SUM (no division: see
+    :class:`~phalanx.strategies.ddp.worker.fsdp_engine.FsdpEngine`), leaves in every member's
+    row the sum of all ballots: exact for the same reason as :class:`Ballot`'s. The vote thus
+    rides the last reduce-scatter of the backward, with no collective of its own.
+
+    ``template()`` loads one training sample on the device: the zero pass under fsdp is a
+    forward and backward of it with the loss times zero (a pass that skipped a unit would
+    leave its peers' all-gathers unmatched), with buffers and random generators as before.
+    """
+
+    def __init__(
+        self,
+        step: StepModule,
+        rank: int,
+        world: int,
+        size: int,
+        device: torch.device,
+        template: Callable[[], Any],
+    ) -> None:
+        super().__init__()
+        self.step = step
+        self.rank, self.world, self.size = rank, world, size
+        self.box = nn.Parameter(torch.zeros(world, world * size * PIECES, device=device))
+        self.template = template
+        self.last: torch.Tensor | None = None  # the box as this forward used it
+        self._ballot = np.zeros((world, size * PIECES), dtype=np.float32)
+        self._sent = torch.from_numpy(self._ballot).view(1, -1)
+        self._packed = np.zeros(size, dtype="<f8")
+        self._slot, self._pieces = self._ballot[rank], pieces(self._packed)
+        self._decode = Decoder(world, size, scale=1.0)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any]:
+        self.last = self.box * 1.0  # (not a view: the root's reduce-scatter carries its grad)
+        if isinstance(batch, ZeroPass):
+            return self._template_pass()
+        return self.step(batch)
+
+    def _template_pass(self) -> tuple[torch.Tensor, Any, Any]:
+        model, device = self.step.model, self.box.device
+        buffers = [b.detach().clone() for b in model.buffers()]
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            loss, _, _ = self.step(self.template())
+        with torch.no_grad():
+            for buf, kept in zip(model.buffers(), buffers, strict=True):
+                buf.copy_(kept)
+        return loss * 0.0, None, None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches before the last: gradients kept unreduced (FSDP2's switch, which
+        reaches every unit)."""
+        self.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def cast(self, packed: Sequence[float] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """This member's ballot for ``packed``, as a second root of the synchronised
+        backward: the box as this step's forward used it, and its gradient (the ballot in
+        every row). (Its gradient is cleared after each count and each discarded attempt:
+        FSDP2 adds into the sharded gradient, which is out of reach during forward.)"""
+        assert self.last is not None, "cast() before a forward"
+        self._packed[:] = packed
+        self._slot[:] = self._pieces
+        grid = self._sent.repeat(self.world, 1)
+        return self.last, grid if self.box.device.type == "cpu" else grid.to(self.box.device)
+
+    def count(self) -> list[float]:
+        """After the synchronised backward: the sum of every member's packed vote (this
+        member's row of the box's reduced gradient)."""
+        grad = self.box.grad
+        assert grad is not None, "count() before a backward that carried the ballots"
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        counted = self._decode(local[0].detach().cpu().numpy()).tolist()
+        self.clear()
+        return counted
+
+    def clear(self) -> None:
+        """Drop the box's gradient (outside forward and backward: the sharded one)."""
+        self.box.grad = None
+
+    def rows(self, upto: int) -> list[list[float]]:
+        """After :meth:`count`: the first ``upto`` values of every member's own vote."""
+        return self._decode.votes[:, :upto].tolist()

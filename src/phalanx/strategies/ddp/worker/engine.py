@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
@@ -24,7 +25,7 @@ from phalanx.ranks import acting_as
 from phalanx.replica import Cast, Identity, LocalResult, Replica
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local, guarded_commit, member_vote, run_attempt
-from phalanx.strategies.ddp.worker.ballot import Ballot
+from phalanx.strategies.ddp.worker.ballot import Ballot, BallotBox
 from phalanx.strategies.ddp.worker.group import GenerationGroup, GroupBroken
 from phalanx.trainable import Trainable
 
@@ -40,6 +41,9 @@ class Member:
     replica: Replica
     faults: FaultInjector
     device: torch.device
+    # fsdp: this member's shards of the committed state, kept when it left a generation
+    # (the next one's model is built again, on that generation's group, and takes them)
+    kept: dict[str, Any] | None = None
 
     @classmethod
     def build(
@@ -104,12 +108,11 @@ class DdpEngine:
         self.device = member.device
         # A later generation's members get their state from the hand-over, not from rank 0
         # (which may be the one behind): no sync at construction then.
-        size = VOTE_HEAD + member.replica.size
-        self.ballot = Ballot(member.trainable.module, self.rank, self.world, size, self.device)
-        ddp = group.wrap(self.ballot, init_sync=init_sync)
-        self.ddp: DistributedDataParallel | None = ddp  # None once the group is left
+        self.ddp: DistributedDataParallel | None = None  # None once the group is left
+        self.ballot: BallotBox
+        forward = self._wrap(VOTE_HEAD + member.replica.size, init_sync)
         replica = member.replica
-        replica.forward, replica.world, replica.identity.rank = ddp, self.world, self.rank
+        replica.forward, replica.world, replica.identity.rank = forward, self.world, self.rank
         replica.members = self.world
         self.hooks = hooks
         self.micro = member.trainable.micro_batches
@@ -125,6 +128,13 @@ class DdpEngine:
         # vote, so every member knows the evidence against the batch; phalanx.badsamples).
         self.judge: Callable[[WorkerFailure], bool] | None = None
         member.replica.nan_is_data = config.on_bad_sample == "skip"
+
+    def _wrap(self, size: int, init_sync: bool) -> nn.Module:
+        """What runs a step on this member: the replica's step module and the vote's box
+        (for votes of ``size`` values), under DDP over this generation's group."""
+        self.ballot = Ballot(self.m.trainable.module, self.rank, self.world, size, self.device)
+        self.ddp = self.group.wrap(self.ballot, init_sync=init_sync)
+        return self.ddp
 
     @property
     def trainable(self) -> Trainable:
@@ -183,9 +193,16 @@ class DdpEngine:
         # every member (only read when nobody failed: then every member checked).
         if res.failure is None and self.trainable.overflowed():
             vote.overflow = self.world
-        if vote.failed == 0:  # every member commits: a death from here fails no attempt
+        if vote.failed == 0:
+            self._before_commit()
+            # every member commits: a death from here fails no attempt
             self.hooks.on_phase(global_step, "optimizer")
         return vote
+
+    def _before_commit(self) -> None:
+        """What the members agree on before any commits, after a vote with no failure (a
+        collective that fails here raises GroupBroken with nothing changed): nothing under
+        ddp, whose gradients are whole on every member."""
 
     # -- the vote (VoteLaunch: called by Replica.run right before the synchronised backward)
     def check(self) -> None:

@@ -52,7 +52,7 @@ def hand_over(
     receive it from the source, so the members ahead are not kept waiting while it travels.
     ``everyone``: every member but the source receives it, whatever its position (a
     restart's members may hold the same step computed two ways: they must end equal)."""
-    position = _positions(loop, group)
+    position = positions(loop, group)
     top = max(position)
     src = min(r for r in range(group.size) if position[r] == top)
     behind = [r for r in range(group.size) if position[r] < top or (everyone and r != src)]
@@ -89,7 +89,7 @@ def _still_behind(group: GenerationGroup, behind: list[int], found: bool) -> lis
     return [r for r in behind if flags[r].item() == 0.0]
 
 
-def _positions(loop: TrainLoop, group: GenerationGroup) -> list[tuple[float, float]]:
+def positions(loop: TrainLoop, group: GenerationGroup) -> list[tuple[float, float]]:
     """Every member's (committed steps, finished epochs): a validation pass that completed
     on some members only leaves the others an epoch behind at the same step."""
     where = torch.zeros(2 * group.size, dtype=torch.float64, device=group.device)

@@ -77,6 +77,8 @@ from phalanx.strategies.ddp.wire.protocol import (
 )
 from phalanx.strategies.ddp.worker.emergency import await_verdict, keep_committed
 from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
+from phalanx.strategies.ddp.worker.fsdp_engine import FsdpEngine, same_position
+from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
 from phalanx.strategies.ddp.worker.group import GenerationGroup, GroupBroken
 from phalanx.strategies.ddp.worker.handover import LocalState, hand_over
 from phalanx.strategies.ddp.worker.identity import announce
@@ -343,6 +345,7 @@ class Worker:
         # This worker's snapshot taker, made when it first writes its machine's snapshots.
         self.snapshotter: Snapshotter | None = None
         self.took_local = False  # its last hand-over's state came from shared memory
+        self.final_model: dict[str, torch.Tensor] | None = None  # fsdp: the gathered weights
 
     # -- messages ----------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -535,6 +538,8 @@ class Worker:
     def leave_group(self, member: Member) -> None:
         """Drop every reference to this generation's DDP module and group: its sockets close
         (peers still blocked on them error out) and DDP's autograd hooks go."""
+        if self.loop is not None and isinstance(self.loop.engine, FsdpEngine):
+            self.loop.engine.keep()  # (its shards, for the next generation: before the group)
         if self.loop is not None and isinstance(self.loop.engine, DdpEngine):
             self.loop.engine.ddp = None
         member.replica.forward = member.trainable.module
@@ -557,20 +562,15 @@ class Worker:
         member.trainable.discard()  # gradients of a step the old group never committed
         arrive(store, gen, rank, self.watcher, timing.forming, timing.store_poll)
         rendezvous = self.a.connect(timing.forming)
-        group = GenerationGroup.form(
-            rendezvous,
-            f"g{gen.number}/",
-            rank,
-            len(gen.members),
-            self.device,
-            timing.collective,
-            abandonable=self.a.spans_nodes,
-        )
+        group = self.form(rendezvous, gen, rank)
         self.watcher.group = group
         if self.watcher.head_lost:  # (the order came before there was a group to abort)
             raise GroupBroken("the head was lost")
         loop = self.loop_in(member, group, gen)
-        if gen.number > 0:
+        if isinstance(group, FsdpGroup):
+            if gen.number > 0:  # (a rebuild: every member kept its own shards)
+                same_position(loop, group)
+        elif gen.number > 0:
             subgroup = lambda ranks: self.subgroup(rendezvous, gen, ranks)  # noqa: E731
             restarted = gen.number == gen.timeline  # (a restart's: see hand_over)
             hand_over(loop, group, subgroup, self.local_state(loop, gen), everyone=restarted)
@@ -580,6 +580,20 @@ class Worker:
         local, self.took_local = self.took_local, False
         self.send(Joined(self.a.slot, gen.number, loop.state.global_step, local))
         self.interrupted = loop.run().interrupted
+        if isinstance(loop.engine, FsdpEngine):  # (gathered by every member, kept by rank 0)
+            self.final_model = loop.engine.full_model_state()
+
+    def form(self, store: dist.Store, gen: Generation, rank: int) -> GenerationGroup:
+        """``gen``'s group: its own (ddp), or torch's default group and a mesh (fsdp)."""
+        timing, size = self.a.timing, len(gen.members)
+        prefix = f"g{gen.number}/"
+        if self.a.config.strategy == "fsdp":
+            return FsdpGroup.form_default(
+                store, prefix, rank, size, self.device, timing.collective, self.a.store_port
+            )
+        return GenerationGroup.form(
+            store, prefix, rank, size, self.device, timing.collective, self.a.spans_nodes
+        )
 
     def local_state(self, loop: TrainLoop, gen: Generation) -> LocalState | None:
         """How a member behind takes the agreed state from its machine's shared memory
@@ -653,15 +667,19 @@ class Worker:
         """The training loop (built with the first generation, kept across generations) over
         a new engine for ``gen``."""
         a = self.a
-        engine = DdpEngine(
-            member=member,
-            group=group,
-            config=a.config,
-            plan=a.plan,
-            data=(a.train, a.valid, a.valid_size),
-            hooks=EngineHooks(self.on_phase, self.watcher.regroup_requested),
-            init_sync=gen.number == 0,
-        )
+        data = (a.train, a.valid, a.valid_size)
+        hooks = EngineHooks(self.on_phase, self.watcher.regroup_requested)
+        engine: DdpEngine
+        if isinstance(group, FsdpGroup):
+            engine = FsdpEngine(
+                member=member, group=group, config=a.config, plan=a.plan, data=data,
+                hooks=hooks, spec=a.spec,
+            )  # fmt: skip
+        else:
+            engine = DdpEngine(
+                member=member, group=group, config=a.config, plan=a.plan, data=data,
+                hooks=hooks, init_sync=gen.number == 0,
+            )  # fmt: skip
         first = self.loop is None
         if self.loop is None:
             self.loop = build_loop(
@@ -695,16 +713,26 @@ class Worker:
     def finish(self) -> int:
         assert self.loop is not None
         self.loop.close_checkpointer()
-        self.send(done_of(self.loop, self.a.slot, self.a.weights_path, self.interrupted))
+        done = done_of(
+            self.loop, self.a.slot, self.a.weights_path, self.interrupted, self.final_model
+        )
+        self.send(done)
         return 0
 
 
-def done_of(loop: TrainLoop, slot: int, weights_path: str, interrupted: str | None) -> Done:
-    """A finished worker's word; the main member's with the final weights (saved to
-    ``weights_path``) and the results."""
+def done_of(
+    loop: TrainLoop,
+    slot: int,
+    weights_path: str,
+    interrupted: str | None,
+    model: dict[str, torch.Tensor] | None = None,
+) -> Done:
+    """A finished worker's word; the main member's with the final weights (``model``, the
+    whole model gathered under fsdp, else its own replica's; saved to ``weights_path``)
+    and the results."""
     if not loop.engine.is_main:
         return Done(slot)
-    torch.save(loop.engine.state_dict()["model"], weights_path)
+    torch.save(loop.engine.state_dict()["model"] if model is None else model, weights_path)
     st = loop.state
     quarantine = [[i, g] for i, g in sorted(st.quarantine.items())]
     return Done(

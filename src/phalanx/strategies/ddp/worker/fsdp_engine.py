@@ -1,0 +1,293 @@
+"""The engine of one fsdp rank in one generation: the model sharded with FSDP2
+(``fully_shard``) over the generation's mesh, each member holding its dim-0 shard of every
+parameter, gradient and optimizer state.
+
+What differs from the ddp engine (:mod:`.engine`), and why:
+
+- **The model is built again in each generation** (the factory, the same seed), its units and
+  then the root sharded on that generation's mesh, then the optimizer. The first generation
+  shards the model preflight built; a later one takes the shards this member kept when it
+  left the generation before (same members, same ranks: a rebuild), so nothing travels.
+- **Reductions are plain sums.** Every FSDP unit reduce-scatters with SUM (no division; gloo
+  refuses the PREMUL_SUM that FSDP2 otherwise uses), and each member scales its loss by its
+  rows over the global batch, as the threads strategy does: the math of one device.
+- **The vote rides the root's reduce-scatter** (:class:`.ballot.FsdpBallot`).
+- **Every member runs the same passes** (forward gathers shards): a member with fewer rows than
+  micro-batches pads with zero passes of a template sample, validation pads the same way, and
+  a failure after the first gather cannot be lined up again: the member leaves the group
+  (:attr:`Replica.sharded`), which the others see at once (:class:`.fsdp_group.FsdpGroup`),
+  and the same members rebuild the generation.
+- **Clipping** needs the norm over every shard: one float64 all-reduce of the squared sums
+  before the commit point (a peer lost there changes nothing), then each member scales its
+  own shards in the commit, which has no collective (no element-wise torch optimizer's step
+  has one: docs/studies/fsdp, §10).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.data import Dataset, default_collate
+
+from phalanx.data import validation_batches
+from phalanx.loop import TrainLoop
+from phalanx.plan import Plan
+from phalanx.precision import step_scheduler_quietly
+from phalanx.ranks import acting_as
+from phalanx.replica import ZERO_PASS, StepModule, to_device
+from phalanx.sharding import innermost_first, units
+from phalanx.spec import FitConfig, TrainSpec
+from phalanx.strategies.base import evaluate_local
+from phalanx.strategies.ddp.worker.ballot import FsdpBallot
+from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
+from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
+from phalanx.strategies.ddp.worker.handover import positions
+from phalanx.trainable import Trainable
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This member's shard of a sharded tensor (a plain tensor as it is)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ShardedTrainable(Trainable):
+    """A :class:`Trainable` whose model is sharded: its state dict is this member's shards
+    (plain tensors, copied), clipping scales the shards by a norm agreed before the commit
+    (:attr:`norm`), and :meth:`full_model_state` gathers the whole model (collective)."""
+
+    norm: float | None = None  # the global gradient norm of the step about to be committed
+
+    def _parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self.model.parameters() if p.grad is not None)
+
+    def squared_norm(self) -> torch.Tensor:
+        """The sum of squares of this member's gradient shards (float64, one element)."""
+        total = torch.zeros(1, dtype=torch.float64)
+        for p in self._parameters():
+            assert p.grad is not None
+            total += local(p.grad).detach().double().pow(2).sum().cpu()
+        return total
+
+    def commit(self, skip: bool = False) -> None:
+        """Clip (each shard by the agreed norm's coefficient, as ``clip_grad_norm_``
+        computes it), step the optimizer and a per-step scheduler, clear gradients. No
+        collective: once it runs, no peer's loss can make it fail."""
+        if not skip and self.clip is not None:
+            assert self.norm is not None, "commit() before the norm was agreed"
+            coefficient = min(1.0, self.clip / (self.norm + 1e-6))
+            with torch.no_grad():
+                for p in self._parameters():
+                    assert p.grad is not None
+                    local(p.grad).mul_(coefficient)
+        self.norm = None
+        if skip:
+            assert self.scaler is not None  # (an overflow: "16-mixed" only, not under fsdp yet)
+            self.scaler.skip()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None and not self.scheduler_per_epoch:
+            step_scheduler_quietly(self.scheduler, optimizer_stepped=not skip)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This member's shards of the model and optimizer state (plain tensors, copies),
+        the scheduler's state: what a member of the same rank in a generation of the same
+        size takes (:meth:`load_state_dict`)."""
+        model = {k: local(v).detach().clone() for k, v in self.model.state_dict().items()}
+        optimizer = self.optimizer.state_dict()
+        states = {
+            i: {k: local(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in optimizer["state"].items()
+        }
+        return {
+            "model": model,
+            "optimizer": {"state": states, "param_groups": optimizer["param_groups"]},
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler": None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for key, value in self.model.state_dict().items():
+                local(value).copy_(state["model"][key])
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        saved = state["optimizer"]
+        states = {
+            i: {k: _like(v, params[int(i)]) for k, v in s.items()}
+            for i, s in saved["state"].items()
+        }
+        self.optimizer.load_state_dict({"state": states, "param_groups": saved["param_groups"]})
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, with the user's keys, on the CPU of rank 0 (the
+        others get ``{}``). Collective: every member calls it."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.model, options=options)
+        return {k: v.detach().clone() for k, v in full.items() if isinstance(v, torch.Tensor)}
+
+
+def _like(value: Any, param: torch.Tensor) -> Any:
+    """An optimizer state value as its parameter holds it: a shard of the parameter's shape
+    becomes a sharded tensor like the parameter (copied; a step counter stays as it is)."""
+    if not torch.is_tensor(value):
+        return value
+    if isinstance(param, DTensor) and value.dim() > 0 and value.shape == param.to_local().shape:
+        return DTensor.from_local(
+            value.clone(),
+            param.device_mesh,
+            param.placements,
+            shape=param.shape,
+            stride=param.stride(),
+            run_check=False,
+        )
+    return value.clone()
+
+
+class FsdpEngine(DdpEngine):
+    """Rank ``group.rank`` of ``group.size`` in one generation, its model sharded over the
+    generation's mesh (see the module's docstring)."""
+
+    def __init__(
+        self,
+        *,
+        member: Member,
+        group: FsdpGroup,
+        config: FitConfig,
+        plan: Plan,
+        data: tuple[Dataset[Any], Dataset[Any] | None, int],
+        hooks: EngineHooks,
+        spec: TrainSpec,
+    ) -> None:
+        self.spec, self.mesh = spec, group.mesh
+        self._template: Any = None
+        super().__init__(
+            member=member,
+            group=group,
+            config=config,
+            plan=plan,
+            data=data,
+            hooks=hooks,
+            init_sync=False,
+        )
+        replica = member.replica
+        replica.world = 1  # (sums, not averages: each member's loss is its rows' share)
+        replica.sharded = True
+
+    def _wrap(self, size: int, init_sync: bool) -> nn.Module:
+        """The member's model sharded on this generation's mesh, with the vote's box in the
+        root; its state: the model preflight built (the first generation) or the shards this
+        member kept when it left the last one."""
+        member, built = self.m, {}
+
+        def shard(step: StepModule) -> None:
+            for unit in innermost_first(units(step.model, self.config.shard)):
+                fully_shard(unit, mesh=self.mesh)
+            ballot = FsdpBallot(step, self.rank, self.world, size, self.device, self.template)
+            fully_shard(ballot, mesh=self.mesh)
+            for module in ballot.modules():
+                if isinstance(module, FSDPModule):  # (neither setter reaches inner units)
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
+            built["ballot"] = ballot
+
+        model = None if isinstance(member.trainable, ShardedTrainable) else member.trainable.model
+        with acting_as(member.slot, len(self.config.devices)):  # (px.rank() in the factory)
+            trainable = ShardedTrainable(self.spec, self.device, self.config.seed, model, shard)
+        kept, member.kept = member.kept, None
+        if kept is not None:
+            trainable.load_state_dict(kept)
+        member.trainable = trainable
+        member.replica.module = trainable.module
+        ballot: FsdpBallot = built["ballot"]
+        self.ballot = self.fsdp_ballot = ballot
+        return ballot
+
+    def template(self) -> Any:
+        """One training sample on the device (the first of the run's first batch), for the
+        zero passes; read once per generation, when first needed."""
+        if self._template is None:
+            collate = self.config.collate_fn or default_collate
+            first = self.plan.global_batch(0, 0)[:1]
+            self._template = to_device(collate([self.train[i] for i in first]), self.device)
+        return self._template
+
+    @property
+    def sharded(self) -> ShardedTrainable:
+        trainable = self.m.trainable
+        assert isinstance(trainable, ShardedTrainable)
+        return trainable
+
+    def _before_commit(self) -> None:
+        """The global gradient norm, when the step clips: one all-reduce of every member's
+        squared sum (a failure here is GroupBroken, before anything changed)."""
+        if self.sharded.clip is None:
+            return
+        total = self.sharded.squared_norm().to(self.device)
+        self.group.all_reduce(total)
+        self.sharded.norm = math.sqrt(float(total.item()))
+
+    def evaluate(self) -> torch.Tensor:
+        """Validation as under ddp, then zero passes until this member has run as many
+        forwards as the member with the most batches (each forward gathers shards)."""
+        self.hooks.on_phase(self.step, "validation")
+        replica = self.m.replica
+        sums = evaluate_local(
+            replica,
+            self.valid,
+            self.valid_size,
+            self.config.batch_size,
+            self.rank,
+            self.world,
+            self.epoch,
+            self.config.loading(),
+        ).to(self.device)
+        if self.valid is not None:
+            counts = [self._batches(r) for r in range(self.world)]
+            replica.module.eval()
+            try:
+                with torch.no_grad():
+                    for _ in range(max(counts) - counts[self.rank]):
+                        replica.forward(ZERO_PASS)
+            finally:
+                replica.module.train()
+        self.group.all_reduce(sums)
+        return sums.cpu()
+
+    def _batches(self, rank: int) -> int:
+        parts = validation_batches(self.valid_size, self.config.batch_size, rank, self.world)
+        return sum(1 for part in parts if part)
+
+    def discard(self) -> None:
+        super().discard()
+        self.fsdp_ballot.clear()  # (a failed attempt's ballots)
+
+    def keep(self) -> None:
+        """Leaving the generation: keep this member's shards of the committed state for the
+        next one (a failed step's gradients are not state)."""
+        self.m.kept = self.sharded.state_dict()
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """See :meth:`ShardedTrainable.full_model_state` (collective)."""
+        return self.sharded.full_model_state()
+
+
+def same_position(loop: TrainLoop, group: FsdpGroup) -> None:
+    """A rebuilt generation's members must stand at the same committed step (each holds
+    only its own shards: none can give another a step it lacks). Raises when they do not."""
+    where = positions(loop, group)
+    if len(set(where)) > 1:
+        raise RuntimeError(
+            "the members of this sharded run stand at different committed steps "
+            f"({', '.join(f'rank {r}: step {int(s)}' for r, (s, _) in enumerate(where))}): "
+            "a peer was lost between two members' commits, and no copy of the shards outside "
+            "the workers can bring them together yet (docs/fsdp.md)"
+        )

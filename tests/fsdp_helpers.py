@@ -1,0 +1,57 @@
+"""Module-level parts for the fsdp tests (worker processes unpickle them)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Block(nn.Module):
+    """A residual block: LayerNorm, then Linear-GELU-Linear (a transformer's MLP half)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Odd sizes (7 inputs, 3 outputs): some dim-0 shards are uneven or empty."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def net() -> nn.Module:
+    return Net()
+
+
+adam = functools.partial(torch.optim.Adam, lr=1e-3)
+sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
+def step(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def data(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 7, generator=g), torch.randint(0, 3, (n,), generator=g))

@@ -1,0 +1,189 @@
+"""strategy="fsdp": the model's parameters, gradients and optimizer state sharded among the
+workers (FSDP2 over gloo), trained to the weights of one device and of ddp, through
+failures that lose no shard; what it does not take yet is refused before anything starts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from torch import nn
+
+import fsdp_helpers as h
+import phalanx as px
+from phalanx.errors import InvalidSettingError, TrainingFailed
+from phalanx.sharding import innermost_first, units
+
+TRAIN, VALID = h.data(62), h.data(20, seed=1)  # 62 = 5 x 12 + 2: the last batch is 2 rows
+FIT: dict[str, Any] = dict(epochs=2, batch_size=12, seed=3, sinks=[])
+
+
+def learner(**kw: Any) -> px.Learner:
+    kw.setdefault("grad_accumulation", 2)
+    kw.setdefault("grad_clip_norm", 0.5)
+    return px.Learner(h.net, kw.pop("optimizer", h.adam), h.step, **kw)
+
+
+def rel(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max(
+        ((sa[k] - sb[k]).abs().max() / sb[k].abs().max().clamp_min(1e-12)).item() for k in sb
+    )
+
+
+@pytest.fixture(scope="module")
+def single() -> px.FitResult:
+    return learner().fit(TRAIN, VALID, devices="cpu", **FIT)
+
+
+@pytest.fixture(scope="module")
+def fsdp2() -> px.FitResult:
+    return learner().fit(TRAIN, VALID, devices="cpu:0,cpu:1", strategy="fsdp", **FIT)
+
+
+# -- which modules are units --------------------------------------------------------------
+
+
+class Gpt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.blocks = nn.ModuleList(h.Block() for _ in range(12))
+        self.norm = nn.LayerNorm(32)  # (64 parameters: too small to be a unit)
+        self.head = nn.Linear(32, 100)
+
+
+def test_the_default_rule_makes_each_block_a_unit_and_leaves_small_modules_to_the_root() -> (
+    None
+):
+    model = Gpt()
+    found = units(model)
+    assert found == [model.embed, *model.blocks, model.head]
+    assert model.norm not in found
+
+
+def test_the_default_rule_looks_inside_containers_and_wrappers_of_most_parameters() -> None:
+    inner = nn.Sequential(*(nn.Linear(64, 64) for _ in range(6)))
+    model = nn.Sequential(nn.Linear(4, 64), nn.Sequential(inner, nn.ReLU()))
+    found = units(model)
+    assert found == list(inner)  # (the wrapper holds nearly all: its layers are the units)
+
+
+def test_units_by_class_or_by_function_and_innermost_first() -> None:
+    model = Gpt()
+    assert units(model, (h.Block,)) == list(model.blocks)
+    assert units(model, h.Block) == list(model.blocks)
+    chosen = units(model, lambda m: isinstance(m, h.Block | nn.Linear))
+    assert model.blocks[0] in chosen and model.blocks[0].up in chosen
+    ordered = innermost_first(chosen)
+    assert ordered.index(model.blocks[0].up) < ordered.index(model.blocks[0])
+    assert len(ordered) == len(chosen)
+
+
+# -- refused before anything starts --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        (dict(strategy="ddp", shard=(h.Block,)), 'strategy="fsdp" shards, but strategy=\'ddp\''),
+        (dict(strategy="fsdp", run_dir="RUN"), "does not take run_dir= yet"),
+        (dict(strategy="fsdp", on_bad_sample="skip"), 'does not take on_bad_sample="skip" yet'),
+        (dict(strategy="fsdp", shard=3), "fit()'s shard must be None, module classes"),
+    ],
+)
+def test_what_fsdp_does_not_take_is_refused_with_the_fix(
+    kw: dict[str, Any], says: str, tmp_path: Any
+) -> None:
+    if kw.get("run_dir") == "RUN":
+        kw["run_dir"] = str(tmp_path / "run")
+    with pytest.raises(px.ConfigError) as err:
+        learner().fit(TRAIN, devices="cpu:0,cpu:1", **kw, **FIT)
+    assert says in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_fsdp_with_16_mixed_is_refused() -> None:
+    with pytest.raises(InvalidSettingError, match='precision="16-mixed" yet'):
+        learner(precision="16-mixed").fit(TRAIN, devices="cpu:0,cpu:1", strategy="fsdp", **FIT)
+
+
+# -- the same math as one device -----------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_fsdp_trains_to_one_devices_weights(
+    workers: int, single: px.FitResult, fsdp2: px.FitResult
+) -> None:
+    """Adam, 2 micro-batches, clipping, 12-row batches split 6/6, 4/4/4, 3/3/3/3, and a last
+    batch of 2 rows (at 3 and 4 workers some members have none: template passes only)."""
+    devices = ",".join(f"cpu:{i}" for i in range(workers))
+    result = (
+        fsdp2
+        if workers == 2
+        else learner().fit(TRAIN, VALID, devices=devices, strategy="fsdp", **FIT)
+    )
+    assert result.steps == single.steps == 12
+    assert rel(result.model, single.model) <= 1e-5
+    assert rel(result.model, h.Net()) > 1e-3  # (it trained)
+    assert result.ledger_ok is True and result.failures == []
+    assert "box" not in " ".join(result.model.state_dict())
+    assert type(result.model) is h.Net and next(result.model.parameters()).device.type == "cpu"
+    for mine, ref in zip(result.history, single.history, strict=True):
+        assert mine["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-5)
+        assert mine["valid/loss"] == pytest.approx(ref["valid/loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_equals_ddp_with_bf16_autocast_and_units_by_class() -> None:
+    fit = dict(FIT, epochs=1)
+    ddp = learner(precision="bf16-mixed", optimizer=h.sgd).fit(
+        TRAIN, devices="cpu:0,cpu:1", strategy="ddp", **fit
+    )
+    fsdp = learner(precision="bf16-mixed", optimizer=h.sgd).fit(
+        TRAIN, devices="cpu:0,cpu:1", strategy="fsdp", shard=(h.Block,), **fit
+    )
+    assert rel(fsdp.model, ddp.model) <= 1e-5
+    assert fsdp.history[0]["train/loss"] == pytest.approx(ddp.history[0]["train/loss"], rel=1e-5)
+
+
+# -- failures that lose no shard -----------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["data", "forward", "backward"])
+def test_an_exception_in_a_step_is_retried_and_changes_nothing(
+    phase: str, fsdp2: px.FitResult
+) -> None:
+    """In ``data`` (before any gather) the member's zero passes line the step up and the
+    vote carries the failure; in ``forward`` or ``backward`` (shards gathered) it leaves the
+    group, its peers' collectives fail at once, and the same members rebuild the generation,
+    each from the shards it kept."""
+    fault = px.Fault("exception", worker=1, step=4, phase=phase)
+    started = time.monotonic()
+    result = learner().fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1", strategy="fsdp", faults=[fault], **FIT
+    )
+    assert time.monotonic() - started < 60
+    assert rel(result.model, fsdp2.model) <= 1e-6
+    assert result.steps == fsdp2.steps and result.ledger_ok is True
+    [failure] = result.failures
+    assert (failure.worker, failure.step, failure.phase) == (1, 4, phase)
+    assert "injected exception" in failure.message
+    assert failure.recovery_seconds is not None and failure.recovery_seconds < 10
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_ends_the_run_with_one_report_within_seconds() -> None:
+    """No copy of a shard outlives its worker yet: the loss of one ends the run, named."""
+    fault = px.Fault("kill", worker=1, step=4)
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed) as err:
+        learner().fit(TRAIN, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", faults=[fault], **FIT)
+    assert time.monotonic() - started < 40
+    root = err.value.root_cause
+    assert (root.worker, root.kind, root.step) == (1, "crash", 4)
+    assert "no copy of a shard outlives its worker yet" in str(err.value)
