@@ -8,12 +8,14 @@ import time
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 import fsdp_helpers as h
 import phalanx as px
 from phalanx.errors import InvalidSettingError, TrainingFailed
 from phalanx.sharding import innermost_first, units
+from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, rows, tag
 
 TRAIN, VALID = h.data(62), h.data(20, seed=1)  # 62 = 5 x 12 + 2: the last batch is 2 rows
 FIT: dict[str, Any] = dict(epochs=2, batch_size=12, seed=3, sinks=[])
@@ -55,9 +57,7 @@ class Gpt(nn.Module):
         self.head = nn.Linear(32, 100)
 
 
-def test_the_default_rule_makes_each_block_a_unit_and_leaves_small_modules_to_the_root() -> (
-    None
-):
+def test_the_default_rule_makes_each_block_a_unit_and_leaves_small_modules_to_the_root() -> None:
     model = Gpt()
     found = units(model)
     assert found == [model.embed, *model.blocks, model.head]
@@ -88,7 +88,7 @@ def test_units_by_class_or_by_function_and_innermost_first() -> None:
 @pytest.mark.parametrize(
     ("kw", "says"),
     [
-        (dict(strategy="ddp", shard=(h.Block,)), 'strategy="fsdp" shards, but strategy=\'ddp\''),
+        (dict(strategy="ddp", shard=(h.Block,)), "strategy=\"fsdp\" shards, but strategy='ddp'"),
         (dict(strategy="fsdp", run_dir="RUN"), "does not take run_dir= yet"),
         (dict(strategy="fsdp", on_bad_sample="skip"), 'does not take on_bad_sample="skip" yet'),
         (dict(strategy="fsdp", shard=3), "fit()'s shard must be None, module classes"),
@@ -177,13 +177,113 @@ def test_an_exception_in_a_step_is_retried_and_changes_nothing(
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_worker_ends_the_run_with_one_report_within_seconds() -> None:
-    """No copy of a shard outlives its worker yet: the loss of one ends the run, named."""
+@pytest.mark.parametrize(
+    ("fault", "mode"),
+    [("kill:1@4", "shrink"), ("kill:0@7/backward", "respawn"), ("oom:2@3/backward", "respawn")],
+)
+def test_a_lost_worker_is_survived_from_the_shard_set(
+    fault: str, mode: str, single: px.FitResult
+) -> None:
+    """The survivors (and a replacement) take the newest complete set of shard snapshots,
+    re-sharded to the new world, and compute the steps since again: one device's weights,
+    every sample once. (An out-of-memory error is an exception under fsdp: no split, the
+    group is rebuilt and the step retried.)"""
+    started = time.monotonic()
+    result = learner().fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp",
+        faults=[px.Fault.parse(fault)], on_failure=px.Recovery(mode=mode), **FIT,
+    )  # fmt: skip
+    assert time.monotonic() - started < 60
+    assert rel(result.model, single.model) <= 1e-5
+    assert result.steps == single.steps and result.ledger_ok is True
+    [failure] = result.failures
+    f = px.Fault.parse(fault)
+    assert (failure.worker, failure.step) == (f.worker, f.step)
+    assert failure.recovery_seconds is not None and failure.recovery_seconds < 10
+    if f.kind == "kill":
+        assert failure.kind == "crash" and failure.action == {"shrink": "shrunk"}.get(
+            mode, mode + "ed"
+        )
+        assert failure.replayed_steps is not None and 0 <= failure.replayed_steps <= 1
+    else:
+        assert (failure.kind, failure.action) == ("oom", "retried")
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_worker_is_named_not_the_peers_that_wait_for_it(single: px.FitResult) -> None:
+    """Worker 0 hangs in the first micro-batch's backward; its peers wait for it in the
+    next micro-batch's forward (an earlier phase by their heartbeats: under fsdp every pass
+    gathers shards). The hung one is named and replaced; nothing else fails."""
+    fault = px.Fault("hang", worker=0, step=6, phase="backward")
+    result = learner().fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", faults=[fault],
+        hang_timeout=3, **FIT,
+    )  # fmt: skip
+    [failure] = result.failures
+    assert (failure.worker, failure.kind, failure.action) == (0, "hang", "respawned")
+    assert rel(result.model, single.model) <= 1e-5 and result.ledger_ok is True
+
+
+@pytest.mark.timeout(120)
+def test_without_snapshots_a_lost_worker_ends_the_run_with_one_report() -> None:
     fault = px.Fault("kill", worker=1, step=4)
     started = time.monotonic()
     with pytest.raises(TrainingFailed) as err:
-        learner().fit(TRAIN, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", faults=[fault], **FIT)
+        learner().fit(
+            TRAIN, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", faults=[fault],
+            snapshots=False, **FIT,
+        )  # fmt: skip
     assert time.monotonic() - started < 40
     root = err.value.root_cause
     assert (root.worker, root.kind, root.step) == (1, "crash", 4)
-    assert "no copy of a shard outlives its worker yet" in str(err.value)
+    assert "no copy of a lost worker's shards" in str(err.value)
+
+
+# -- shard sets, re-sharded (pure) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("d0", "world"), [(10, 4), (3, 4), (5, 4), (7, 3), (1, 2), (12, 1)])
+def test_rows_are_torch_chunks_with_empty_ones_last(d0: int, world: int) -> None:
+    full = torch.arange(d0)
+    chunks = list(torch.chunk(full, world))
+    for rank in range(world):
+        start, stop = rows(d0, world, rank)
+        expected = chunks[rank].tolist() if rank < len(chunks) else []
+        assert full[start:stop].tolist() == expected
+
+
+def shards_of(full: torch.Tensor, world: int) -> list[torch.Tensor]:
+    return [full[slice(*rows(full.shape[0], world, r))].clone() for r in range(world)]
+
+
+@pytest.mark.parametrize("path", [(3, 2, 1), (1, 3), (2, 3), (3, 4), (4, 1)])
+def test_reshard_through_worlds_gives_back_the_tensor(path: tuple[int, ...]) -> None:
+    full = torch.randn(7, 3)
+    pieces = shards_of(full, path[0])
+    for world in path[1:]:
+        pieces = [reshard(pieces, 7, world, r) for r in range(world)]
+        assert [p.shape[0] for p in pieces] == [
+            len(range(*rows(7, world, r))) for r in range(world)
+        ]
+    assert torch.equal(torch.cat(pieces), full)
+
+
+def test_reshard_refuses_a_piece_of_the_wrong_rows() -> None:
+    pieces = shards_of(torch.randn(7, 3), 2)
+    with pytest.raises(ValueError, match="rank 1 of 2 holds"):
+        reshard([pieces[0], pieces[1][:2]], 7, 3, 0)
+
+
+def test_the_newest_complete_set_wins() -> None:
+    written = (
+        [Written(0, 3, r, 5, 0) for r in (0, 1, 2)]
+        + [Written(0, 3, r, 6, 0) for r in (0, 2)]
+        + [Written(1, 2, r, 6, 0) for r in (0, 1)]
+    )
+    assert newest_set(written) == ShardSet(1, 2, 6, 0)  # (step 6 of generation 0 lacks rank 1)
+    assert newest_set(written[:5]) == ShardSet(0, 3, 5, 0)
+    assert newest_set(written[3:5]) is None
+    for generation, world, rank in ((0, 1, 0), (7, 3, 2), (2**30, 255, 254)):
+        found = Written.of(tag(generation, world, rank), 4, 1)
+        assert found == Written(generation, world, rank, 4, 1)
+    assert Written.of(-1, 4, 1) is None  # (a ddp snapshot's tag)

@@ -90,8 +90,9 @@ class WorkerFailure:
     attempt: int | None = None
     # A hang: when the worker last made progress (wall clock), so its cost counts from there.
     last_progress: float | None = None
-    # The fall that left no member (action "restarted"): how many committed steps the run
-    # computed again from the snapshot or checkpoint it restarted from (set once it has).
+    # The fall that left no member (action "restarted"), or under fsdp any fall (every member
+    # starts from a set of shard snapshots): how many committed steps the run computed
+    # again from the snapshot or checkpoint it started from (set once it has).
     replayed_steps: int | None = None
     # fit(on_bad_sample="skip"): the samples of its part this worker found failing alone,
     # each as [dataset index, error] (they are left out from this step on: "quarantined").

@@ -183,8 +183,7 @@ class Learner:
             slow_worker=slow_worker,
             on_bad_sample=on_bad_sample,
             max_bad_samples=max_bad_samples,
-            # (fsdp: shard snapshots are not built yet, see docs/fsdp.md)
-            snapshots=settings_of(snapshots) if strategy != "fsdp" else None,
+            snapshots=settings_of(snapshots),
             shard=shard,
         )
         # A stream's lengths, counted once unless given (kept in run_dir for a resume).

@@ -40,8 +40,9 @@ TOO_FEW = (
 )
 SHARDED = (
     'Under strategy="fsdp" each worker holds only its shard of the model and optimizer state, '
-    "and no copy of a shard outlives its worker yet: the run cannot go on without the lost one "
-    "(docs/fsdp.md); an exception in a step is retried, a worker's loss ends the run."
+    "and no copy of a lost worker's shards outlived it (snapshots are off, or every member "
+    "had not written one yet), so the run cannot go on without it; a restart of every worker "
+    "from shard snapshots or checkpoints is not built yet (docs/fsdp.md)."
 )
 Fall = Literal["respawn", "shrink", "restart", "preflight", "stopped"]
 
@@ -167,7 +168,8 @@ class FailureBook:
         action = recover(
             self.recovery, failure, history, survivors, (self.run_dir or kept) and can_restart
         )
-        if action == "abort" and self.sharded and failure.phase not in RUN_LEVEL_PHASES:
+        sharded = self.sharded and self.recovery.mode != "abort" and not survivors
+        if action == "abort" and sharded and failure.phase not in RUN_LEVEL_PHASES:
             self.notes.append(SHARDED)
         elif action == "abort" and not survivors and restart_was_possible(self.recovery, history):
             self.notes.append(NO_RUN_DIR if can_restart else TOO_FEW)

@@ -200,7 +200,8 @@ class Coordinator(Roster):
             self.out.append(Emit(message.event))  # (as the worker stamped it)
         elif isinstance(message, Snapshotted):
             node = self.setup.node_of(slot)
-            self.state.snapshot(node, message.step, message.nbytes, message.seconds)
+            writer = (message.generation, slot) if self.setup.sharded else None
+            self.state.snapshot(node, message.step, message.nbytes, message.seconds, writer)
         elif isinstance(message, Progress | Joined):
             if isinstance(message, Joined):
                 self._restarted(message)
@@ -303,7 +304,9 @@ class Coordinator(Roster):
             return
         watched = watched_slots(self.slots, self.gens.current, self.unready, now, t.startup)
         if watched and stalled(watched, now, t.limit):
-            self.pending_hang = tied_behind(watched)
+            # (fsdp: every pass gathers shards, so a worker whose heartbeat says it is in an
+            # earlier phase may wait for one in a later phase: every stalled one is a suspect)
+            self.pending_hang = list(watched) if self.setup.sharded else tied_behind(watched)
             self.out.append(DumpStacks(list(self.pending_hang)))
 
     def _stacks_taken(self, stacks: dict[int, str]) -> None:
@@ -340,7 +343,7 @@ class Coordinator(Roster):
             self.waiting.remove(slot)
         survivors = [m for m in self.gens.current if m != slot and not self.slots[m].ended]
         holders = self.holders(survivors)
-        action = self.book.fall(failure, holders, self.out, self.state.kept, self.can_restart())
+        action = self.book.fall(failure, holders, self.out, self.restart_kept(), self.can_restart())
         if action == "preflight":
             self.unready.add(slot)
             self.spawn(Spawn(slot))
@@ -393,8 +396,8 @@ class Coordinator(Roster):
         """How many of ``members`` hold the committed state: all but replacements let in
         that have not joined yet (they get it from a holder when their generation forms;
         once no holder is left, only a restart from a snapshot or checkpoint can go on)."""
-        if self.setup.sharded:  # (each holds a shard: none holds the state)
-            return 0
+        if self.setup.sharded:  # (each holds a shard: together, with a set of the others')
+            return len(members) if self.state.shard_set(self.gens.members) else 0
         return sum(
             1
             for m in members
@@ -406,13 +409,23 @@ class Coordinator(Roster):
         :class:`NodeCoordinator`)."""
         return list(range(self.world))
 
+    def restart_kept(self) -> bool:
+        """Whether a restart of every slot would find a snapshot (fsdp: not built yet, a
+        restart restores no shard set)."""
+        return self.state.kept and not self.setup.sharded
+
     def can_restart(self) -> bool:
         """Whether a restart would have the workers it needs (``min_workers``)."""
         return len(self.restartable()) >= max(1, self.setup.recovery.min_workers)
 
     def _restarted(self, joined: Joined) -> None:
         """The first member of a restart's generation has the state it restarted from:
-        the steps between it and the fall are computed again (recorded on the fall)."""
+        the steps between it and the fall are computed again (recorded on the fall). Under
+        fsdp a shrink or a respawn also starts from a set of snapshots: the same count."""
+        if self.setup.sharded and joined.step <= self.state.committed:
+            fall = next((f for f in reversed(self.book.failures) if f.action != "retried"), None)
+            if fall is not None and fall.replayed_steps is None:
+                fall.replayed_steps = self.state.committed - joined.step
         restart = self.state.restart
         if restart is None or restart.generation is None or joined.generation < restart.generation:
             return
@@ -501,7 +514,7 @@ class NodeCoordinator(Coordinator):
                 self._all_ready()
                 return
         elif not self.holders(survivors) and self.gens.latest >= 0:  # (a restart, if kept)
-            action = book.fall(failure, 0, self.out, self.state.kept, self.can_restart())
+            action = book.fall(failure, 0, self.out, self.restart_kept(), self.can_restart())
             if action == "restart":
                 self._restart()
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
 from phalanx.events import Event, GenerationStarted, Notice
 from phalanx.failures import WorkerFailure
@@ -96,12 +97,21 @@ class StateCopies:
     restart: Restart | None = None
     timeline: int = -1  # the generation of the latest restart (see Announcement)
 
+    # fsdp: generation -> the members that wrote a snapshot of their shards in it
+    shard_writers: dict[int, set[int]] = field(default_factory=dict)
     taken: int = 0  # snapshots written, on every node
     seconds: float = 0.0  # their time, summed (the loop's share and the background copy)
     nbytes: int = 0  # the size of the last one
 
-    def snapshot(self, node: int, step: int, nbytes: int = 0, seconds: float = 0.0) -> None:
+    def snapshot(
+        self, node: int, step: int, nbytes: int = 0, seconds: float = 0.0, writer: Any = None
+    ) -> None:
+        """A snapshot was written on ``node`` (fsdp: ``writer`` is ``(generation, slot)``:
+        each member writes its own shards)."""
         self.snapshots[node] = max(step, self.snapshots.get(node, -1))
+        if writer is not None:
+            generation, slot = writer
+            self.shard_writers.setdefault(generation, set()).add(slot)
         self.taken += 1
         self.seconds += seconds
         self.nbytes = nbytes or self.nbytes
@@ -125,6 +135,15 @@ class StateCopies:
     def kept(self) -> bool:
         """Whether a snapshot lives on a node that is not lost."""
         return bool(self.snapshots)
+
+    def shard_set(self, members: dict[int, list[int]]) -> bool:
+        """fsdp: whether every member of some generation (``members``: each one's) wrote a
+        snapshot of its shards in it; with every member writing the same steps, a complete
+        set of one step is then in shared memory (the workers find which)."""
+        return any(
+            set(members.get(generation, [-1])) <= writers
+            for generation, writers in self.shard_writers.items()
+        )
 
 
 @dataclass

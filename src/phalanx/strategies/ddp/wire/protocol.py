@@ -52,6 +52,7 @@ class Generation:
     failed: dict[int, int] = field(default_factory=dict)
     known: list[WorkerFailure] = field(default_factory=list)
     timeline: int = -1  # the latest restart's generation (see Announcement)
+    rebuild: bool = False  # the same members as the generation before, in a new group
 
     def rank_of(self, slot: int) -> int:
         return self.members.index(slot)
@@ -127,6 +128,7 @@ class Announcement:
             dict(self.failed),
             list(self.known),
             self.timeline,
+            self.rebuild,
         )
 
 
@@ -376,6 +378,7 @@ class Snapshotted:
     step: int
     nbytes: int = 0
     seconds: float = 0.0
+    generation: int = -1  # the writer's (fsdp: each member writes its own shards)
 
 
 @dataclass

@@ -26,7 +26,7 @@ What differs from the ddp engine (:mod:`.engine`), and why:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from phalanx.loop import TrainLoop
 from phalanx.plan import Plan
 from phalanx.precision import step_scheduler_quietly
 from phalanx.ranks import acting_as
-from phalanx.replica import ZERO_PASS, StepModule, to_device
+from phalanx.replica import ZERO_PASS, Cast, LocalResult, StepModule, to_device
 from phalanx.sharding import innermost_first, units
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local
@@ -97,13 +97,14 @@ class ShardedTrainable(Trainable):
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """This member's shards of the model and optimizer state (plain tensors, copies),
-        the scheduler's state: what a member of the same rank in a generation of the same
-        size takes (:meth:`load_state_dict`)."""
-        model = {k: local(v).detach().clone() for k, v in self.model.state_dict().items()}
+        """This member's shards of the model and optimizer state (plain tensors: views of
+        the live ones, as a snapshot copies them; :meth:`kept` copies), the scheduler's
+        state: what a member of the same rank in a generation of the same size takes
+        (:meth:`load_state_dict`), or one of a set to re-shard (:func:`assemble`)."""
+        model = {k: local(v).detach() for k, v in self.model.state_dict().items()}
         optimizer = self.optimizer.state_dict()
         states = {
-            i: {k: local(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            i: {k: local(v).detach() if torch.is_tensor(v) else v for k, v in s.items()}
             for i, s in optimizer["state"].items()
         }
         return {
@@ -112,6 +113,28 @@ class ShardedTrainable(Trainable):
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": None,
         }
+
+    def kept(self) -> dict[str, Any]:
+        """:meth:`state_dict` with every tensor copied (it outlives this generation)."""
+        state = self.state_dict()
+        model = {k: v.clone() for k, v in state["model"].items()}
+        optimizer = state["optimizer"]
+        states = {
+            i: {k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()}
+            for i, values in optimizer["state"].items()
+        }
+        copied = {"state": states, "param_groups": optimizer["param_groups"]}
+        return {**state, "model": model, "optimizer": copied}
+
+    def stable(self) -> set[int]:
+        """The data pointers of the shards only a commit or a restore changes (parameters,
+        optimizer state): a snapshot copies them in the background."""
+        found = {local(p).data_ptr() for p in self.model.parameters() if local(p).numel()}
+        for values in self.optimizer.state.values():
+            for v in values.values():
+                if isinstance(v, torch.Tensor) and local(v).numel():
+                    found.add(local(v).data_ptr())
+        return found
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -169,6 +192,7 @@ class FsdpEngine(DdpEngine):
     ) -> None:
         self.spec, self.mesh = spec, group.mesh
         self._template: Any = None
+        self.fence: Callable[[], None] = lambda: None  # (the snapshot taker's, when it has one)
         super().__init__(
             member=member,
             group=group,
@@ -273,7 +297,14 @@ class FsdpEngine(DdpEngine):
     def keep(self) -> None:
         """Leaving the generation: keep this member's shards of the committed state for the
         next one (a failed step's gradients are not state)."""
-        self.m.kept = self.sharded.state_dict()
+        self.m.kept = self.sharded.kept()
+
+    def launch(self, result: LocalResult) -> Cast:
+        """As under ddp, once this member's snapshot of the last committed step is whole
+        (:attr:`fence`): a member's vote on a step then says its shards of the step before
+        are in shared memory, so no peer commits a step past a set that is not complete."""
+        self.fence()
+        return super().launch(result)
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """See :meth:`ShardedTrainable.full_model_state` (collective)."""

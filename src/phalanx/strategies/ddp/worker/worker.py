@@ -16,6 +16,7 @@ Exit codes: 0 done or stopped by the step policy (an :class:`Aborted` was sent),
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import functools
 import gc
@@ -46,6 +47,7 @@ from phalanx.plan import Plan
 from phalanx.report import is_secondary
 from phalanx.runner import build_loop, make_checkpointer, start_run
 from phalanx.snapshot import SnapshotStore, Snapshotter, Taken, stable_tensors
+from phalanx.snapshot.shards import tag as shard_tag
 from phalanx.snapshot.store import Header
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.process import Lifeline
@@ -77,8 +79,9 @@ from phalanx.strategies.ddp.wire.protocol import (
 )
 from phalanx.strategies.ddp.worker.emergency import await_verdict, keep_committed
 from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
-from phalanx.strategies.ddp.worker.fsdp_engine import FsdpEngine, same_position
+from phalanx.strategies.ddp.worker.fsdp_engine import FsdpEngine, ShardedTrainable, same_position
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
+from phalanx.strategies.ddp.worker.fsdp_handover import NoShardSet, restore_from_set, slot_folder
 from phalanx.strategies.ddp.worker.group import GenerationGroup, GroupBroken
 from phalanx.strategies.ddp.worker.handover import LocalState, hand_over
 from phalanx.strategies.ddp.worker.identity import announce
@@ -539,6 +542,8 @@ class Worker:
         """Drop every reference to this generation's DDP module and group: its sockets close
         (peers still blocked on them error out) and DDP's autograd hooks go."""
         if self.loop is not None and isinstance(self.loop.engine, FsdpEngine):
+            if self.snapshotter is not None:
+                self.snapshotter.fence()  # (its snapshot whole before anyone reads the set)
             self.loop.engine.keep()  # (its shards, for the next generation: before the group)
         if self.loop is not None and isinstance(self.loop.engine, DdpEngine):
             self.loop.engine.ddp = None
@@ -568,8 +573,7 @@ class Worker:
             raise GroupBroken("the head was lost")
         loop = self.loop_in(member, group, gen)
         if isinstance(group, FsdpGroup):
-            if gen.number > 0:  # (a rebuild: every member kept its own shards)
-                same_position(loop, group)
+            self.sharded_state(loop, group, gen)
         elif gen.number > 0:
             subgroup = lambda ranks: self.subgroup(rendezvous, gen, ranks)  # noqa: E731
             restarted = gen.number == gen.timeline  # (a restart's: see hand_over)
@@ -577,11 +581,28 @@ class Worker:
         if loop.engine.is_main and loop.checkpointer is None and cfg.run_dir:
             loop.checkpointer = make_checkpointer(cfg, self.emit)
         loop.snapshots = self.snapshot_writer(member, gen)
+        if isinstance(loop.engine, FsdpEngine) and self.snapshotter is not None:
+            loop.engine.fence = self.snapshotter.fence
         local, self.took_local = self.took_local, False
         self.send(Joined(self.a.slot, gen.number, loop.state.global_step, local))
         self.interrupted = loop.run().interrupted
         if isinstance(loop.engine, FsdpEngine):  # (gathered by every member, kept by rank 0)
             self.final_model = loop.engine.full_model_state()
+
+    def sharded_state(self, loop: TrainLoop, group: FsdpGroup, gen: Generation) -> None:
+        """fsdp: a rebuild's members hold their own shards (kept when they left, taken by
+        the engine): they only check they stand at one step. Any other later generation
+        starts from the newest complete set of shard snapshots (re-sharded, the steps since
+        computed again)."""
+        if gen.number == 0:
+            return
+        if gen.rebuild:
+            same_position(loop, group)
+            return
+        folder = self.a.snapshot_dir
+        if folder is None or self.a.config.snapshots is None:
+            raise NoShardSet("snapshots are off (fit(snapshots=False)): no copy of the shards")
+        restore_from_set(loop, group, folder)
 
     def form(self, store: dist.Store, gen: Generation, rank: int) -> GenerationGroup:
         """``gen``'s group: its own (ddp), or torch's default group and a mesh (fsdp)."""
@@ -624,6 +645,8 @@ class Worker:
         the first member in rank order on this machine (survivors keep their order and
         newcomers go last, so a writer stays one while it lives)."""
         settings, folder = self.a.config.snapshots, self.a.snapshot_dir
+        if self.a.config.strategy == "fsdp":
+            return self.shard_snapshot_writer(member, gen)
         local = [slot for slot in gen.members if slot in self.a.here]
         if settings is None or folder is None or not local or local[0] != self.a.slot:
             return None
@@ -641,8 +664,32 @@ class Worker:
         self.snapshotter.for_joins = gen.members[0] not in self.a.here
         return self.snapshotter
 
+    def shard_snapshot_writer(self, member: Member, gen: Generation) -> Snapshotter | None:
+        """fsdp: every member writes its own shards into its slot's folder, after the same
+        steps as the others (``every_steps``, 1 unless set) and whole at each regroup; its
+        tag names the generation, its world and rank (:func:`phalanx.snapshot.shards.tag`)."""
+        settings, folder = self.a.config.snapshots, self.a.snapshot_dir
+        if settings is None or folder is None:
+            return None
+        if self.snapshotter is None:
+            mine = slot_folder(folder, self.a.slot)
+            os.makedirs(mine, exist_ok=True)
+            every = dataclasses.replace(settings, every_steps=settings.every_steps or 1)
+
+            def stable() -> set[int]:
+                trainable = member.trainable
+                return trainable.stable() if isinstance(trainable, ShardedTrainable) else set()
+
+            self.snapshotter = Snapshotter(
+                SnapshotStore(mine), every, stable, self.snapshot_taken, self.snapshot_failed
+            )
+        self.snapshotter.tag = shard_tag(gen.number, len(gen.members), gen.rank_of(self.a.slot))
+        self.snapshotter.for_joins = True  # (whole at a regroup: the next set is that step)
+        return self.snapshotter
+
     def snapshot_taken(self, taken: Taken) -> None:
-        self.send(Snapshotted(self.a.slot, taken.step, taken.nbytes, taken.seconds))
+        generation = self.watcher.generation
+        self.send(Snapshotted(self.a.slot, taken.step, taken.nbytes, taken.seconds, generation))
 
     def snapshot_failed(self, exc: BaseException) -> None:
         self.emit(
@@ -671,6 +718,8 @@ class Worker:
         hooks = EngineHooks(self.on_phase, self.watcher.regroup_requested)
         engine: DdpEngine
         if isinstance(group, FsdpGroup):
+            if not gen.rebuild:  # (its kept shards are of another world: the set's instead)
+                member.kept = None
             engine = FsdpEngine(
                 member=member, group=group, config=a.config, plan=a.plan, data=data,
                 hooks=hooks, spec=a.spec,

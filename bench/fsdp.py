@@ -1,0 +1,251 @@
+"""strategy="fsdp" on CPU (gloo), three tables (issue 24):
+
+    PYTHONPATH=src .venv/bin/python bench/fsdp.py [--only memory,steps,failures]
+                                                  [--rounds 3] [--steps 60]
+
+- ``memory``: bytes each worker holds of parameters and of Adam's state, counted in the
+  worker after its first optimizer step (its shards' bytes, ``to_local()``), for a model of
+  50.4 M parameters (48 x Linear(1024)) under fsdp at 1, 2 and 4 workers and under ddp at 2
+  (a full replica each): must fall as 1/N. (Shard bytes, not the process's RSS: the model
+  factory builds the whole model in each worker before it is sharded; see docs/fsdp.md.)
+- ``steps``: step time of phalanx fsdp against a plain FSDP2 script (``fully_shard`` on each
+  layer then the root, Adam, the same model, data and global batch, 2 processes), arms
+  interleaved round by round; median over rounds of the mean step interval after the first
+  ``WARM`` steps.
+- ``failures``: an exception in forward on worker 1 (its group rebuilt by the same members,
+  each from the shards it kept) and in data (the vote carries it, zero passes line the
+  step up): time from the failure to the next committed step; a killed worker: time to the
+  run's end (no copy of a shard outlives its worker yet).
+
+Timings on a shared 2-core machine are noisy: read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import phalanx as px
+from phalanx.events import Event, StepEnded
+
+WARM = 5
+BIG = (1024, 48)  # width, layers: 50.4 M parameters
+MEDIUM = (256, 8)  # 0.5 M parameters
+
+
+def layers(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
+
+
+def data(width: int, samples: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(
+        torch.randn(samples, width, generator=g), torch.randn(samples, width, generator=g)
+    )
+
+
+def step(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    shard = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return int(shard.numel() * shard.element_size())
+
+
+class CountingAdam(torch.optim.Adam):
+    """Adam that writes, after its first step, the bytes of parameters and of its state
+    this worker holds (its shards under fsdp) to ``<out>/rank-<rank>.json``."""
+
+    def __init__(self, params: Any, out: str, lr: float = 1e-4) -> None:
+        super().__init__(params, lr=lr)
+        self.out, self.counted = out, False
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = super().step(closure)
+        if not self.counted:
+            self.counted = True
+            params = [p for g in self.param_groups for p in g["params"]]
+            state = [v for s in self.state.values() for v in s.values() if torch.is_tensor(v)]
+            rank = dist.get_rank() if dist.is_initialized() else px.rank()
+            record = {"params": sum(map(_bytes, params)), "optimizer": sum(map(_bytes, state))}
+            Path(self.out, f"rank-{rank}.json").write_text(json.dumps(record))
+        return loss
+
+
+def memory_table() -> None:
+    width, depth = BIG
+    count = sum(p.numel() for p in layers(width, depth).parameters()) / 1e6
+    print(f"\n## Memory per worker: {count:.1f} M parameters, Adam\n")
+    print(
+        "| strategy | workers | parameters (MiB, the most of a worker) | Adam state (MiB) | share |"
+    )
+    print("|---|---|---|---|---|")
+    one = None
+    for strategy, workers in (("fsdp", 1), ("fsdp", 2), ("fsdp", 4), ("ddp", 2)):
+        with tempfile.TemporaryDirectory() as out:
+            optimizer = functools.partial(CountingAdam, out=out)
+            model = functools.partial(layers, width, depth)
+            devices = ",".join(f"cpu:{i}" for i in range(workers))
+            px.Learner(model, optimizer, step).fit(
+                data(width, 8), epochs=1, batch_size=8, devices=devices, strategy=strategy,
+                sinks=[], preflight=False, snapshots=False,
+            )  # fmt: skip
+            counts = [json.loads(p.read_text()) for p in Path(out).glob("rank-*.json")]
+        params = max(c["params"] for c in counts) / 2**20
+        state = max(c["optimizer"] for c in counts) / 2**20
+        one = one or params + state
+        share = (params + state) / one
+        print(f"| {strategy} | {workers} | {params:.1f} | {state:.1f} | {share:.3f} |")
+
+
+# -- step time ------------------------------------------------------------------------------
+def _plain_fsdp(rank: int, port: int, steps: int, out: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    width, depth = MEDIUM
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    model = layers(width, depth)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x, y = data(width, steps * 64).tensors
+    stamps = []
+    for s in range(steps):
+        rows = slice(s * 64 + rank * 32, s * 64 + rank * 32 + 32)
+        loss = step(model, (x[rows], y[rows]))
+        loss.backward()
+        loss.item()
+        opt.step()
+        opt.zero_grad()
+        stamps.append(time.time())
+    out.put((rank, stamps))
+    dist.destroy_process_group()
+
+
+def plain_fsdp(steps: int) -> float:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_plain_fsdp, args=(r, store.port, steps, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    return interval(results[0])
+
+
+class Stamps:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.failures: list[Any] = []
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, StepEnded):
+            self.times.append(event.time)
+
+    def close(self) -> None:
+        pass
+
+
+def phalanx_fsdp(steps: int) -> float:
+    width, depth = MEDIUM
+    sink = Stamps()
+    opt = functools.partial(torch.optim.Adam, lr=1e-4)
+    px.Learner(functools.partial(layers, width, depth), opt, step).fit(
+        data(width, steps * 64), epochs=1, batch_size=64, devices="cpu:0,cpu:1",
+        strategy="fsdp", shard=(nn.Linear,), sinks=[sink], shuffle=False, preflight=False,
+    )  # fmt: skip
+    return interval(sink.times)
+
+
+def interval(stamps: list[float]) -> float:
+    warm = stamps[WARM:]
+    return (warm[-1] - warm[0]) / (len(warm) - 1)
+
+
+def steps_table(rounds: int, steps: int) -> None:
+    plain: list[float] = []
+    ours: list[float] = []
+    for r in range(rounds):
+        arms = [("plain", plain, plain_fsdp), ("phalanx", ours, phalanx_fsdp)]
+        for _, into, run in arms if r % 2 == 0 else arms[::-1]:
+            into.append(run(steps))
+    p, o = statistics.median(plain), statistics.median(ours)
+    width, depth = MEDIUM
+    setup = f"{depth} x Linear({width}), global batch 64, Adam, {rounds} rounds x {steps} steps"
+    print(f"\n## Step time, 2 workers, {setup}\n")
+    print("| arm | ms per step (median of rounds) | rounds | ratio |")
+    print("|---|---|---|---|")
+    for name, median, arm in (("plain FSDP2 script", p, plain), ("phalanx fsdp", o, ours)):
+        each = ", ".join(f"{x * 1e3:.1f}" for x in arm)
+        print(f"| {name} | {median * 1e3:.2f} | {each} | {median / p:.3f} |")
+
+
+# -- failures -------------------------------------------------------------------------------
+def failures_table() -> None:
+    width, depth = MEDIUM
+    opt = functools.partial(torch.optim.Adam, lr=1e-4)
+    learner = px.Learner(functools.partial(layers, width, depth), opt, step)
+    fit = dict(epochs=1, batch_size=64, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", sinks=[])
+    print("\n## Failures, 3 workers, 40 steps\n")
+    print("| fault | outcome | failure -> next committed step (s) | steps replayed |")
+    print("|---|---|---|---|")
+    for phase in ("forward", "data"):
+        fault = px.Fault("exception", worker=1, step=20, phase=phase)
+        result = learner.fit(data(width, 40 * 64), faults=[fault], **fit)
+        f = result.failures[0]
+        how = "group rebuilt, step retried" if phase == "forward" else "vote, step retried"
+        print(f"| exception in {phase} | {how} | {f.recovery_seconds:.2f} | 0 |")
+    started = time.monotonic()
+    try:
+        learner.fit(data(width, 40 * 64), faults=[px.Fault("kill", worker=1, step=20)], **fit)
+        print("| kill | (did not end?) | | |")
+    except px.TrainingFailed as exc:
+        took = time.monotonic() - started
+        root = exc.root_cause
+        named = f"run ends, the {root.kind} of worker {root.worker} named"
+        print(f"| kill | {named} ({took:.1f} s, the whole run) | - | - |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="memory,steps,failures")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo")
+    if "memory" in only:
+        memory_table()
+    if "steps" in only:
+        steps_table(args.rounds, args.steps)
+    if "failures" in only:
+        failures_table()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

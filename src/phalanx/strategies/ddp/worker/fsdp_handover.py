@@ -1,0 +1,128 @@
+"""The state of a new fsdp generation whose members are not the last one's (a shrink, a
+replacement let in): no member holds the whole state, and a lost one's shards went with it.
+Every member therefore takes it from the newest complete set of shard snapshots in its
+machine's shared memory (:mod:`phalanx.snapshot.shards`): each old rank's snapshot of one
+committed step, written in its slot's folder. Each member cuts its own rows out of them for
+the new world, takes the loop's state of that step (ledger, metric sums, RNG), and the
+steps since are computed again (the run's steps are a pure function of their number, so the
+weights end as a run without the failure).
+
+Every member reads the same files (the old generation's writers are dead or fenced), so
+they choose the same set; an all-reduce checks that they did.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from phalanx.loop import TrainLoop
+from phalanx.snapshot import SnapshotStore
+from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, tag
+from phalanx.snapshot.store import Header
+from phalanx.strategies.ddp.worker.fsdp_engine import FsdpEngine
+from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
+
+
+class NoShardSet(RuntimeError):
+    """No complete set of shard snapshots: the state of the run is lost with a member."""
+
+
+def slot_folder(folder: str, slot: int) -> str:
+    """Where the member on worker slot ``slot`` writes its shard snapshots."""
+    return str(Path(folder) / f"slot-{slot}")
+
+
+def restore_from_set(loop: TrainLoop, group: FsdpGroup, folder: str) -> ShardSet:
+    """Every member of the new generation: find, agree on and restore the newest complete
+    set under ``folder``; returns it. Raises :class:`NoShardSet` when there is none."""
+    stores = [SnapshotStore(str(p)) for p in sorted(Path(folder).glob("slot-*"))]
+    found: list[tuple[Written, SnapshotStore]] = []
+    for store in stores:
+        for header in store.headers().values():
+            written = Written.of(header.tag, header.step, header.epoch) if header.whole else None
+            if written is not None:
+                found.append((written, store))
+    chosen = newest_set(w for w, _ in found)
+    _agree(group, chosen)
+    if chosen is None:
+        raise NoShardSet(
+            "no complete set of shard snapshots: a member was lost before every member "
+            "of its generation had written one, so its shards are lost with it"
+        )
+    states: list[dict[str, Any]] = []
+    for rank in range(chosen.world):
+        wanted = tag(chosen.generation, chosen.world, rank)
+        holder = next(s for w, s in found if _of(w, chosen, rank))
+        snap = holder.read(functools.partial(_is, wanted, chosen.step))
+        if snap is None:
+            raise NoShardSet(f"the snapshot of rank {rank} at step {chosen.step} was rewritten")
+        states.append(snap.state)
+    engine = loop.engine
+    assert isinstance(engine, FsdpEngine)
+    loop.restore(assemble(states, engine, group.size, group.rank))
+    for store in stores:
+        store.close()
+    return chosen
+
+
+def _of(written: Written, chosen: ShardSet, rank: int) -> bool:
+    key = (written.generation, written.world, written.rank, written.step)
+    return key == (chosen.generation, chosen.world, rank, chosen.step)
+
+
+def _is(wanted: int, step: int, header: Header) -> bool:
+    return header.tag == wanted and header.step == step
+
+
+def _agree(group: FsdpGroup, chosen: ShardSet | None) -> None:
+    """Every member chose the same set (or none)."""
+    key = [-1.0, -1.0] if chosen is None else [float(chosen.generation), float(chosen.step)]
+    every = torch.zeros(group.size, 2, dtype=torch.float64, device=group.device)
+    every[group.rank] = torch.tensor(key, dtype=torch.float64)
+    group.all_reduce(every)  # (each row one member's: a sum of it and zeros)
+    if any(row != key for row in every.tolist()):
+        raise NoShardSet(
+            "the members of the new generation found different shard sets "
+            f"(this one: {chosen}); they cannot start from one state"
+        )
+
+
+def assemble(
+    states: list[dict[str, Any]], engine: FsdpEngine, world: int, rank: int
+) -> dict[str, Any]:
+    """The loop snapshot of member ``rank`` of ``world`` from an old world's snapshots
+    (``states``, in old rank order): its rows of every parameter and optimizer state, the
+    rest (buffers, scheduler, loop, RNG: the same on every old rank) from old rank 0's."""
+    first = states[0]
+    live = engine.sharded.model.state_dict()
+    model: dict[str, torch.Tensor] = {}
+    for key, value in live.items():
+        if isinstance(value, DTensor):
+            pieces = [s["model"][key] for s in states]
+            model[key] = reshard(pieces, value.shape[0], world, rank)
+        else:
+            model[key] = first["model"][key]
+    params = [p for g in engine.sharded.optimizer.param_groups for p in g["params"]]
+    optimizer = first["optimizer"]
+    opt_states: dict[Any, dict[str, Any]] = {}
+    for index, values in optimizer["state"].items():
+        param = params[int(index)]
+        here: dict[str, Any] = {}
+        for key, value in values.items():
+            sharded = isinstance(param, DTensor) and torch.is_tensor(value)
+            if sharded and value.dim() == param.dim() and value.shape[1:] == param.shape[1:]:
+                pieces = [s["optimizer"]["state"][index][key] for s in states]
+                here[key] = reshard(pieces, param.shape[0], world, rank)
+            else:
+                here[key] = value
+        opt_states[index] = here
+    return {
+        **first,
+        "model": model,
+        "optimizer": {"state": opt_states, "param_groups": optimizer["param_groups"]},
+    }
