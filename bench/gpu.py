@@ -45,6 +45,13 @@ row is measured in this run, none is written in. Rows (``--only`` takes their ke
   restores the snapshot in shared memory (on CUDA the parameters and optimizer state were
   copied device to host on a stream of their own, in a background thread fenced before
   the next optimizer step); the ``Resumed`` event names it, model and ledger match.
+- ``fsdp-train``, ``fsdp-vote``, ``fsdp-rebuild``: ``strategy="fsdp"`` (FSDP2 over the
+  generation's default group, NCCL on CUDA) with one worker: a clean run, an exception in
+  ``data`` (the vote in the root's reduce-scatter, the step retried in the same group) and
+  one in ``forward`` (the group aborted and rebuilt, the worker's kept shards taken back);
+  each matches the reference. ``fsdp-respawn``: two devices, worker 1 killed at
+  ``KILL_STEP`` and respawned, both restoring the newest shard set from shared memory;
+  skipped with one GPU.
 - ``handover``: two workers, one killed at ``KILL_STEP``, respawned; the survivor goes on
   alone, then hands its state over to the replacement over the group (steps slowed to
   ``SLOW_S`` so that the replacement joins before the end). Needs two devices:
@@ -96,8 +103,23 @@ ROWS = (
     "restart",
     "snapshot",
     "handover",
+    "fsdp-train",
+    "fsdp-vote",
+    "fsdp-rebuild",
+    "fsdp-respawn",
 )
-NEEDS_REFERENCE = ("vote", "oom-split", "rebuild", "restart", "snapshot", "handover")
+NEEDS_REFERENCE = (
+    "vote",
+    "oom-split",
+    "rebuild",
+    "restart",
+    "snapshot",
+    "handover",
+    "fsdp-train",
+    "fsdp-vote",
+    "fsdp-rebuild",
+    "fsdp-respawn",
+)
 
 DEMO_BATCH = 64
 # epochs -> the least final validation accuracy that passes (measured on CPU: 0.883 after 2)
@@ -426,7 +448,7 @@ def fault_fit(
         epochs=epochs,
         batch_size=FAULT_BATCH,
         devices=fit.pop("devices", device),
-        strategy="ddp",
+        strategy=fit.pop("strategy", "ddp"),
         seed=FAULT_SEED,
         faults=faults,
         hang_timeout=timedelta(seconds=HANG_S),
@@ -590,6 +612,51 @@ def handover_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) -> Non
     same_run(row, result, rec, ref)
 
 
+def fsdp_train_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) -> None:
+    result, rec = fault_fit(device, epochs, strategy="fsdp")
+    row.result = "ok"
+    row.check(result.failures == [], "no failure")
+    row.check(causes(rec) == [([0], "start")], "one generation")
+    same_run(row, result, rec, ref)
+
+
+def fsdp_vote_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) -> None:
+    fault = px.Fault("exception", 0, FAULT_STEP, phase="data")
+    result, rec = fault_fit(device, epochs, [fault], strategy="fsdp")
+    row.result = "ok"
+    expect(row, result, [(0, "exception", FAULT_STEP, "retried")])
+    row.check(causes(rec) == [([0], "start")], "no new generation")
+    same_run(row, result, rec, ref)
+
+
+def fsdp_rebuild_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) -> None:
+    fault = px.Fault("exception", 0, FAULT_STEP, phase="forward")
+    result, rec = fault_fit(device, epochs, [fault], strategy="fsdp")
+    row.result = "ok"
+    expect(row, result, [(0, "exception", FAULT_STEP, "retried")])
+    wanted = [([0], "start"), ([0], "worker 0 exception in forward: rebuilt")]
+    row.check(causes(rec) == wanted, f"generations {wanted} (got {causes(rec)})")
+    same_run(row, result, rec, ref)
+
+
+def fsdp_respawn_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) -> None:
+    other = second_device(device)
+    if other is None:
+        row.result = "skipped: needs a second device (one GPU here)"
+        return
+    first = "cpu:0" if torch.device(device).type == "cpu" else device
+    result, rec = fault_fit(
+        device, epochs, [px.Fault("kill", 1, KILL_STEP)], step=slow_mse,
+        devices=f"{first},{other}", on_failure=px.Recovery(mode="respawn"), strategy="fsdp",
+    )  # fmt: skip
+    row.what += f" ({first},{other})"
+    row.result = "ok"
+    expect(row, result, [(1, "crash", KILL_STEP, "respawned")])
+    gens = causes(rec)
+    row.check(bool(gens) and gens[-1][0] == [0, 1], f"the replacement rejoined (got {gens})")
+    same_run(row, result, rec, ref)
+
+
 # -- the table ------------------------------------------------------------------------------------
 def header(device: str) -> str:
     dev = torch.device(device)
@@ -652,6 +719,14 @@ def plan_rows(args: argparse.Namespace) -> list[tuple[Row, Callable[[Row], None]
          lambda r: snapshot_row(r, dev, e_fault, ref)),
         (Row("handover", f"2 workers, one killed -> respawned, state handed over ({b})"),
          lambda r: handover_row(r, dev, e_fault, ref)),
+        (Row("fsdp-train", f"clean fsdp run (FSDP2), 1 worker on {dev} ({b})"),
+         lambda r: fsdp_train_row(r, dev, e_fault, ref)),
+        (Row("fsdp-vote", f"fsdp: exception in data -> vote in reduce-scatter -> retried ({b})"),
+         lambda r: fsdp_vote_row(r, dev, e_fault, ref)),
+        (Row("fsdp-rebuild", f"fsdp: exception in forward -> group aborted, rebuilt ({b})"),
+         lambda r: fsdp_rebuild_row(r, dev, e_fault, ref)),
+        (Row("fsdp-respawn", f"fsdp, 2 workers, one killed -> respawned from shard set ({b})"),
+         lambda r: fsdp_respawn_row(r, dev, e_fault, ref)),
     ]  # fmt: skip
     return made
 

@@ -27,6 +27,10 @@ ROWS = [
     "restart",
     "snapshot",
     "handover",
+    "fsdp-train",
+    "fsdp-vote",
+    "fsdp-rebuild",
+    "fsdp-respawn",
 ]
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")

@@ -4,7 +4,11 @@ failures that lose no shard; what it does not take yet is refused before anythin
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +17,13 @@ from torch import nn
 
 import fsdp_helpers as h
 import phalanx as px
-from phalanx.errors import InvalidSettingError, TrainingFailed
+from phalanx.checkpoint.io import list_checkpoints
+from phalanx.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    InvalidSettingError,
+    TrainingFailed,
+)
 from phalanx.sharding import innermost_first, units
 from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, rows, tag
 
@@ -89,7 +99,6 @@ def test_units_by_class_or_by_function_and_innermost_first() -> None:
     ("kw", "says"),
     [
         (dict(strategy="ddp", shard=(h.Block,)), "strategy=\"fsdp\" shards, but strategy='ddp'"),
-        (dict(strategy="fsdp", run_dir="RUN"), "does not take run_dir= yet"),
         (dict(strategy="fsdp", on_bad_sample="skip"), 'does not take on_bad_sample="skip" yet'),
         (dict(strategy="fsdp", shard=3), "fit()'s shard must be None, module classes"),
     ],
@@ -287,3 +296,93 @@ def test_the_newest_complete_set_wins() -> None:
         found = Written.of(tag(generation, world, rank), 4, 1)
         assert found == Written(generation, world, rank, 4, 1)
     assert Written.of(-1, 4, 1) is None  # (a ddp snapshot's tag)
+
+
+# -- sharded checkpoints -------------------------------------------------------------------
+
+
+def fsdp_devices(n: int) -> str:
+    return ",".join(f"cpu:{i}" for i in range(n)) if n > 1 else "cpu"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("worlds", [(3, 2, 1), (1, 3)])
+def test_sharded_checkpoints_resume_on_any_number_of_workers(
+    worlds: tuple[int, ...], single: px.FitResult, tmp_path: Any
+) -> None:
+    """Each run stops after a few steps and the next one resumes from its newest checkpoint
+    on another number of workers (1: strategy="single"); the last ends with one device's
+    weights, every sample once; load_checkpoint and model.pt give those weights."""
+    run_dir = str(tmp_path / "run")
+    every = px.Checkpoints(every_steps=2, keep_last=2)
+    result = None
+    for i, world in enumerate(worlds):
+        strategy = "fsdp" if world > 1 else "single"
+        stop = None if i == len(worlds) - 1 else 3 + 4 * i
+        result = learner().fit(
+            TRAIN, VALID, devices=fsdp_devices(world), strategy=strategy, run_dir=run_dir,
+            checkpoint=every, resume=i > 0, max_steps=stop, **FIT,
+        )  # fmt: skip
+        written = sorted(os.listdir(tmp_path / "run" / "checkpoints"))
+        if world > 1:
+            assert f"ckpt-{result.steps:09d}.rank-{world - 1}-of-{world}.pt" in written
+    assert result is not None
+    assert rel(result.model, single.model) <= 1e-5
+    assert result.ledger_ok is True and result.steps == single.steps
+    saved = px.load_checkpoint(run_dir)
+    assert saved["phalanx"]["step"] == single.steps
+    model = h.Net()
+    model.load_state_dict(saved["model"])
+    assert rel(model, result.model) == 0.0
+    assert result.model_path is not None
+    model.load_state_dict(torch.load(result.model_path, weights_only=True))
+    assert rel(model, result.model) == 0.0
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: Any) -> Path:
+    run_dir = tmp_path_factory.mktemp("sharded") / "run"
+    learner().fit(
+        TRAIN, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", run_dir=str(run_dir),
+        checkpoint=px.Checkpoints(every_steps=3, keep_last=3), **FIT,
+    )  # fmt: skip
+    return run_dir / "checkpoints"
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    shutil.copytree(folder, tmp_path / "checkpoints")
+    return tmp_path / "checkpoints"
+
+
+def test_a_checkpoint_missing_a_ranks_shard_is_passed_over(
+    sharded_run: Path, tmp_path: Path
+) -> None:
+    """A run killed while its members wrote step 12 left rank 2's file unwritten: the
+    newest checkpoint is step 9's (step 12's other files are left as they are)."""
+    folder = copy_of(sharded_run, tmp_path)
+    (folder / "ckpt-000000012.rank-2-of-3.pt").unlink()
+    assert [step for _, step in list_checkpoints(folder)] == [6, 9]
+    assert px.load_checkpoint(folder)["phalanx"]["step"] == 9
+    assert (folder / "ckpt-000000012.rank-0-of-3.pt").exists()
+
+
+def test_a_truncated_shard_is_named_and_the_checkpoint_before_is_used(
+    sharded_run: Path, tmp_path: Path
+) -> None:
+    folder = copy_of(sharded_run, tmp_path)
+    shard = folder / "ckpt-000000012.rank-1-of-3.pt"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"ckpt-000000012\.rank-1-of-3\.pt: truncated"):
+        px.load_checkpoint(folder / "ckpt-000000012.rank-0-of-3.pt")
+    assert px.load_checkpoint(folder)["phalanx"]["step"] == 9
+    assert shard.exists()  # (nothing deleted)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_it(
+    sharded_run: Path, tmp_path: Path
+) -> None:
+    folder = copy_of(sharded_run, tmp_path / "run")
+    other = px.Learner(functools.partial(h.Net, depth=2), h.adam, h.step)
+    with pytest.raises(CheckpointMismatchError, match=r"ckpt-000000012\.rank-0-of-3\.pt"):
+        other.fit(TRAIN, devices="cpu", run_dir=str(tmp_path / "run"), resume=True, **FIT)
+    assert len(list_checkpoints(folder)) == 3

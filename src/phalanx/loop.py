@@ -144,6 +144,9 @@ class Engine(Protocol):
     # A member can leave its group and be replaced (ddp); in one process (single, threads)
     # nothing can leave: a member at fault stops the run instead.
     can_leave: bool
+    # Every member saves its own shards of each checkpoint (fsdp); else the main member
+    # saves the whole state.
+    saves_shards: bool
 
     @property
     def identity(self) -> Who:
@@ -728,7 +731,7 @@ class TrainLoop:
     def _checkpoint(
         self, epoch_end: bool, force: bool = False, metrics: dict[str, float] | None = None
     ) -> None:
-        if self.checkpointer is None or not self.engine.is_main:
+        if self.checkpointer is None or not (self.engine.is_main or self.engine.saves_shards):
             return
         config = self.checkpointer.config
         if not (force or should_save(self.state.global_step, epoch_end, config, self.state.epoch)):

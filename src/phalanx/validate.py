@@ -347,15 +347,14 @@ def _validate_sharding(spec: TrainSpec, config: FitConfig) -> None:
             )
         return
     not_yet = {
-        "run_dir=": bool(config.run_dir),
         'on_bad_sample="skip"': config.on_bad_sample == "skip",
         'precision="16-mixed"': spec.precision.name == "16-mixed",
     }
     for what, given in not_yet.items():
         if given:
             raise InvalidSettingError(
-                f'strategy="fsdp" does not take {what} yet (sharded checkpoints, the bad-sample '
-                f"search and the loss scaler over shards are not built; docs/fsdp.md): drop "
+                f'strategy="fsdp" does not take {what} yet (the bad-sample search and the '
+                f"loss scaler over shards are not built; docs/fsdp.md): drop "
                 f'{what}, or train with strategy="ddp"'
             )
 

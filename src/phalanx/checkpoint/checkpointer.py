@@ -12,12 +12,12 @@ Each file holds the saved state's keys plus ``"phalanx": {"format", "step", "epo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +27,14 @@ from phalanx.checkpoint.io import (
     Digest,
     checkpoint_name,
     list_checkpoints,
-    read_verified,
+    read_checkpoint,
+    remove_checkpoint,
+    shard_files,
+    shard_name,
     to_cpu,
     write_atomic,
     write_bytes_atomic,
+    write_shard,
 )
 from phalanx.checkpoint.policy import CheckpointInfo, retention
 from phalanx.errors import CheckpointError, CheckpointFormatError
@@ -135,7 +139,7 @@ class Checkpointer:
 
     def _read(self, path: str, step: int) -> tuple[dict[str, Any], CheckpointInfo]:
         """A file's state (without its record) and info, verified against the index."""
-        payload = read_verified(path, self._digest(os.path.basename(path)))
+        payload = read_checkpoint(path, self._digest(os.path.basename(path)))
         meta = payload.pop(META_KEY, None)
         try:
             metric = meta["metric"]
@@ -187,12 +191,15 @@ class Checkpointer:
         self._index[name] = {**meta, "sha256": digest.sha256, "bytes": digest.size}
         self._write_index()
         self._emit(CheckpointSaved(path=path, step=job.step, epoch=job.epoch))
+        self._retain(path)
+
+    def _retain(self, path: str) -> None:
+        """Delete what the retention policy says, never ``path`` (just written)."""
         deleted = False
         for info in retention(self._existing(), self.config):
             if info.path == path:  # never delete what was just written
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(info.path)
+            remove_checkpoint(info.path)
             self._index.pop(os.path.basename(info.path), None)
             deleted = True
             self._emit(CheckpointDeleted(path=info.path))
@@ -242,6 +249,64 @@ class Checkpointer:
             raise error
 
 
+@dataclass
+class _ShardJob(_Job):
+    rank: int = 0
+    world: int = 1
+
+
+class ShardedCheckpointer(Checkpointer):
+    """Under fsdp every member saves its own shards of a checkpoint: rank ``r`` of a world
+    of ``w`` writes ``ckpt-{step:09d}.rank-{r}-of-{w}.pt`` and its digest beside it, each
+    atomically, and no member gathers the model. A checkpoint exists once every rank's file
+    is there (:func:`~phalanx.checkpoint.io.list_checkpoints` lists no other), so a run
+    killed while writing one keeps the one before. Rank 0 waits up to ``complete_wait``
+    seconds for the others' files, then indexes the checkpoint and applies the retention
+    policy (deleting every rank's file of a checkpoint it drops). Read back, a sharded
+    checkpoint is the whole state (:func:`~phalanx.checkpoint.io.read_checkpoint`), which
+    any strategy resumes from, and fsdp on any number of members (each cuts its rows).
+    :attr:`rank` and :attr:`world` follow the member's generation; each save keeps its own."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        config: Checkpoints,
+        emit: Emit,
+        complete_wait: float = 60.0,
+    ) -> None:
+        self.rank, self.world, self.complete_wait = 0, 1, complete_wait
+        super().__init__(directory, config, emit)
+
+    def save(self, state: dict[str, Any], *, step: int, epoch: int, metric: float | None) -> None:
+        self._raise_pending()
+        if self._closed:
+            raise CheckpointError(f"{self.directory}: save() after close()")
+        value = None if metric is None else float(metric)
+        self._queue.put(_ShardJob(to_cpu(state), step, epoch, value, self.rank, self.world))
+
+    def _write(self, job: _Job) -> None:
+        assert isinstance(job, _ShardJob)
+        meta = {"step": job.step, "epoch": job.epoch, "metric": job.metric}
+        mine = os.path.join(self.directory, shard_name(job.step, job.rank, job.world))
+        record = {"format": FORMAT, **meta, "rank": job.rank, "world": job.world}
+        write_shard(mine, {**job.state, META_KEY: record})
+        if job.rank != 0:
+            return
+        files = shard_files(mine) or [mine]
+        deadline = time.monotonic() + self.complete_wait
+        while not all(os.path.exists(f) for f in files):
+            if time.monotonic() > deadline:
+                missing = [os.path.basename(f) for f in files if not os.path.exists(f)]
+                why = f"not every rank's shard was written within {self.complete_wait:g}s"
+                self._emit(CheckpointSkipped(path=mine, reason=f"{why} ({', '.join(missing)})"))
+                return
+            time.sleep(0.02)
+        self._index[os.path.basename(mine)] = meta  # (each shard's digest is beside it)
+        self._write_index()
+        self._emit(CheckpointSaved(path=mine, step=job.step, epoch=job.epoch))
+        self._retain(mine)
+
+
 def read_index(directory: str) -> dict[str, dict[str, Any]]:
     """The index in ``directory``: file name -> step, epoch, metric, sha256, bytes. Empty if
     missing or unreadable (the Checkpointer rebuilds it from the files; their checksums are
@@ -282,14 +347,14 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not os.path.isdir(name):
         folder = os.path.dirname(os.path.abspath(name))
         digest = digest_of(read_index(folder).get(os.path.basename(name), {}))
-        return read_verified(name, digest)
+        return read_checkpoint(name, digest)
     nested = os.path.join(name, "checkpoints")
     folder = nested if os.path.isdir(nested) else name
     index = read_index(folder)
     reasons = []
     for file, _ in reversed(list_checkpoints(folder)):
         try:
-            return read_verified(file, digest_of(index.get(os.path.basename(file), {})))
+            return read_checkpoint(file, digest_of(index.get(os.path.basename(file), {})))
         except CheckpointFormatError:
             raise
         except CheckpointError as exc:

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import hashlib
 import io
+import json
 import os
 import re
 import tempfile
@@ -34,6 +35,8 @@ from phalanx.errors import CheckpointError, CheckpointFormatError
 OLD_MAGIC = b"PHALANX-CKPT-1\n"  # the first format's header (refused, see the module doc)
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip container
 _NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
+# fsdp: one file per rank of the world that wrote it (each member its own shards)
+_SHARD = re.compile(r"^ckpt-(\d{9,})\.rank-(\d+)-of-(\d+)\.pt$")
 
 
 @dataclass(frozen=True)
@@ -177,18 +180,90 @@ def _file_sha256(name: str) -> str:
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[str, int]]:
-    """``(path, step)`` for each ``ckpt-{step:09d}.pt`` in ``directory``, oldest step first.
-    Temp files and other names are ignored; a missing directory has none."""
+    """``(path, step)`` for each ``ckpt-{step:09d}.pt`` in ``directory``, and each sharded
+    checkpoint whose every rank's file is there (named by its rank 0's file, see
+    :func:`shard_name`), oldest step first. Temp files, other names and a sharded one that
+    lacks a rank are ignored; a missing directory has none."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    found = [
-        (os.path.join(os.fspath(directory), n), int(m.group(1)))
-        for n in names
-        if (m := _NAME.match(n))
-    ]
+    folder = os.fspath(directory)
+    found = [(os.path.join(folder, n), int(m.group(1))) for n in names if (m := _NAME.match(n))]
+    ranks: dict[tuple[int, int], set[int]] = {}
+    for n in names:
+        if m := _SHARD.match(n):
+            ranks.setdefault((int(m.group(1)), int(m.group(3))), set()).add(int(m.group(2)))
+    for (step, world), have in ranks.items():
+        if have == set(range(world)):
+            found.append((os.path.join(folder, shard_name(step, 0, world)), step))
     return sorted(found, key=lambda item: (item[1], item[0]))
+
+
+def shard_name(step: int, rank: int, world: int) -> str:
+    """The file of rank ``rank`` of a sharded checkpoint at ``step`` by ``world`` members."""
+    return f"ckpt-{step:09d}.rank-{rank}-of-{world}.pt"
+
+
+def digest_file(path: str) -> str:
+    """Where a shard file's digest is kept (each rank writes its own, beside its file)."""
+    return path[: -len(".pt")] + ".sha256.json"
+
+
+def shard_files(path: str) -> list[str] | None:
+    """Every rank's file of the sharded checkpoint that ``path`` names (None: ``path`` is
+    a checkpoint of one file)."""
+    m = _SHARD.match(os.path.basename(path))
+    if m is None:
+        return None
+    folder, step, world = os.path.dirname(path), int(m.group(1)), int(m.group(3))
+    return [os.path.join(folder, shard_name(step, r, world)) for r in range(world)]
+
+
+def write_shard(path: str, payload: dict[str, Any]) -> Digest:
+    """A rank's file of a sharded checkpoint, then its digest beside it (both atomic: a
+    rank's file is there only once it is whole)."""
+    digest = write_atomic(path, payload)
+    record = {"sha256": digest.sha256, "bytes": digest.size}
+    write_bytes_atomic(digest_file(path), json.dumps(record).encode("utf-8") + b"\n")
+    return digest
+
+
+def _shard_digest(path: str) -> Digest | None:
+    try:
+        with open(digest_file(path), encoding="utf-8") as fh:
+            record = json.load(fh)
+        return Digest(str(record["sha256"]), int(record["bytes"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_checkpoint(path: str | os.PathLike[str], expected: Digest | None = None) -> dict[str, Any]:
+    """:func:`read_verified` for a checkpoint of one file; for a sharded one (``path`` is a
+    rank's file) every rank's file, each checked against its own digest, joined into the
+    whole state (:func:`phalanx.snapshot.shards.whole`). A missing or damaged rank's file
+    raises CheckpointError naming it."""
+    name = os.fspath(path)
+    files = shard_files(name)
+    if files is None:
+        return read_verified(name, expected)
+    from phalanx.snapshot.shards import whole
+
+    states = []
+    for file in files:
+        if not os.path.exists(file):
+            raise CheckpointError(f"{file}: missing (a rank's shard of {os.path.basename(name)})")
+        states.append(read_verified(file, _shard_digest(file)))
+    return whole(states)
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint: its file, or every rank's file and digest of a sharded one."""
+    files = shard_files(path)
+    doomed = [path] if files is None else [f for file in files for f in (file, digest_file(file))]
+    for file in doomed:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(file)
 
 
 def to_cpu(obj: Any) -> Any:

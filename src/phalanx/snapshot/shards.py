@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -102,4 +103,30 @@ def reshard(pieces: Sequence[torch.Tensor], d0: int, world: int, rank: int) -> t
         lo, hi = max(a, start), min(b, stop)
         if lo < hi:
             out[lo - start : hi - start] = piece[lo - a : hi - a]
+    return out
+
+
+def whole(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The whole state (every tensor as one device holds it) from the states of all ranks of
+    one world, in rank order: each writes a ``shards`` record naming its sharded entries
+    (``model`` keys, and per optimizer state index the keys of param-shaped values); those
+    are joined along dim 0, the rest taken from rank 0 (the same on every rank)."""
+    first = states[0]
+    record = first.get("shards") or {}
+    model = dict(first["model"])
+    for key in record.get("model", []):
+        model[key] = torch.cat([s["model"][key] for s in states])
+    optimizer = first["optimizer"]
+    opt_states = {i: dict(values) for i, values in optimizer["state"].items()}
+    for index, keys in record.get("optimizer", {}).items():
+        found = next((i for i in opt_states if str(i) == str(index)), None)
+        if found is None:
+            continue
+        for key in keys:
+            opt_states[found][key] = torch.cat(
+                [s["optimizer"]["state"][found][key] for s in states]
+            )
+    out = {k: v for k, v in first.items() if k != "shards"}
+    out["model"] = model
+    out["optimizer"] = {**optimizer, "state": opt_states}
     return out

@@ -25,6 +25,7 @@ class SingleEngine:
     is_main = True
     rank = 0
     can_leave = False
+    saves_shards = False
 
     def __init__(self, run: RunInputs) -> None:
         config, spec = run.config, run.spec

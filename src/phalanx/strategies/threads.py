@@ -125,6 +125,7 @@ class ThreadsEngine:
     is_main = True
     rank = 0
     can_leave = False
+    saves_shards = False
 
     @property
     def identity(self) -> Identity:

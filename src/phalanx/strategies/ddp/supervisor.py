@@ -369,7 +369,9 @@ def run_ddp(
         sup.start()
         outcome = sup.watch()
         fates = sup.coord.respawn_fates()
-        cost = sup.coord.state.summary(max(sup.coord.setup.nodes, default=0) + 1)
+        setup = sup.coord.setup
+        writers = len(sup.coord.gens.current) if setup.sharded else max(setup.nodes, default=0) + 1
+        cost = sup.coord.state.summary(writers, "worker" if setup.sharded else "machine")
         notes = [Notice(line) for line in fates] + ([Notice(cost)] if cost else [])
         for note in notes + sup.rejected_links():
             emit(note)  # (the run's end says what became of every respawn)

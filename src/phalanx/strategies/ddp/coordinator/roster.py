@@ -116,15 +116,16 @@ class StateCopies:
         self.seconds += seconds
         self.nbytes = nbytes or self.nbytes
 
-    def summary(self, nodes: int) -> str | None:
-        """What the snapshots cost, for the run's end (None when none was taken)."""
+    def summary(self, writers: int, each: str = "machine") -> str | None:
+        """What the snapshots cost, for the run's end (None when none was taken):
+        ``writers`` wrote them, one per ``each`` (a machine; under fsdp a worker)."""
         if not self.taken:
             return None
-        every = self.committed * nodes / self.taken
+        every = self.committed * writers / self.taken
         return (
             f"snapshots in shared memory: {self.taken} taken, about every {every:.0f} "
-            f"step(s) on each machine, {self.seconds / self.taken * 1e3:.1f} ms each, "
-            f"{self.nbytes / 1e6:.1f} MB each (two buffers of that size per machine)"
+            f"step(s) on each {each}, {self.seconds / self.taken * 1e3:.1f} ms each, "
+            f"{self.nbytes / 1e6:.1f} MB each (two buffers of that size per {each})"
         )
 
     def lost(self, node: int) -> None:

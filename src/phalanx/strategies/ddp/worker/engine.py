@@ -89,6 +89,7 @@ class DdpEngine:
     """
 
     can_leave = True  # (a member at fault leaves: respawned or shrunk)
+    saves_shards = False  # (the main member saves the whole state)
 
     def __init__(
         self,

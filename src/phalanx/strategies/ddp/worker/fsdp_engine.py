@@ -43,6 +43,7 @@ from phalanx.precision import step_scheduler_quietly
 from phalanx.ranks import acting_as
 from phalanx.replica import ZERO_PASS, Cast, LocalResult, StepModule, to_device
 from phalanx.sharding import innermost_first, units
+from phalanx.snapshot.shards import rows
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local
 from phalanx.strategies.ddp.worker.ballot import FsdpBallot
@@ -101,17 +102,28 @@ class ShardedTrainable(Trainable):
         the live ones, as a snapshot copies them; :meth:`kept` copies), the scheduler's
         state: what a member of the same rank in a generation of the same size takes
         (:meth:`load_state_dict`), or one of a set to re-shard (:func:`assemble`)."""
-        model = {k: local(v).detach() for k, v in self.model.state_dict().items()}
+        live = self.model.state_dict()
+        model = {k: local(v).detach() for k, v in live.items()}
         optimizer = self.optimizer.state_dict()
         states = {
             i: {k: local(v).detach() if torch.is_tensor(v) else v for k, v in s.items()}
             for i, s in optimizer["state"].items()
+        }
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        sharded_state = {
+            str(i): [k for k, v in s.items() if _param_shaped(v, params[int(i)])]
+            for i, s in self.optimizer.state_dict()["state"].items()
         }
         return {
             "model": model,
             "optimizer": {"state": states, "param_groups": optimizer["param_groups"]},
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": None,
+            # which entries are dim-0 shards (phalanx.snapshot.shards.whole joins them)
+            "shards": {
+                "model": [k for k, v in live.items() if isinstance(v, DTensor)],
+                "optimizer": {i: keys for i, keys in sharded_state.items() if keys},
+            },
         }
 
     def kept(self) -> dict[str, Any]:
@@ -137,13 +149,15 @@ class ShardedTrainable(Trainable):
         return found
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This member's shards (as :meth:`state_dict` gives them), or a whole state (a
+        checkpoint of any strategy): then this member's rows are cut out of it."""
         with torch.no_grad():
             for key, value in self.model.state_dict().items():
-                local(value).copy_(state["model"][key])
+                local(value).copy_(_mine(state["model"][key], value))
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         saved = state["optimizer"]
         states = {
-            i: {k: _like(v, params[int(i)]) for k, v in s.items()}
+            i: {k: _like(_mine(v, params[int(i)]), params[int(i)]) for k, v in s.items()}
             for i, s in saved["state"].items()
         }
         self.optimizer.load_state_dict({"state": states, "param_groups": saved["param_groups"]})
@@ -156,6 +170,30 @@ class ShardedTrainable(Trainable):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(self.model, options=options)
         return {k: v.detach().clone() for k, v in full.items() if isinstance(v, torch.Tensor)}
+
+
+def _param_shaped(value: Any, param: torch.Tensor) -> bool:
+    """Whether an optimizer state value is sharded as its parameter is (Adam's moments: yes;
+    its step counter: no)."""
+    return (
+        isinstance(param, DTensor)
+        and isinstance(value, torch.Tensor)
+        and value.dim() == param.dim()
+        and value.dim() > 0
+        and tuple(value.shape[1:]) == tuple(param.shape[1:])
+    )
+
+
+def _mine(value: Any, live: torch.Tensor) -> Any:
+    """``value`` as this member holds it: a whole tensor of a sharded one is cut to this
+    member's rows; a shard (or anything else) as it is."""
+    if not (isinstance(live, DTensor) and _param_shaped(value, live)):
+        return value
+    d0 = live.shape[0]
+    start, stop = rows(d0, live.device_mesh.size(), live.device_mesh.get_local_rank())
+    if value.shape[0] == d0 and stop - start != d0:
+        return value[start:stop]
+    return value
 
 
 def _like(value: Any, param: torch.Tensor) -> Any:
@@ -178,6 +216,8 @@ def _like(value: Any, param: torch.Tensor) -> Any:
 class FsdpEngine(DdpEngine):
     """Rank ``group.rank`` of ``group.size`` in one generation, its model sharded over the
     generation's mesh (see the module's docstring)."""
+
+    saves_shards = True
 
     def __init__(
         self,

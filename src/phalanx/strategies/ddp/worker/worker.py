@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from phalanx.checkpoint import Checkpoints
+from phalanx.checkpoint.checkpointer import ShardedCheckpointer
 from phalanx.devices import torch_device
 from phalanx.events import Event, Notice
 from phalanx.failures import FailedHere, WorkerFailure, from_exception
@@ -45,7 +47,7 @@ from phalanx.interrupt import WARNING_SIGNAL
 from phalanx.loop import Regroup, StepAborted, TrainLoop
 from phalanx.plan import Plan
 from phalanx.report import is_secondary
-from phalanx.runner import build_loop, make_checkpointer, start_run
+from phalanx.runner import build_loop, checkpoint_dir, make_checkpointer, start_run
 from phalanx.snapshot import SnapshotStore, Snapshotter, Taken, stable_tensors
 from phalanx.snapshot.shards import tag as shard_tag
 from phalanx.snapshot.store import Header
@@ -578,7 +580,9 @@ class Worker:
             subgroup = lambda ranks: self.subgroup(rendezvous, gen, ranks)  # noqa: E731
             restarted = gen.number == gen.timeline  # (a restart's: see hand_over)
             hand_over(loop, group, subgroup, self.local_state(loop, gen), everyone=restarted)
-        if loop.engine.is_main and loop.checkpointer is None and cfg.run_dir:
+        if isinstance(loop.engine, FsdpEngine) and cfg.run_dir:
+            loop.checkpointer = self.shard_checkpointer(loop, gen, rank)
+        elif loop.engine.is_main and loop.checkpointer is None and cfg.run_dir:
             loop.checkpointer = make_checkpointer(cfg, self.emit)
         loop.snapshots = self.snapshot_writer(member, gen)
         if isinstance(loop.engine, FsdpEngine) and self.snapshotter is not None:
@@ -588,6 +592,22 @@ class Worker:
         self.interrupted = loop.run().interrupted
         if isinstance(loop.engine, FsdpEngine):  # (gathered by every member, kept by rank 0)
             self.final_model = loop.engine.full_model_state()
+
+    def shard_checkpointer(
+        self, loop: TrainLoop, gen: Generation, rank: int
+    ) -> ShardedCheckpointer:
+        """fsdp: every member writes its shards of each checkpoint, as its rank in ``gen``."""
+        checkpointer = loop.checkpointer
+        if not isinstance(checkpointer, ShardedCheckpointer):
+            cfg = self.a.config
+            assert cfg.run_dir
+            settings = cfg.checkpoint if cfg.checkpoint is not None else Checkpoints()
+            wait = self.a.timing.forming.total_seconds()
+            checkpointer = ShardedCheckpointer(
+                checkpoint_dir(cfg.run_dir), settings, self.emit, wait
+            )
+        checkpointer.rank, checkpointer.world = rank, len(gen.members)
+        return checkpointer
 
     def sharded_state(self, loop: TrainLoop, group: FsdpGroup, gen: Generation) -> None:
         """fsdp: a rebuild's members hold their own shards (kept when they left, taken by
