@@ -218,6 +218,34 @@ def test_a_lost_worker_is_survived_from_the_shard_set(
         assert (failure.kind, failure.action) == ("oom", "retried")
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("source", ["snapshots", "checkpoint"])
+def test_every_worker_lost_restarts_from_the_newest_copy(
+    source: str, single: px.FitResult, tmp_path: Path
+) -> None:
+    """All three members killed in one step: every slot starts again, from the newest
+    complete shard set in shared memory, or (snapshots off) from the newest sharded
+    checkpoint, and computes the steps since again."""
+    faults = [px.Fault("kill", worker=w, step=4) for w in range(3)]
+    extra: dict[str, Any] = (
+        {}
+        if source == "snapshots"
+        else dict(
+            snapshots=False, run_dir=str(tmp_path / "run"), checkpoint=px.Checkpoints(every_steps=3)
+        )
+    )
+    result = learner().fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", faults=faults, **extra,
+        **FIT,
+    )  # fmt: skip
+    assert rel(result.model, single.model) <= 1e-5
+    assert result.ledger_ok is True and result.steps == single.steps
+    restarted = [f for f in result.failures if f.action == "restarted"]
+    assert len(restarted) == 1 and restarted[0].replayed_steps is not None
+    if source == "checkpoint":
+        assert restarted[0].replayed_steps == 1  # (step 5 fell; the checkpoint is step 3's)
+
+
 @pytest.mark.timeout(120)
 def test_a_hung_worker_is_named_not_the_peers_that_wait_for_it(single: px.FitResult) -> None:
     """Worker 0 hangs in the first micro-batch's backward; its peers wait for it in the

@@ -40,9 +40,9 @@ TOO_FEW = (
 )
 SHARDED = (
     'Under strategy="fsdp" each worker holds only its shard of the model and optimizer state, '
-    "and no copy of a lost worker's shards outlived it (snapshots are off, or every member "
-    "had not written one yet), so the run cannot go on without it; a restart of every worker "
-    "from shard snapshots or checkpoints is not built yet (docs/fsdp.md)."
+    "and no copy of a lost worker's shards outlived it (snapshots are off and there is no "
+    "run_dir, or not every member had written a snapshot yet), so the run cannot go on "
+    "without it (docs/fsdp.md)."
 )
 Fall = Literal["respawn", "shrink", "restart", "preflight", "stopped"]
 

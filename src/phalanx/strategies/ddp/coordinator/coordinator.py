@@ -410,9 +410,11 @@ class Coordinator(Roster):
         return list(range(self.world))
 
     def restart_kept(self) -> bool:
-        """Whether a restart of every slot would find a snapshot (fsdp: not built yet, a
-        restart restores no shard set)."""
-        return self.state.kept and not self.setup.sharded
+        """Whether a restart of every slot would find a snapshot (fsdp: a complete set of
+        shard snapshots)."""
+        if self.setup.sharded:
+            return self.state.shard_set(self.gens.members)
+        return self.state.kept
 
     def can_restart(self) -> bool:
         """Whether a restart would have the workers it needs (``min_workers``)."""

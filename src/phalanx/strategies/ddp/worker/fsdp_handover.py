@@ -37,9 +37,13 @@ def slot_folder(folder: str, slot: int) -> str:
     return str(Path(folder) / f"slot-{slot}")
 
 
-def restore_from_set(loop: TrainLoop, group: FsdpGroup, folder: str) -> ShardSet:
+def restore_from_set(
+    loop: TrainLoop, group: FsdpGroup, folder: str, past: int | None = None
+) -> ShardSet | None:
     """Every member of the new generation: find, agree on and restore the newest complete
-    set under ``folder``; returns it. Raises :class:`NoShardSet` when there is none."""
+    set under ``folder``; returns it. Raises :class:`NoShardSet` when there is none, unless
+    ``past`` is given (a restart that resumed from a checkpoint at that step): then the set
+    is restored only when it is further, and None returned otherwise."""
     stores = [SnapshotStore(str(p)) for p in sorted(Path(folder).glob("slot-*"))]
     found: list[tuple[Written, SnapshotStore]] = []
     for store in stores:
@@ -49,6 +53,8 @@ def restore_from_set(loop: TrainLoop, group: FsdpGroup, folder: str) -> ShardSet
                 found.append((written, store))
     chosen = newest_set(w for w, _ in found)
     _agree(group, chosen)
+    if past is not None and (chosen is None or chosen.step <= past):
+        return None
     if chosen is None:
         raise NoShardSet(
             "no complete set of shard snapshots: a member was lost before every member "

@@ -619,10 +619,16 @@ class Worker:
         if gen.rebuild:
             same_position(loop, group)
             return
+        # A restart's members (every member fell) resumed from the newest checkpoint, if
+        # any: a set of shard snapshots replaces it only when it is further.
+        restart = gen.number == gen.timeline
         folder = self.a.snapshot_dir
         if folder is None or self.a.config.snapshots is None:
+            if restart:
+                return
             raise NoShardSet("snapshots are off (fit(snapshots=False)): no copy of the shards")
-        restore_from_set(loop, group, folder)
+        past = loop.state.global_step if restart else None
+        restore_from_set(loop, group, folder, past)
 
     def form(self, store: dist.Store, gen: Generation, rank: int) -> GenerationGroup:
         """``gen``'s group: its own (ddp), or torch's default group and a mesh (fsdp)."""
