@@ -8,14 +8,17 @@
   50.4 M parameters (48 x Linear(1024)) under fsdp at 1, 2 and 4 workers and under ddp at 2
   (a full replica each): must fall as 1/N. (Shard bytes, not the process's RSS: the model
   factory builds the whole model in each worker before it is sharded; see docs/fsdp.md.)
-- ``steps``: step time of phalanx fsdp against a plain FSDP2 script (``fully_shard`` on each
-  layer then the root, Adam, the same model, data and global batch, 2 processes), arms
-  interleaved round by round; median over rounds of the mean step interval after the first
-  ``WARM`` steps.
-- ``failures``: an exception in forward on worker 1 (its group rebuilt by the same members,
-  each from the shards it kept) and in data (the vote carries it, zero passes line the
-  step up): time from the failure to the next committed step; a killed worker: time to the
-  run's end (no copy of a shard outlives its worker yet).
+- ``steps``: step time of phalanx fsdp (with its shard snapshots every step, and with
+  ``snapshots=False``: the difference is what keeps shards recoverable) against a plain
+  FSDP2 script (``fully_shard`` on each layer then the root, Adam, the same model, data and
+  global batch, 2 processes), arms interleaved round by round; median over rounds of the
+  mean step interval after the first ``WARM`` steps.
+- ``failures`` (3 workers): an exception in forward on worker 1 (its group rebuilt by the
+  same members, each from the shards it kept) and in data (the vote carries it, zero passes
+  line the step up); worker 1 killed under shrink and under respawn (every member of the new
+  generation takes its rows from the newest complete shard set); all three killed in one
+  step (every slot restarted from the set): time from the failure to the next committed
+  step, and steps computed again.
 
 Timings on a shared 2-core machine are noisy: read the ratios.
 """
@@ -170,13 +173,14 @@ class Stamps:
         pass
 
 
-def phalanx_fsdp(steps: int) -> float:
+def phalanx_fsdp(steps: int, snapshots: bool = True) -> float:
     width, depth = MEDIUM
     sink = Stamps()
     opt = functools.partial(torch.optim.Adam, lr=1e-4)
     px.Learner(functools.partial(layers, width, depth), opt, step).fit(
         data(width, steps * 64), epochs=1, batch_size=64, devices="cpu:0,cpu:1",
         strategy="fsdp", shard=(nn.Linear,), sinks=[sink], shuffle=False, preflight=False,
+        snapshots=snapshots,
     )  # fmt: skip
     return interval(sink.times)
 
@@ -189,9 +193,11 @@ def interval(stamps: list[float]) -> float:
 def steps_table(rounds: int, steps: int) -> None:
     plain: list[float] = []
     ours: list[float] = []
+    bare: list[float] = []
+    quiet = functools.partial(phalanx_fsdp, snapshots=False)
     for r in range(rounds):
-        arms = [("plain", plain, plain_fsdp), ("phalanx", ours, phalanx_fsdp)]
-        for _, into, run in arms if r % 2 == 0 else arms[::-1]:
+        arms = [(plain, plain_fsdp), (ours, phalanx_fsdp), (bare, quiet)]
+        for into, run in arms if r % 2 == 0 else arms[::-1]:
             into.append(run(steps))
     p, o = statistics.median(plain), statistics.median(ours)
     width, depth = MEDIUM
@@ -199,7 +205,13 @@ def steps_table(rounds: int, steps: int) -> None:
     print(f"\n## Step time, 2 workers, {setup}\n")
     print("| arm | ms per step (median of rounds) | rounds | ratio |")
     print("|---|---|---|---|")
-    for name, median, arm in (("plain FSDP2 script", p, plain), ("phalanx fsdp", o, ours)):
+    b = statistics.median(bare)
+    rows = (
+        ("plain FSDP2 script", p, plain),
+        ("phalanx fsdp (shard snapshots, measured cadence)", o, ours),
+        ("phalanx fsdp, snapshots=False", b, bare),
+    )
+    for name, median, arm in rows:
         each = ", ".join(f"{x * 1e3:.1f}" for x in arm)
         print(f"| {name} | {median * 1e3:.2f} | {each} | {median / p:.3f} |")
 
@@ -219,15 +231,19 @@ def failures_table() -> None:
         f = result.failures[0]
         how = "group rebuilt, step retried" if phase == "forward" else "vote, step retried"
         print(f"| exception in {phase} | {how} | {f.recovery_seconds:.2f} | 0 |")
-    started = time.monotonic()
-    try:
-        learner.fit(data(width, 40 * 64), faults=[px.Fault("kill", worker=1, step=20)], **fit)
-        print("| kill | (did not end?) | | |")
-    except px.TrainingFailed as exc:
-        took = time.monotonic() - started
-        root = exc.root_cause
-        named = f"run ends, the {root.kind} of worker {root.worker} named"
-        print(f"| kill | {named} ({took:.1f} s, the whole run) | - | - |")
+    for mode in ("shrink", "respawn"):
+        fault = px.Fault("kill", worker=1, step=20)
+        result = learner.fit(
+            data(width, 40 * 64), faults=[fault], on_failure=px.Recovery(mode=mode), **fit
+        )
+        f = result.failures[0]
+        how = f"{f.action} from the shard set"
+        print(f"| kill worker 1 ({mode}) | {how} | {f.recovery_seconds:.2f} | {f.replayed_steps} |")
+    kills = [px.Fault("kill", worker=w, step=20) for w in range(3)]
+    result = learner.fit(data(width, 40 * 64), faults=kills, **fit)
+    f = next(f for f in result.failures if f.action == "restarted")
+    how = "every slot restarted from the shard set"
+    print(f"| kill all 3 | {how} | {f.recovery_seconds:.2f} | {f.replayed_steps} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,20 +187,27 @@ def test_an_exception_in_a_step_is_retried_and_changes_nothing(
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("fault", "mode"),
-    [("kill:1@4", "shrink"), ("kill:0@7/backward", "respawn"), ("oom:2@3/backward", "respawn")],
+    ("fault", "mode", "every"),
+    [
+        ("kill:1@4", "shrink", 1),
+        ("kill:0@9/backward", "respawn", None),
+        ("oom:2@3/backward", "respawn", None),
+    ],
 )
 def test_a_lost_worker_is_survived_from_the_shard_set(
-    fault: str, mode: str, single: px.FitResult
+    fault: str, mode: str, every: int | None, single: px.FitResult
 ) -> None:
     """The survivors (and a replacement) take the newest complete set of shard snapshots,
     re-sharded to the new world, and compute the steps since again: one device's weights,
-    every sample once. (An out-of-memory error is an exception under fsdp: no split, the
-    group is rebuilt and the step retried.)"""
+    every sample once; snapshots every step replay at most one step, the measured cadence
+    (agreed by the members after their 4th commit) at most its own. (An out-of-memory
+    error is an exception under fsdp: no split, the group is rebuilt and the step
+    retried.)"""
     started = time.monotonic()
     result = learner().fit(
         TRAIN, VALID, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp",
-        faults=[px.Fault.parse(fault)], on_failure=px.Recovery(mode=mode), **FIT,
+        faults=[px.Fault.parse(fault)], on_failure=px.Recovery(mode=mode),
+        snapshots=px.Snapshots(every_steps=every), **FIT,
     )  # fmt: skip
     assert time.monotonic() - started < 60
     assert rel(result.model, single.model) <= 1e-5
@@ -213,7 +220,8 @@ def test_a_lost_worker_is_survived_from_the_shard_set(
         assert failure.kind == "crash" and failure.action == {"shrink": "shrunk"}.get(
             mode, mode + "ed"
         )
-        assert failure.replayed_steps is not None and 0 <= failure.replayed_steps <= 1
+        assert failure.replayed_steps is not None
+        assert 0 <= failure.replayed_steps <= (every or f.step - 4)
     else:
         assert (failure.kind, failure.action) == ("oom", "retried")
 

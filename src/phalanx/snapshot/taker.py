@@ -85,6 +85,10 @@ class Snapshotter:
         # from a source on another machine (on the same one, the source's copy costs as much)
         self.for_joins = False
         self.every = settings.every_steps or 1
+        # fsdp: every member must snapshot the same steps, so a measured cadence is only
+        # proposed here (:attr:`proposed`), and the members agree on it (FsdpEngine)
+        self.propose_only = False
+        self.proposed: int | None = None
         self.last_step: int | None = None  # of the newest snapshot started
         self.step_time: float | None = None  # a moving mean of the interval between commits
         self.cost: float | None = None  # of the last whole snapshot (seconds)
@@ -146,6 +150,13 @@ class Snapshotter:
         if writing is not None and not self.failed:
             self._done(writing, self._sync + self._copy)
 
+    def restart_cadence(self) -> None:
+        """As at the start (fsdp, a new generation: its members, new ones included, count
+        from the same point, so they snapshot the same steps)."""
+        self.fence()
+        self.every = self.settings.every_steps or 1
+        self.last_step = self.step_time = self._commit_at = self.proposed = None
+
     def close(self) -> None:
         self.fence()
         if self._lock is not None:
@@ -199,10 +210,12 @@ class Snapshotter:
             # A buffer's first snapshot also made it and faulted its pages in, once (about
             # three times a later one's cost): the steps between snapshots are chosen from a
             # snapshot into a buffer in use, so the first two come one step apart.
-            if writing.first:
-                self.every = 1
+            budget = self.settings.budget
+            every = 1 if writing.first else every_for(seconds, self.step_time, budget)
+            if self.propose_only:
+                self.proposed = None if writing.first else every
             else:
-                self.every = every_for(seconds, self.step_time, self.settings.budget)
+                self.every = every
         header = writing.header
         self.on_taken(Taken(header.step, header.data_end + header.skeleton_bytes, seconds))
 

@@ -43,6 +43,7 @@ from phalanx.precision import step_scheduler_quietly
 from phalanx.ranks import acting_as
 from phalanx.replica import ZERO_PASS, Cast, LocalResult, StepModule, to_device
 from phalanx.sharding import innermost_first, units
+from phalanx.snapshot import Snapshotter
 from phalanx.snapshot.shards import rows
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.base import evaluate_local
@@ -51,6 +52,12 @@ from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
 from phalanx.strategies.ddp.worker.handover import positions
 from phalanx.trainable import Trainable
+
+# The commits of a generation after which its members agree on their snapshot cadence: the
+# first snapshot comes after the 2nd commit (a step's time is known), then one a step; the
+# third (into a buffer written before: a new buffer's page faults are not the cost) after
+# the 4th, measured by the time the next vote is cast.
+AGREE_AFTER = 4
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -233,6 +240,9 @@ class FsdpEngine(DdpEngine):
         self.spec, self.mesh = spec, group.mesh
         self._template: Any = None
         self.fence: Callable[[], None] = lambda: None  # (the snapshot taker's, when it has one)
+        # The snapshot taker, while it measures its cadence (see _agree_cadence)
+        self.cadence: Snapshotter | None = None
+        self.commits = 0  # in this generation
         super().__init__(
             member=member,
             group=group,
@@ -290,14 +300,34 @@ class FsdpEngine(DdpEngine):
         assert isinstance(trainable, ShardedTrainable)
         return trainable
 
+    def commit(self, skip: bool = False) -> None:
+        super().commit(skip)
+        self.commits += 1
+
     def _before_commit(self) -> None:
         """The global gradient norm, when the step clips: one all-reduce of every member's
-        squared sum (a failure here is GroupBroken, before anything changed)."""
+        squared sum (a failure here is GroupBroken, before anything changed); once per
+        generation, the snapshot cadence (:meth:`_agree_cadence`)."""
+        if self.cadence is not None and self.commits == AGREE_AFTER:
+            self._agree_cadence(self.cadence)
         if self.sharded.clip is None:
             return
         total = self.sharded.squared_norm().to(self.device)
         self.group.all_reduce(total)
         self.sharded.norm = math.sqrt(float(total.item()))
+
+    def _agree_cadence(self, taker: Snapshotter) -> None:
+        """Every member snapshots the same steps (a set is one step of every member's): the
+        measured cadence each proposes after its first snapshots (the snapshot's cost over
+        the budget of the step time: :func:`~phalanx.snapshot.every_for`) is agreed as the
+        largest one, in one all-reduce after the generation's ``AGREE_AFTER``-th commit
+        (the same attempt on every member). Each snapshot is then ``every`` steps apart."""
+        proposals = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        proposals[self.rank] = float(taker.proposed or 0)
+        self.group.all_reduce(proposals)  # (each slot one member's)
+        every = int(proposals.max().item())
+        taker.every = max(1, every)
+        self.cadence = None
 
     def evaluate(self) -> torch.Tensor:
         """Validation as under ddp, then zero passes until this member has run as many

@@ -16,7 +16,6 @@ Exit codes: 0 done or stopped by the step policy (an :class:`Aborted` was sent),
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import functools
 import gc
@@ -587,6 +586,8 @@ class Worker:
         loop.snapshots = self.snapshot_writer(member, gen)
         if isinstance(loop.engine, FsdpEngine) and self.snapshotter is not None:
             loop.engine.fence = self.snapshotter.fence
+            if self.snapshotter.propose_only:
+                loop.engine.cadence = self.snapshotter
         local, self.took_local = self.took_local, False
         self.send(Joined(self.a.slot, gen.number, loop.state.global_step, local))
         self.interrupted = loop.run().interrupted
@@ -700,18 +701,20 @@ class Worker:
         if self.snapshotter is None:
             mine = slot_folder(folder, self.a.slot)
             os.makedirs(mine, exist_ok=True)
-            every = dataclasses.replace(settings, every_steps=settings.every_steps or 1)
 
             def stable() -> set[int]:
                 trainable = member.trainable
                 return trainable.stable() if isinstance(trainable, ShardedTrainable) else set()
 
             self.snapshotter = Snapshotter(
-                SnapshotStore(mine), every, stable, self.snapshot_taken, self.snapshot_failed
+                SnapshotStore(mine), settings, stable, self.snapshot_taken, self.snapshot_failed
             )
-        self.snapshotter.tag = shard_tag(gen.number, len(gen.members), gen.rank_of(self.a.slot))
-        self.snapshotter.for_joins = True  # (whole at a regroup: the next set is that step)
-        return self.snapshotter
+        taker = self.snapshotter
+        taker.tag = shard_tag(gen.number, len(gen.members), gen.rank_of(self.a.slot))
+        taker.for_joins = True  # (whole at a regroup: the next set is that step)
+        taker.propose_only = settings.every_steps is None
+        taker.restart_cadence()  # (every member of the generation counts from here)
+        return taker
 
     def snapshot_taken(self, taken: Taken) -> None:
         generation = self.watcher.generation
