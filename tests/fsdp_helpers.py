@@ -55,3 +55,21 @@ def step(model: nn.Module, batch: Any) -> torch.Tensor:
 def data(n: int, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, 7, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+class NormNet(nn.Module):
+    """With a BatchNorm1d: a batch of one row fails in training mode (the zero pass's
+    template must not be one row), and its running statistics are buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 32)
+        self.norm = nn.BatchNorm1d(32)
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.relu(self.norm(self.inp(x))))
+
+
+def norm_net() -> nn.Module:
+    return NormNet()

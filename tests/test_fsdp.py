@@ -226,6 +226,54 @@ def test_a_lost_worker_is_survived_from_the_shard_set(
         assert (failure.kind, failure.action) == ("oom", "retried")
 
 
+@pytest.mark.timeout(120)
+def test_a_data_failure_zero_passes_a_batchnorm_model_and_changes_nothing() -> None:
+    """The zero pass runs a template of the run's first samples (two rows: BatchNorm1d
+    refuses one in training mode), its running statistics put back."""
+    fit = dict(FIT, epochs=1)
+    norm, even = px.Learner(h.norm_net, h.sgd, h.step), h.data(60)  # (6 rows a member)
+    clean = norm.fit(even, devices="cpu:0,cpu:1", strategy="fsdp", **fit)
+    fault = px.Fault("exception", worker=0, step=2, phase="data")
+    result = norm.fit(even, devices="cpu:0,cpu:1", strategy="fsdp", faults=[fault], **fit)
+    assert [f.action for f in result.failures] == ["retried"]
+    assert rel(result.model, clean.model) <= 1e-6  # (running statistics included)
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_in_a_units_backward_without_clipping_is_retried(
+    fsdp2: px.FitResult,
+) -> None:
+    """Every Linear a unit (the first layer's parameters sharded between passes), no
+    clipping: the fault fires inside the backward, before the root's reduce-scatter carries
+    the vote, so no member commits the step; the same members rebuild and retry it."""
+    plain = learner(grad_clip_norm=None)
+    fit = dict(FIT, epochs=1)
+    clean = plain.fit(TRAIN, devices="cpu:0,cpu:1", strategy="fsdp", shard=(nn.Linear,), **fit)
+    fault = px.Fault("exception", worker=1, step=3, phase="backward")
+    result = plain.fit(
+        TRAIN, devices="cpu:0,cpu:1", strategy="fsdp", shard=(nn.Linear,), faults=[fault], **fit
+    )
+    [failure] = result.failures
+    assert (failure.phase, failure.action) == ("backward", "retried")
+    assert rel(result.model, clean.model) <= 1e-6 and result.ledger_ok is True
+
+
+@pytest.mark.timeout(150)
+def test_a_second_loss_right_after_a_restore_finds_the_set_still_whole(
+    single: px.FitResult,
+) -> None:
+    """Worker 1 killed in step 5, worker 2 in step 6: the second shrink finds a complete
+    set, though the survivors' first snapshots after the first restore went into their
+    buffers (each forgot its snapshots newer than the set it restored)."""
+    faults = [px.Fault("kill", worker=1, step=4), px.Fault("kill", worker=2, step=5)]
+    result = learner().fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", faults=faults,
+        on_failure=px.Recovery(mode="shrink"), snapshots=px.Snapshots(every_steps=1), **FIT,
+    )  # fmt: skip
+    assert [f.action for f in result.failures] == ["shrunk", "shrunk"]
+    assert rel(result.model, single.model) <= 1e-5 and result.ledger_ok is True
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("source", ["snapshots", "checkpoint"])
 def test_every_worker_lost_restarts_from_the_newest_copy(

@@ -22,7 +22,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -123,9 +123,10 @@ class FaultInjector:
     ) -> contextlib.AbstractContextManager[None]:
         """Backward faults fire in the middle of the backward pass, as a real error there
         would: from a hook on the gradient of the module's first parameter (usually the
-        first layer's, computed last, when DDP has already begun reducing the others), or
-        after the backward when that gradient is never computed. (None due: a context that
-        does nothing, at no cost.)"""
+        first layer's, computed last, when DDP has already begun reducing the others; under
+        fsdp, whose sharded parameters get no gradient of their own, from the first leaf
+        module's backward), or after the backward when that gradient is never computed.
+        (None due: a context that does nothing, at no cost.)"""
         if not self.due(step, "backward"):
             return contextlib.nullcontext()
         return self._hooked(step, module)
@@ -135,12 +136,23 @@ class FaultInjector:
         params = [p for p in module.parameters() if p.requires_grad]
         fired: list[bool] = []
 
-        def hook(grad: torch.Tensor) -> None:
+        def hook(grad: torch.Tensor | None) -> None:
             if not fired:
                 fired.append(True)
                 self.check(step, "backward")
 
-        handle = params[0].register_hook(hook) if params else None
+        handle: Any = None
+        if params and hasattr(params[0], "placements"):
+            # fsdp: a sharded parameter's own gradient is never computed (its unit's unsharded
+            # copy is): hook the first leaf module's backward instead (reached last)
+            leaf = next(
+                (m for m in module.modules() if not list(m.children()) and list(m.parameters())),
+                None,
+            )
+            if leaf is not None:
+                handle = leaf.register_full_backward_pre_hook(lambda _m, _g: hook(None))
+        elif params:
+            handle = params[0].register_hook(hook)
         try:
             yield
         finally:

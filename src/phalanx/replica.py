@@ -312,7 +312,18 @@ class Replica:
                 self.zero_pass(result, vote, micro_batches if self.sharded else 1)
             return result
         if not tracker.synced:  # (nothing to compute: no samples)
-            self.zero_pass(done, vote, micro_batches if self.sharded else 1)
+            try:
+                self.zero_pass(done, vote, micro_batches if self.sharded else 1)
+            except (Exception, SystemExit) as exc:  # (fsdp's runs a template sample)
+                if not self.sharded:
+                    raise
+                failure = from_exception(
+                    exc, worker=self.identity.worker, rank=self.identity.rank,
+                    device=self.identity.device, phase="forward", step=step, epoch=epoch,
+                    pid=os.getpid(),
+                )  # fmt: skip
+                self.unvoted = failure
+                return LocalResult([0.0] * self.size, failure, broken=True)
         elif vote is None and samples:  # (in-process: no peer to wait for in the backward)
             done.pace = (time.perf_counter() - self._began) / len(samples)
         return done

@@ -8,7 +8,9 @@ whole only while it computes), before the root, which takes every parameter left
 - a container (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``), or a sizeable module
   holding more than a quarter of ``n`` that has children of its own, is looked into: its
   children are judged by the same rule;
-- any other sizeable module is a unit (a transformer block, an embedding, a large linear).
+- any other sizeable module is a unit (a transformer block, an embedding, a large linear),
+  unless it holds a parameter another module holds too (tied weights: an embedding and the
+  output layer that shares it stay in the root).
 
 ``fit(shard=(Block,))`` makes every module of those classes a unit (the way transformer blocks
 are sharded); ``fit(shard=fn)`` every module for which ``fn(module)`` is true. The root is
@@ -39,12 +41,23 @@ def units(model: nn.Module, shard: ShardRule = None) -> list[nn.Module]:
         total = count(model)
         found: list[nn.Module] = []
         _default(model, min(total / 32, 2**20), total, found)
-        return found
+        shared = _shared(model)
+        return [m for m in found if not any(id(p) in shared for p in m.parameters())]
     if isinstance(shard, type) or (isinstance(shard, Sequence) and not callable(shard)):
         classes = (shard,) if isinstance(shard, type) else tuple(shard)
         return [m for m in model.modules() if m is not model and isinstance(m, classes)]
     rule: Any = shard
     return [m for m in model.modules() if m is not model and rule(m)]
+
+
+def _shared(model: nn.Module) -> set[int]:
+    """The parameters that two modules hold (tied weights: an embedding and its output
+    layer). A unit cannot share one with another unit: such modules stay in the root."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    return {pid for pid, n in holders.items() if n > 1}
 
 
 def _default(module: nn.Module, least: float, total: int, found: list[nn.Module]) -> None:

@@ -60,9 +60,7 @@ class Trainable:
 
     def commit(self, skip: bool = False) -> None:
         if not skip and self.clip is not None:
-            if self.scaler is not None:
-                self.scaler.ensure_unscaled()  # (the vote's check has unscaled them)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.clip_gradients(self.clip)
         if self.scaler is None:
             self.optimizer.step()
         elif skip:
@@ -72,6 +70,12 @@ class Trainable:
         if self.scheduler is not None and not self.scheduler_per_epoch:
             step_scheduler_quietly(self.scheduler, optimizer_stepped=not skip)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_gradients(self, clip: float) -> None:
+        """Scale the gradients so that their global norm is at most ``clip``."""
+        if self.scaler is not None:
+            self.scaler.ensure_unscaled()  # (the vote's check has unscaled them)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
 
     def end_epoch(self) -> None:
         if self.scheduler is not None and self.scheduler_per_epoch:

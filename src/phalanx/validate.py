@@ -38,6 +38,7 @@ from phalanx.errors import (
     UnsizedDatasetError,
 )
 from phalanx.launch import Launch, detect
+from phalanx.snapshot.shards import MAX_WORLD
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies import STRATEGIES, process_based
 
@@ -346,6 +347,11 @@ def _validate_sharding(spec: TrainSpec, config: FitConfig) -> None:
                 f'{config.strategy!r}: drop shard= or pass strategy="fsdp"'
             )
         return
+    if len(config.devices) > MAX_WORLD:
+        raise InvalidSettingError(
+            f'strategy="fsdp" takes at most {MAX_WORLD} devices (a shard snapshot\'s tag '
+            f"holds the rank in 8 bits), not {len(config.devices)}"
+        )
     not_yet = {
         'on_bad_sample="skip"': config.on_bad_sample == "skip",
         'precision="16-mixed"': spec.precision.name == "16-mixed",

@@ -12,6 +12,7 @@ Each file holds the saved state's keys plus ``"phalanx": {"format", "step", "epo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -27,10 +28,12 @@ from phalanx.checkpoint.io import (
     Digest,
     checkpoint_name,
     list_checkpoints,
+    peek,
     read_checkpoint,
     remove_checkpoint,
     shard_files,
     shard_name,
+    stale_shards,
     to_cpu,
     write_atomic,
     write_bytes_atomic,
@@ -227,9 +230,13 @@ class Checkpointer:
         """Epoch and metric of a file the index does not list (no checksum is recorded for
         it: its contents were never checked against one)."""
         try:
+            if shard_files(path) is not None:  # (rank 0's record only: never the whole model)
+                meta = peek(path, META_KEY)
+                metric = meta["metric"]
+                return {"step": step, "epoch": int(meta["epoch"]), "metric": metric}
             _, info = self._read(path, step)
             return {"step": step, "epoch": info.epoch, "metric": info.metric}
-        except CheckpointError:
+        except (CheckpointError, KeyError, TypeError, ValueError):
             return {"step": step, "epoch": -1, "metric": None}
 
     def _write_index(self) -> None:
@@ -301,10 +308,15 @@ class ShardedCheckpointer(Checkpointer):
                 self._emit(CheckpointSkipped(path=mine, reason=f"{why} ({', '.join(missing)})"))
                 return
             time.sleep(0.02)
+        # (read again: rank 0 of an earlier generation, another process, may have written it)
+        self._index = {**read_index(self.directory), **self._index}
         self._index[os.path.basename(mine)] = meta  # (each shard's digest is beside it)
         self._write_index()
         self._emit(CheckpointSaved(path=mine, step=job.step, epoch=job.epoch))
         self._retain(mine)
+        for stale in stale_shards(self.directory, job.step):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
 
 
 def read_index(directory: str) -> dict[str, dict[str, Any]]:

@@ -223,6 +223,8 @@ def shard_files(path: str) -> list[str] | None:
 def write_shard(path: str, payload: dict[str, Any]) -> Digest:
     """A rank's file of a sharded checkpoint, then its digest beside it (both atomic: a
     rank's file is there only once it is whole)."""
+    with contextlib.suppress(FileNotFoundError):  # (an earlier file's digest never pairs
+        os.remove(digest_file(path))  # with this one: a file without one loads unchecked)
     digest = write_atomic(path, payload)
     record = {"sha256": digest.sha256, "bytes": digest.size}
     write_bytes_atomic(digest_file(path), json.dumps(record).encode("utf-8") + b"\n")
@@ -250,11 +252,39 @@ def read_checkpoint(path: str | os.PathLike[str], expected: Digest | None = None
     from phalanx.snapshot.shards import whole
 
     states = []
-    for file in files:
+    for rank, file in enumerate(files):
         if not os.path.exists(file):
             raise CheckpointError(f"{file}: missing (a rank's shard of {os.path.basename(name)})")
-        states.append(read_verified(file, _shard_digest(file)))
+        state = read_verified(file, _shard_digest(file))
+        record = state.get("phalanx") or {}
+        said = (record.get("rank"), record.get("world"))
+        if said != (rank, len(files)):
+            raise CheckpointError(f"{file}: its record says rank {said[0]} of {said[1]}")
+        states.append(state)
+    steps = {s["phalanx"].get("step") for s in states}
+    if len(steps) > 1:
+        raise CheckpointError(f"{name}: its ranks' files are of different steps {sorted(steps)}")
     return whole(states)
+
+
+def stale_shards(directory: str | os.PathLike[str], before: int) -> list[str]:
+    """The files of sharded checkpoints older than step ``before`` that lack a rank (a run
+    that fell while its members wrote one): they will never be read, and retention, which
+    sees only whole checkpoints, would never delete them."""
+    folder = os.fspath(directory)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    listed = {os.path.basename(p) for p, _ in list_checkpoints(folder)}
+    whole_sets = {tuple(shard_files(os.path.join(folder, n)) or []) for n in listed}
+    kept = {os.path.basename(f) for files in whole_sets for f in files}
+    stale = []
+    for n in names:
+        m = _SHARD.match(n)
+        if m and int(m.group(1)) < before and n not in kept:
+            stale += [os.path.join(folder, n), digest_file(os.path.join(folder, n))]
+    return stale
 
 
 def remove_checkpoint(path: str) -> None:

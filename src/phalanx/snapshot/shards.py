@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-RANK_BITS = 8  # at most 255 members in an fsdp generation (fsdp checks it)
+RANK_BITS = 8  # at most 255 members in an fsdp generation (validate.py refuses more)
 MAX_WORLD = (1 << RANK_BITS) - 1
 
 

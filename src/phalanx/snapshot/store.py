@@ -22,6 +22,7 @@ the run ends. Workers find it in their spawn arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import mmap
@@ -194,6 +195,21 @@ class SnapshotStore:
         return Snapshot(header.step, header.epoch, state, nbytes, header.tag)
 
     # -- writing ---------------------------------------------------------------------------
+    def forget(self, drop: Callable[[Header], bool]) -> int:
+        """Mark each whole snapshot that ``drop`` accepts as not whole: it is never read
+        again, and its buffer is the next one written. Only the folder's writer calls it.
+        How many it marked."""
+        marked = 0
+        for name, header in self.headers().items():
+            if header.whole and drop(header):
+                fd = os.open(os.path.join(self.folder, name), os.O_RDWR)
+                try:
+                    os.pwrite(fd, dataclasses.replace(header, seq=header.seq + 1).pack(), 0)
+                finally:
+                    os.close(fd)
+                marked += 1
+        return marked
+
     def lock(self) -> int | None:
         """Take the folder's writer lock without waiting: its descriptor, or None while
         another live process holds it (a dead holder's lock is released by the kernel).

@@ -89,6 +89,7 @@ class Snapshotter:
         # proposed here (:attr:`proposed`), and the members agree on it (FsdpEngine)
         self.propose_only = False
         self.proposed: int | None = None
+        self.own_folder = False  # fsdp: this member's slot folder, which no one else writes
         self.last_step: int | None = None  # of the newest snapshot started
         self.step_time: float | None = None  # a moving mean of the interval between commits
         self.cost: float | None = None  # of the last whole snapshot (seconds)
@@ -118,7 +119,9 @@ class Snapshotter:
         started = time.perf_counter()
         try:
             if not self._hold_lock():
-                return
+                if not self.own_folder:  # (a machine's folder: another writer has it)
+                    return
+                raise RuntimeError(f"another live process holds {self.store.folder}'s lock")
             writing = self.store.begin(state(), self.tag)
             stable = set() if force else self.stable()
             writing.copy({i for i, (t, _) in enumerate(writing.tensors) if _ptr(t) not in stable})

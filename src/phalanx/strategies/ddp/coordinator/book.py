@@ -168,7 +168,7 @@ class FailureBook:
         action = recover(
             self.recovery, failure, history, survivors, (self.run_dir or kept) and can_restart
         )
-        sharded = self.sharded and self.recovery.mode != "abort" and not survivors
+        sharded = self.sharded and not survivors and restart_was_possible(self.recovery, history)
         if action == "abort" and sharded and failure.phase not in RUN_LEVEL_PHASES:
             self.notes.append(SHARDED)
         elif action == "abort" and not survivors and restart_was_possible(self.recovery, history):

@@ -201,7 +201,10 @@ class Coordinator(Roster):
         elif isinstance(message, Snapshotted):
             node = self.setup.node_of(slot)
             writer = (message.generation, slot) if self.setup.sharded else None
-            self.state.snapshot(node, message.step, message.nbytes, message.seconds, writer)
+            if message.failed:
+                self.state.shard_failed = True
+            else:
+                self.state.snapshot(node, message.step, message.nbytes, message.seconds, writer)
         elif isinstance(message, Progress | Joined):
             if isinstance(message, Joined):
                 self._restarted(message)
@@ -424,7 +427,7 @@ class Coordinator(Roster):
         """The first member of a restart's generation has the state it restarted from:
         the steps between it and the fall are computed again (recorded on the fall). Under
         fsdp a shrink or a respawn also starts from a set of snapshots: the same count."""
-        if self.setup.sharded and joined.step <= self.state.committed:
+        if self.setup.sharded and joined.generation > 0 and joined.step <= self.state.committed:
             fall = next((f for f in reversed(self.book.failures) if f.action != "retried"), None)
             if fall is not None and fall.replayed_steps is None:
                 fall.replayed_steps = self.state.committed - joined.step

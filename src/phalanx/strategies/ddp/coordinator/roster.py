@@ -78,8 +78,8 @@ class Setup:
     timing: Timing  # the run's durations (the coordinator reads hang, grace, startup, ...)
     run_dir: bool = False
     nodes: tuple[int, ...] = ()  # the node of each slot, across machines (empty: one node)
-    # fsdp: each member holds only its shard of the state, so a member's loss loses a part
-    # of it that no survivor holds (no copy of shards outlives their worker yet)
+    # fsdp: each member holds only its shard of the state, so the survivors hold the state
+    # only with a complete set of every member's shard snapshots (StateCopies.shard_set)
     sharded: bool = False
 
     def node_of(self, slot: int) -> int:
@@ -99,6 +99,7 @@ class StateCopies:
 
     # fsdp: generation -> the members that wrote a snapshot of their shards in it
     shard_writers: dict[int, set[int]] = field(default_factory=dict)
+    shard_failed: bool = False  # a member's shard snapshots failed: no complete set after
     taken: int = 0  # snapshots written, on every node
     seconds: float = 0.0  # their time, summed (the loop's share and the background copy)
     nbytes: int = 0  # the size of the last one
@@ -141,7 +142,7 @@ class StateCopies:
         """fsdp: whether every member of some generation (``members``: each one's) wrote a
         snapshot of its shards in it; with every member writing the same steps, a complete
         set of one step is then in shared memory (the workers find which)."""
-        return any(
+        return not self.shard_failed and any(
             set(members.get(generation, [-1])) <= writers
             for generation, writers in self.shard_writers.items()
         )

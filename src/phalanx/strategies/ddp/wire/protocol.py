@@ -379,6 +379,7 @@ class Snapshotted:
     nbytes: int = 0
     seconds: float = 0.0
     generation: int = -1  # the writer's (fsdp: each member writes its own shards)
+    failed: bool = False  # fsdp: this member's snapshots failed and stopped (no sets after)
 
 
 @dataclass

@@ -23,6 +23,7 @@ instead of one more collective each step.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from phalanx.errors import NonFiniteLossError
 from phalanx.replica import StepModule, ZeroPass
 
 PIECES = 4  # 16-bit pieces of one float64 (little-endian on every member)
@@ -174,6 +176,7 @@ class FsdpBallot(nn.Module):
         self.rank, self.world, self.size = rank, world, size
         self.box = nn.Parameter(torch.zeros(world, world * size * PIECES, device=device))
         self.template = template
+        self._checked = False  # the template's loss was finite once
         self.last: torch.Tensor | None = None  # the box as this forward used it
         self._ballot = np.zeros((world, size * PIECES), dtype=np.float32)
         self._sent = torch.from_numpy(self._ballot).view(1, -1)
@@ -196,6 +199,15 @@ class FsdpBallot(nn.Module):
         with torch.no_grad():
             for buf, kept in zip(model.buffers(), buffers, strict=True):
                 buf.copy_(kept)
+        if not self._checked:  # (a NaN times zero is NaN: it would reach every shard)
+            value = float(loss.detach().float().item())
+            if not math.isfinite(value):
+                raise NonFiniteLossError(
+                    f"the loss of the zero pass's template (the run's first samples) is "
+                    f"{value}: strategy='fsdp' computes it when a worker has fewer rows "
+                    "than micro-batches; check those samples or the step function"
+                )
+            self._checked = True
         return loss * 0.0, None, None
 
     @contextlib.contextmanager

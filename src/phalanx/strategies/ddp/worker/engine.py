@@ -251,8 +251,13 @@ class DdpEngine:
             self.epoch,
             self.config.loading(),
         ).to(self.device)
+        self._after_validation()
         self.group.all_reduce(sums)
         return sums.cpu()
+
+    def _after_validation(self) -> None:
+        """What every member does after its validation batches, before the sums' all-reduce:
+        nothing under ddp (validation has no collective of its own)."""
 
     def lr(self) -> float:
         return self.trainable.lr()

@@ -39,18 +39,15 @@ from torch.utils.data import Dataset, default_collate
 from phalanx.data import validation_batches
 from phalanx.loop import TrainLoop
 from phalanx.plan import Plan
-from phalanx.precision import step_scheduler_quietly
 from phalanx.ranks import acting_as
 from phalanx.replica import ZERO_PASS, Cast, LocalResult, StepModule, to_device
 from phalanx.sharding import innermost_first, units
 from phalanx.snapshot import Snapshotter
 from phalanx.snapshot.shards import rows
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.base import evaluate_local
 from phalanx.strategies.ddp.worker.ballot import FsdpBallot
 from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
-from phalanx.strategies.ddp.worker.handover import positions
 from phalanx.trainable import Trainable
 
 # The commits of a generation after which its members agree on their snapshot cadence: the
@@ -58,6 +55,7 @@ from phalanx.trainable import Trainable
 # third (into a buffer written before: a new buffer's page faults are not the cost) after
 # the 4th, measured by the time the next vote is cast.
 AGREE_AFTER = 4
+TEMPLATE_ROWS = 2  # (batch_size >= the workers >= 2)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -67,8 +65,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 class ShardedTrainable(Trainable):
     """A :class:`Trainable` whose model is sharded: its state dict is this member's shards
-    (plain tensors, copied), clipping scales the shards by a norm agreed before the commit
-    (:attr:`norm`), and :meth:`full_model_state` gathers the whole model (collective)."""
+    (plain tensors, views; :meth:`kept` copies them), clipping scales the shards by a norm
+    agreed before the commit (:attr:`norm`), and :meth:`full_model_state` gathers the whole
+    model (collective)."""
 
     norm: float | None = None  # the global gradient norm of the step about to be committed
 
@@ -83,26 +82,19 @@ class ShardedTrainable(Trainable):
             total += local(p.grad).detach().double().pow(2).sum().cpu()
         return total
 
+    def clip_gradients(self, clip: float) -> None:
+        """Each shard scaled by the agreed norm's coefficient, as ``clip_grad_norm_``
+        computes it: no collective, so once the commit runs no peer's loss can fail it."""
+        assert self.norm is not None, "commit() before the norm was agreed"
+        coefficient = min(1.0, clip / (self.norm + 1e-6))
+        with torch.no_grad():
+            for p in self._parameters():
+                assert p.grad is not None
+                local(p.grad).mul_(coefficient)
+
     def commit(self, skip: bool = False) -> None:
-        """Clip (each shard by the agreed norm's coefficient, as ``clip_grad_norm_``
-        computes it), step the optimizer and a per-step scheduler, clear gradients. No
-        collective: once it runs, no peer's loss can make it fail."""
-        if not skip and self.clip is not None:
-            assert self.norm is not None, "commit() before the norm was agreed"
-            coefficient = min(1.0, self.clip / (self.norm + 1e-6))
-            with torch.no_grad():
-                for p in self._parameters():
-                    assert p.grad is not None
-                    local(p.grad).mul_(coefficient)
+        super().commit(skip)
         self.norm = None
-        if skip:
-            assert self.scaler is not None  # (an overflow: "16-mixed" only, not under fsdp yet)
-            self.scaler.skip()
-        else:
-            self.optimizer.step()
-        if self.scheduler is not None and not self.scheduler_per_epoch:
-            step_scheduler_quietly(self.scheduler, optimizer_stepped=not skip)
-        self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
         """This member's shards of the model and optimizer state (plain tensors: views of
@@ -239,6 +231,7 @@ class FsdpEngine(DdpEngine):
     ) -> None:
         self.spec, self.mesh = spec, group.mesh
         self._template: Any = None
+        self.took_kept = False  # set by _wrap: the shards kept from the last generation fit
         self.fence: Callable[[], None] = lambda: None  # (the snapshot taker's, when it has one)
         # The snapshot taker, while it measures its cadence (see _agree_cadence)
         self.cadence: Snapshotter | None = None
@@ -277,7 +270,9 @@ class FsdpEngine(DdpEngine):
         with acting_as(member.slot, len(self.config.devices)):  # (px.rank() in the factory)
             trainable = ShardedTrainable(self.spec, self.device, self.config.seed, model, shard)
         kept, member.kept = member.kept, None
-        if kept is not None:
+        # (a rebuild's: only shards of this very world and rank fit; else the set's)
+        self.took_kept = kept is not None and kept.get("as") == [self.world, self.rank]
+        if kept is not None and self.took_kept:
             trainable.load_state_dict(kept)
         member.trainable = trainable
         member.replica.module = trainable.module
@@ -286,11 +281,12 @@ class FsdpEngine(DdpEngine):
         return ballot
 
     def template(self) -> Any:
-        """One training sample on the device (the first of the run's first batch), for the
-        zero passes; read once per generation, when first needed."""
+        """Two training samples on the device (the first of the run's first batch: a batch
+        of one breaks BatchNorm, and a batch statistic of one row can be NaN), for the zero
+        passes; read once per generation, when first needed."""
         if self._template is None:
             collate = self.config.collate_fn or default_collate
-            first = self.plan.global_batch(0, 0)[:1]
+            first = self.plan.global_batch(0, 0)[:TEMPLATE_ROWS]
             self._template = to_device(collate([self.train[i] for i in first]), self.device)
         return self._template
 
@@ -329,21 +325,13 @@ class FsdpEngine(DdpEngine):
         taker.every = max(1, every)
         self.cadence = None
 
-    def evaluate(self) -> torch.Tensor:
-        """Validation as under ddp, then zero passes until this member has run as many
-        forwards as the member with the most batches (each forward gathers shards)."""
-        self.hooks.on_phase(self.step, "validation")
+    def _after_validation(self) -> None:
+        """Zero passes until this member has run as many forwards as the member with the
+        most validation batches (each forward gathers shards); then the root resharded on
+        every member (FSDP2 keeps the root gathered after a forward without backward, and
+        only some members would reshard it at their next state_dict: their next forwards
+        would then gather differently)."""
         replica = self.m.replica
-        sums = evaluate_local(
-            replica,
-            self.valid,
-            self.valid_size,
-            self.config.batch_size,
-            self.rank,
-            self.world,
-            self.epoch,
-            self.config.loading(),
-        ).to(self.device)
         if self.valid is not None:
             counts = [self._batches(r) for r in range(self.world)]
             replica.module.eval()
@@ -353,8 +341,7 @@ class FsdpEngine(DdpEngine):
                         replica.forward(ZERO_PASS)
             finally:
                 replica.module.train()
-        self.group.all_reduce(sums)
-        return sums.cpu()
+        self.fsdp_ballot.reshard()  # type: ignore[operator]
 
     def _batches(self, rank: int) -> int:
         parts = validation_batches(self.valid_size, self.config.batch_size, rank, self.world)
@@ -367,7 +354,7 @@ class FsdpEngine(DdpEngine):
     def keep(self) -> None:
         """Leaving the generation: keep this member's shards of the committed state for the
         next one (a failed step's gradients are not state)."""
-        self.m.kept = self.sharded.kept()
+        self.m.kept = {**self.sharded.kept(), "as": [self.world, self.rank]}
 
     def launch(self, result: LocalResult) -> Cast:
         """As under ddp, once this member's snapshot of the last committed step is whole
@@ -381,14 +368,14 @@ class FsdpEngine(DdpEngine):
         return self.sharded.full_model_state()
 
 
-def same_position(loop: TrainLoop, group: FsdpGroup) -> None:
-    """A rebuilt generation's members must stand at the same committed step (each holds
-    only its own shards: none can give another a step it lacks). Raises when they do not."""
-    where = positions(loop, group)
-    if len(set(where)) > 1:
-        raise RuntimeError(
-            "the members of this sharded run stand at different committed steps "
-            f"({', '.join(f'rank {r}: step {int(s)}' for r, (s, _) in enumerate(where))}): "
-            "a peer was lost between two members' commits, and no copy of the shards outside "
-            "the workers can bring them together yet (docs/fsdp.md)"
-        )
+def one_position(loop: TrainLoop, group: FsdpGroup, mine: bool) -> bool:
+    """Whether every member holds state of its own (``mine``: a rebuild's member took the
+    shards it kept, of this very world and rank) and all stand at one committed step and
+    epoch (a member that committed a step its peers did not, when a failure came after the
+    vote, stands apart). Every member calls it (one all-reduce) and gets the same answer."""
+    rows = torch.zeros(group.size, 3, dtype=torch.float64, device=group.device)
+    st = loop.state
+    rows[group.rank] = torch.tensor([st.global_step, st.epoch, float(mine)], dtype=torch.float64)
+    group.all_reduce(rows)  # (each row one member's)
+    seen = rows.tolist()
+    return all(r[2] == 1.0 for r in seen) and len({(r[0], r[1]) for r in seen}) == 1

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from phalanx.strategies.ddp.worker.group import GenerationGroup, GroupBroken, _broken_on_error
+from phalanx.strategies.ddp.worker.group import GenerationGroup, _broken_on_error
 
 
 @dataclass
@@ -111,8 +111,9 @@ class FsdpGroup(GenerationGroup):
     ) -> FsdpGroup:
         """Make torch's default group under ``prefix`` of ``store`` (every member calls this
         with the same prefix; bounded by the store client's timeout) and its mesh."""
-        if dist.is_initialized():  # (the generation before did not leave: never expected)
-            raise GroupBroken("torch's default process group is still up from a generation")
+        if dist.is_initialized():  # (a generation that never left it: its group is over)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
         before = Sockets.now()
         backend = "nccl" if device.type == "cuda" else "gloo"
         with _broken_on_error(f"forming the group {prefix}"):
@@ -124,7 +125,12 @@ class FsdpGroup(GenerationGroup):
                 timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )
-            mesh = init_device_mesh(device.type, (size,))
+            try:
+                mesh = init_device_mesh(device.type, (size,))
+            except BaseException:  # (the next generation must find no default group)
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+                raise
         pg = dist.group.WORLD
         assert isinstance(pg, dist.ProcessGroup)
         return cls(pg, rank, size, device, mesh, Sockets.since(before), store_port)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from phalanx.loop import TrainLoop
 from phalanx.snapshot import SnapshotStore
@@ -38,12 +37,16 @@ def slot_folder(folder: str, slot: int) -> str:
 
 
 def restore_from_set(
-    loop: TrainLoop, group: FsdpGroup, folder: str, past: int | None = None
+    loop: TrainLoop, group: FsdpGroup, folder: str, slot: int, past: int | None = None
 ) -> ShardSet | None:
     """Every member of the new generation: find, agree on and restore the newest complete
     set under ``folder``; returns it. Raises :class:`NoShardSet` when there is none, unless
     ``past`` is given (a restart that resumed from a checkpoint at that step): then the set
-    is restored only when it is further, and None returned otherwise."""
+    is restored only when it is further, and None returned otherwise.
+
+    Each member then forgets the other snapshots in its own slot's folder (``slot``): its
+    next snapshot goes into a buffer that holds none of the set, so the set it started from
+    stays whole until a newer one is."""
     stores = [SnapshotStore(str(p)) for p in sorted(Path(folder).glob("slot-*"))]
     found: list[tuple[Written, SnapshotStore]] = []
     for store in stores:
@@ -73,6 +76,9 @@ def restore_from_set(
     loop.restore(assemble(states, engine, group.size, group.rank))
     for store in stores:
         store.close()
+    SnapshotStore(slot_folder(folder, slot)).forget(
+        lambda h: not ((w := Written.of(h.tag, h.step, h.epoch)) and _of(w, chosen, w.rank))
+    )
     return chosen
 
 
@@ -105,27 +111,21 @@ def assemble(
     (``states``, in old rank order): its rows of every parameter and optimizer state, the
     rest (buffers, scheduler, loop, RNG: the same on every old rank) from old rank 0's."""
     first = states[0]
+    record = first.get("shards") or {}
     live = engine.sharded.model.state_dict()
-    model: dict[str, torch.Tensor] = {}
-    for key, value in live.items():
-        if isinstance(value, DTensor):
-            pieces = [s["model"][key] for s in states]
-            model[key] = reshard(pieces, value.shape[0], world, rank)
-        else:
-            model[key] = first["model"][key]
+    model = dict(first["model"])
+    for key in record.get("model", []):
+        pieces = [s["model"][key] for s in states]
+        model[key] = reshard(pieces, live[key].shape[0], world, rank)
     params = [p for g in engine.sharded.optimizer.param_groups for p in g["params"]]
     optimizer = first["optimizer"]
     opt_states: dict[Any, dict[str, Any]] = {}
+    listed = {str(i): keys for i, keys in record.get("optimizer", {}).items()}
     for index, values in optimizer["state"].items():
-        param = params[int(index)]
-        here: dict[str, Any] = {}
-        for key, value in values.items():
-            sharded = isinstance(param, DTensor) and torch.is_tensor(value)
-            if sharded and value.dim() == param.dim() and value.shape[1:] == param.shape[1:]:
-                pieces = [s["optimizer"]["state"][index][key] for s in states]
-                here[key] = reshard(pieces, param.shape[0], world, rank)
-            else:
-                here[key] = value
+        here = dict(values)
+        for key in listed.get(str(index), []):
+            pieces = [s["optimizer"]["state"][index][key] for s in states]
+            here[key] = reshard(pieces, params[int(index)].shape[0], world, rank)
         opt_states[index] = here
     return {
         **first,

@@ -80,7 +80,7 @@ from phalanx.strategies.ddp.wire.protocol import (
 )
 from phalanx.strategies.ddp.worker.emergency import await_verdict, keep_committed
 from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
-from phalanx.strategies.ddp.worker.fsdp_engine import FsdpEngine, ShardedTrainable, same_position
+from phalanx.strategies.ddp.worker.fsdp_engine import FsdpEngine, ShardedTrainable, one_position
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
 from phalanx.strategies.ddp.worker.fsdp_handover import NoShardSet, restore_from_set, slot_folder
 from phalanx.strategies.ddp.worker.group import GenerationGroup, GroupBroken
@@ -617,19 +617,25 @@ class Worker:
         computed again)."""
         if gen.number == 0:
             return
-        if gen.rebuild:
-            same_position(loop, group)
-            return
+        engine = loop.engine
+        assert isinstance(engine, FsdpEngine)
+        if gen.rebuild and one_position(loop, group, engine.took_kept):
+            return  # (else a member's kept shards are of another world, or a member
+            # committed a step the others did not: the newest set is the common ground)
         # A restart's members (every member fell) resumed from the newest checkpoint, if
         # any: a set of shard snapshots replaces it only when it is further.
         restart = gen.number == gen.timeline
         folder = self.a.snapshot_dir
-        if folder is None or self.a.config.snapshots is None:
-            if restart:
-                return
-            raise NoShardSet("snapshots are off (fit(snapshots=False)): no copy of the shards")
-        past = loop.state.global_step if restart else None
-        restore_from_set(loop, group, folder, past)
+        if folder is not None and self.a.config.snapshots is not None:
+            past = loop.state.global_step if restart else None
+            restore_from_set(loop, group, folder, self.a.slot, past)
+        elif not restart:
+            raise NoShardSet(
+                "snapshots are off (fit(snapshots=False)): no copy of the shards to start "
+                "the new generation from"
+            )
+        if not one_position(loop, group, True):
+            raise NoShardSet("the members of the new generation stand at different steps")
 
     def form(self, store: dist.Store, gen: Generation, rank: int) -> GenerationGroup:
         """``gen``'s group: its own (ddp), or torch's default group and a mesh (fsdp)."""
@@ -693,7 +699,8 @@ class Worker:
 
     def shard_snapshot_writer(self, member: Member, gen: Generation) -> Snapshotter | None:
         """fsdp: every member writes its own shards into its slot's folder, after the same
-        steps as the others (``every_steps``, 1 unless set) and whole at each regroup; its
+        steps as the others (``every_steps``, or the cadence the members agree on: see
+        ``FsdpEngine._agree_cadence``) and whole at each regroup; its
         tag names the generation, its world and rank (:func:`phalanx.snapshot.shards.tag`)."""
         settings, folder = self.a.config.snapshots, self.a.snapshot_dir
         if settings is None or folder is None:
@@ -713,6 +720,7 @@ class Worker:
         taker.tag = shard_tag(gen.number, len(gen.members), gen.rank_of(self.a.slot))
         taker.for_joins = True  # (whole at a regroup: the next set is that step)
         taker.propose_only = settings.every_steps is None
+        taker.own_folder = True
         taker.restart_cadence()  # (every member of the generation counts from here)
         return taker
 
@@ -721,6 +729,17 @@ class Worker:
         self.send(Snapshotted(self.a.slot, taken.step, taken.nbytes, taken.seconds, generation))
 
     def snapshot_failed(self, exc: BaseException) -> None:
+        if self.a.config.strategy == "fsdp":  # (no complete set of shards after this one)
+            self.send(Snapshotted(self.a.slot, -1, generation=self.watcher.generation, failed=True))
+            self.emit(
+                Notice(
+                    f"worker {self.a.slot}: its shard snapshots in shared memory failed "
+                    f"({type(exc).__name__}: {exc}) and stop; a worker's loss now ends the run "
+                    "unless a checkpoint in run_dir holds the state",
+                    level="warning",
+                )
+            )
+            return
         self.emit(
             Notice(
                 f"worker {self.a.slot}: a snapshot in shared memory failed ({type(exc).__name__}:"
