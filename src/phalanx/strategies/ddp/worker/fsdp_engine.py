@@ -54,7 +54,7 @@ from phalanx.trainable import Trainable
 # first snapshot comes after the 2nd commit (a step's time is known), then one a step; the
 # third (into a buffer written before: a new buffer's page faults are not the cost) after
 # the 4th, measured by the time the next vote is cast.
-AGREE_AFTER = 4
+CADENCE_COMMITS = 4
 TEMPLATE_ROWS = 2  # (batch_size >= the workers >= 2)
 
 
@@ -304,7 +304,7 @@ class FsdpEngine(DdpEngine):
         """The global gradient norm, when the step clips: one all-reduce of every member's
         squared sum (a failure here is GroupBroken, before anything changed); once per
         generation, the snapshot cadence (:meth:`_agree_cadence`)."""
-        if self.cadence is not None and self.commits == AGREE_AFTER:
+        if self.cadence is not None and self.commits == CADENCE_COMMITS:
             self._agree_cadence(self.cadence)
         if self.sharded.clip is None:
             return
@@ -316,7 +316,7 @@ class FsdpEngine(DdpEngine):
         """Every member snapshots the same steps (a set is one step of every member's): the
         measured cadence each proposes after its first snapshots (the snapshot's cost over
         the budget of the step time: :func:`~phalanx.snapshot.every_for`) is agreed as the
-        largest one, in one all-reduce after the generation's ``AGREE_AFTER``-th commit
+        largest one, in one all-reduce after the generation's ``CADENCE_COMMITS``-th commit
         (the same attempt on every member). Each snapshot is then ``every`` steps apart."""
         proposals = torch.zeros(self.world, dtype=torch.float64, device=self.device)
         proposals[self.rank] = float(taker.proposed or 0)
