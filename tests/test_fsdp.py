@@ -274,6 +274,36 @@ def test_a_second_loss_right_after_a_restore_finds_the_set_still_whole(
     assert rel(result.model, single.model) <= 1e-5 and result.ledger_ok is True
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fault", "mode", "action"),
+    [
+        ("kill:2@5/optimizer", "shrink", "shrunk"),  # (the last worker, in its commit)
+        ("kill:0@5/data", "respawn", "respawned"),  # (the first, before any gather)
+        ("hang:2@4/forward", "respawn", "respawned"),  # (its peers wait in an all-gather)
+        ("exception:0@5/sync", "respawn", "retried"),  # (after forward's gathers: rebuilt)
+    ],
+)
+def test_the_fault_matrix_rows_end_with_one_devices_weights(
+    fault: str, mode: str, action: str, single: px.FitResult
+) -> None:
+    """Rows of ddp's fault matrix under fsdp (first and last worker, other phases): each
+    failure named where it happened, the run goes on, one device's weights, every sample
+    once."""
+    f = px.Fault.parse(fault)
+    result = learner().fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", faults=[f],
+        on_failure=px.Recovery(mode=mode), hang_timeout=3, **FIT,
+    )  # fmt: skip
+    [failure] = result.failures
+    kind = {"kill": "crash"}.get(f.kind, f.kind)
+    assert (failure.worker, failure.kind, failure.step, failure.action) == (
+        f.worker, kind, f.step, action,
+    )  # fmt: skip
+    assert failure.phase == f.phase
+    assert rel(result.model, single.model) <= 1e-5 and result.ledger_ok is True
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("source", ["snapshots", "checkpoint"])
 def test_every_worker_lost_restarts_from_the_newest_copy(

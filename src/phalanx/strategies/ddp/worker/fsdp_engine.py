@@ -25,6 +25,7 @@ What differs from the ddp engine (:mod:`.engine`), and why:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,10 +38,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset, default_collate
 
 from phalanx.data import validation_batches
+from phalanx.failures import FailedHere
 from phalanx.loop import TrainLoop
 from phalanx.plan import Plan
 from phalanx.ranks import acting_as
 from phalanx.replica import ZERO_PASS, Cast, LocalResult, StepModule, to_device
+from phalanx.report import is_secondary
 from phalanx.sharding import innermost_first, units
 from phalanx.snapshot import Snapshotter
 from phalanx.snapshot.shards import rows
@@ -48,6 +51,7 @@ from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.worker.ballot import FsdpBallot
 from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
+from phalanx.strategies.ddp.worker.group import GroupBroken
 from phalanx.trainable import Trainable
 
 # The commits of a generation after which its members agree on their snapshot cadence: the
@@ -324,6 +328,17 @@ class FsdpEngine(DdpEngine):
         every = int(proposals.max().item())
         taker.every = max(1, every)
         self.cadence = None
+
+    def evaluate(self) -> torch.Tensor:
+        """As under ddp; but each validation forward gathers shards, so a peer lost during
+        validation breaks this member's forward: that is the group's end (GroupBroken), not
+        a failure of this member's validation."""
+        try:
+            return super().evaluate()
+        except FailedHere as exc:
+            if is_secondary(dataclasses.replace(exc.failure, phase="forward")):
+                raise GroupBroken(f"validation: {exc.failure.message}") from None
+            raise
 
     def _after_validation(self) -> None:
         """Zero passes until this member has run as many forwards as the member with the
