@@ -26,6 +26,7 @@ from phalanx.errors import (
 )
 from phalanx.sharding import innermost_first, units
 from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, rows, tag
+from phalanx.strategies.ddp.coordinator.roster import StateCopies
 
 TRAIN, VALID = h.data(62), h.data(20, seed=1)  # 62 = 5 x 12 + 2: the last batch is 2 rows
 FIT: dict[str, Any] = dict(epochs=2, batch_size=12, seed=3, sinks=[])
@@ -500,3 +501,20 @@ def test_a_checkpoint_of_another_model_is_refused_naming_it(
     with pytest.raises(CheckpointMismatchError, match=r"ckpt-000000012\.rank-0-of-3\.pt"):
         other.fit(TRAIN, devices="cpu", run_dir=str(tmp_path / "run"), resume=True, **FIT)
     assert len(list_checkpoints(folder)) == 3
+
+
+@pytest.mark.parametrize(
+    ("writers", "failed", "kept"),
+    [
+        ({}, False, False),  # (no snapshot yet)
+        ({0: {0, 1}}, False, False),  # (generation 0 has 3 members: one has not written)
+        ({0: {0, 1, 2}}, False, True),
+        ({0: {0, 1}, 1: {0, 1}}, False, True),  # (generation 1, the shrink, is complete)
+        ({0: {0, 1, 2}}, True, False),  # (a member's snapshots failed: no set after)
+    ],
+)
+def test_the_coordinator_counts_on_a_shard_set_only_when_one_is_complete(
+    writers: dict[int, set[int]], failed: bool, kept: bool
+) -> None:
+    state = StateCopies(shard_writers=writers, shard_failed=failed)
+    assert state.shard_set({0: [0, 1, 2], 1: [0, 1]}) is kept

@@ -268,8 +268,9 @@ class ShardedCheckpointer(Checkpointer):
     atomically, and no member gathers the model. A checkpoint exists once every rank's file
     is there (:func:`~phalanx.checkpoint.io.list_checkpoints` lists no other), so a run
     killed while writing one keeps the one before. Rank 0 waits up to ``complete_wait``
-    seconds for the others' files, then indexes the checkpoint and applies the retention
-    policy (deleting every rank's file of a checkpoint it drops). Read back, a sharded
+    seconds for the others' files (looking every ``poll`` seconds), then indexes the
+    checkpoint and applies the retention policy (deleting every rank's file of a checkpoint
+    it drops). Read back, a sharded
     checkpoint is the whole state (:func:`~phalanx.checkpoint.io.read_checkpoint`), which
     any strategy resumes from, and fsdp on any number of members (each cuts its rows).
     :attr:`rank` and :attr:`world` follow the member's generation; each save keeps its own."""
@@ -279,9 +280,11 @@ class ShardedCheckpointer(Checkpointer):
         directory: str | os.PathLike[str],
         config: Checkpoints,
         emit: Emit,
-        complete_wait: float = 60.0,
+        complete_wait: float,
+        poll: float,
     ) -> None:
-        self.rank, self.world, self.complete_wait = 0, 1, complete_wait
+        self.rank, self.world = 0, 1
+        self.complete_wait, self.poll = complete_wait, poll  # (seconds: the run's Timing)
         super().__init__(directory, config, emit)
 
     def save(self, state: dict[str, Any], *, step: int, epoch: int, metric: float | None) -> None:
@@ -307,7 +310,7 @@ class ShardedCheckpointer(Checkpointer):
                 why = f"not every rank's shard was written within {self.complete_wait:g}s"
                 self._emit(CheckpointSkipped(path=mine, reason=f"{why} ({', '.join(missing)})"))
                 return
-            time.sleep(0.02)
+            time.sleep(self.poll)
         # (read again: rank 0 of an earlier generation, another process, may have written it)
         self._index = {**read_index(self.directory), **self._index}
         self._index[os.path.basename(mine)] = meta  # (each shard's digest is beside it)

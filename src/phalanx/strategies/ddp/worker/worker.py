@@ -181,6 +181,12 @@ class WorkerArgs:
         self._spec = pickle.loads(self.user)
 
     @property
+    def sharded(self) -> bool:
+        """fsdp: each member holds a shard of the state (its engine, group, snapshots and
+        checkpoints are fsdp's)."""
+        return self.config.strategy == "fsdp"
+
+    @property
     def spans_nodes(self) -> bool:
         """Whether the run has slots on other machines than this one."""
         return len(self.here) < len(self.config.devices)
@@ -603,10 +609,10 @@ class Worker:
             cfg = self.a.config
             assert cfg.run_dir
             settings = cfg.checkpoint if cfg.checkpoint is not None else Checkpoints()
-            wait = self.a.timing.forming.total_seconds()
-            checkpointer = ShardedCheckpointer(
-                checkpoint_dir(cfg.run_dir), settings, self.emit, wait
-            )
+            timing = self.a.timing
+            wait, poll = timing.forming.total_seconds(), timing.store_poll.total_seconds()
+            folder = checkpoint_dir(cfg.run_dir)
+            checkpointer = ShardedCheckpointer(folder, settings, self.emit, wait, poll)
         checkpointer.rank, checkpointer.world = rank, len(gen.members)
         return checkpointer
 
@@ -641,7 +647,7 @@ class Worker:
         """``gen``'s group: its own (ddp), or torch's default group and a mesh (fsdp)."""
         timing, size = self.a.timing, len(gen.members)
         prefix = f"g{gen.number}/"
-        if self.a.config.strategy == "fsdp":
+        if self.a.sharded:
             return FsdpGroup.form_default(
                 store, prefix, rank, size, self.device, timing.collective, self.a.store_port
             )
@@ -678,7 +684,7 @@ class Worker:
         the first member in rank order on this machine (survivors keep their order and
         newcomers go last, so a writer stays one while it lives)."""
         settings, folder = self.a.config.snapshots, self.a.snapshot_dir
-        if self.a.config.strategy == "fsdp":
+        if self.a.sharded:
             return self.shard_snapshot_writer(member, gen)
         local = [slot for slot in gen.members if slot in self.a.here]
         if settings is None or folder is None or not local or local[0] != self.a.slot:
@@ -729,7 +735,7 @@ class Worker:
         self.send(Snapshotted(self.a.slot, taken.step, taken.nbytes, taken.seconds, generation))
 
     def snapshot_failed(self, exc: BaseException) -> None:
-        if self.a.config.strategy == "fsdp":  # (no complete set of shards after this one)
+        if self.a.sharded:  # (no complete set of shards after this one)
             self.send(Snapshotted(self.a.slot, -1, generation=self.watcher.generation, failed=True))
             self.emit(
                 Notice(
