@@ -330,7 +330,9 @@ def test_every_worker_lost_restarts_from_the_newest_copy(
     restarted = [f for f in result.failures if f.action == "restarted"]
     assert len(restarted) == 1 and restarted[0].replayed_steps is not None
     if source == "checkpoint":
-        assert restarted[0].replayed_steps == 1  # (step 5 fell; the checkpoint is step 3's)
+        # (the checkpoint is step 3's; the deaths came in step 5, and the head counts step 4
+        # committed once rank 0's word of it is read, which may come after the deaths)
+        assert restarted[0].replayed_steps in (0, 1)
 
 
 @pytest.mark.timeout(120)
