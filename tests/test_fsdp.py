@@ -327,12 +327,15 @@ def test_every_worker_lost_restarts_from_the_newest_copy(
     )  # fmt: skip
     assert rel(result.model, single.model) <= 1e-5
     assert result.ledger_ok is True and result.steps == single.steps
+    # (with snapshots off the first death alone restarts every slot, and a death seen after
+    # that decision may be answered by a restart of its own: one or more restarts)
+    assert {f.action for f in result.failures} <= {"restarted", "respawned"}
     restarted = [f for f in result.failures if f.action == "restarted"]
-    assert len(restarted) == 1 and restarted[0].replayed_steps is not None
+    assert restarted and restarted[-1].replayed_steps is not None
     if source == "checkpoint":
         # (the checkpoint is step 3's; the deaths came in step 5, and the head counts step 4
         # committed once rank 0's word of it is read, which may come after the deaths)
-        assert restarted[0].replayed_steps in (0, 1)
+        assert restarted[-1].replayed_steps in (0, 1)
 
 
 @pytest.mark.timeout(120)
