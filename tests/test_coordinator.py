@@ -57,12 +57,17 @@ class Run:
     """A coordinator and a fake clock."""
 
     def __init__(
-        self, world: int = 3, recovery: px.Recovery | None = None, run_dir: bool = False
+        self,
+        world: int = 3,
+        recovery: px.Recovery | None = None,
+        run_dir: bool = False,
+        sharded: bool = False,
     ) -> None:
         devices = [f"cpu:{i}" for i in range(world)]
         timing = Timing(hang=timedelta(seconds=HANG))
         policy = recovery or px.Recovery()
-        self.c = Coordinator(Setup(PLAN, devices, policy, timing, run_dir))
+        setup = Setup(PLAN, devices, policy, timing, run_dir, sharded=sharded)
+        self.c = Coordinator(setup)
         self.t = 0.0
         self.log: list[Action] = []
         self.log += self.c.start(self.now())
@@ -421,6 +426,36 @@ def test_every_member_fallen_with_a_run_dir_restarts_all_from_the_checkpoint() -
         "worker 1's replacement (after its crash at step 1) was still starting when every "
         "worker fell: dropped"
     ]
+
+
+def test_exits_seen_with_the_one_that_restarts_are_the_replaced_processes_not_the_new() -> None:
+    """fsdp, snapshots off: every member killed in one step, their exits read in one poll.
+    The first restarts every slot (the survivors' shards are not the whole state), and
+    the others' exits, handled after the restart's spawns, are of the
+    processes those spawns replaced (by their pids): no failure of the new processes, which
+    start as the restart's (a preflight retry of one of them restores as it would have)."""
+    run = Run(world=3, run_dir=True, sharded=True)
+    run.start_training()
+    old = {slot: run.c.slots[slot].pid for slot in range(3)}
+    first = run.at(1).feed(Exited(0, SIGKILL, pid=old[0]))
+    assert recorded(first) == [(0, "crash", 0, "restarted")]
+    assert [(a.slot, a.restart_after) for a in first if isinstance(a, Spawn)] == [
+        (0, 0), (1, 0), (2, 0),
+    ]  # fmt: skip
+    later = run.feed(Exited(1, SIGKILL, pid=old[1])) + run.feed(Exited(2, SIGKILL, pid=old[2]))
+    late_word = run.feed(Received(1, Progress(1, 9, "forward", 1.0, 0), pid=old[1]))
+    assert recorded(later + late_word) == []
+    assert [run.c.slots[s].status for s in range(3)] == [SlotStatus.STARTING] * 3
+    assert run.c.slots[1].phase == "start"  # (its old process's progress is not its own)
+    # A real failure of a restarted process in its preflight: it starts again as it was
+    actions = run.at(2).feed(Exited(2, SIGKILL, pid=run.c.slots[2].pid))
+    assert recorded(actions) == []  # (held until its retry passes or fails the same way)
+    [retry] = [a for a in actions if isinstance(a, Spawn)]
+    assert retry == next(a for a in first if isinstance(a, Spawn) and a.slot == 2)
+    for slot in range(3):
+        run.say(slot, Ready(slot))
+    restart = "restart from the newest snapshot or checkpoint"
+    assert [c for _, c in announced(run.log)][-1] == restart
 
 
 def step_ended(global_step: int) -> Relay:

@@ -33,17 +33,20 @@ def train():
 """
 
 
-def _run(tmp_path: Path, tail: str) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, tail: str, strategy: str = "ddp") -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(BODY) + tail)
+    body = textwrap.dedent(BODY).replace('strategy="ddp"', f'strategy="{strategy}"')
+    script.write_text(body + tail)
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
 
 
 @pytest.mark.timeout(120)
-def test_unguarded_script_is_named_before_launch(tmp_path: Path) -> None:
-    proc = _run(tmp_path, "\ntrain()\n")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_unguarded_script_is_named_before_launch(tmp_path: Path, strategy: str) -> None:
+    proc = _run(tmp_path, "\ntrain()\n", strategy)
     assert proc.returncode != 0
     assert "PX116" in proc.stderr
+    assert f'calls fit(strategy="{strategy}")' in proc.stderr
     assert 'if __name__ == "__main__":' in proc.stderr
     assert "script.py" in proc.stderr
     # Raised before launch: no worker ever re-imported the script (that would print

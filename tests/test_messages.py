@@ -76,7 +76,7 @@ EXAMPLES: list[Message] = [
     FAILED,
     Seen(2, Progress(2, 7, "backward", 12.5, 1)),
     Seen(3, DONE, stale=True),
-    Seen(2, code=-9, exited=True, oom_kills=1),
+    Seen(2, code=-9, exited=True, oom_kills=1, pid=4242),
     FinalWeights(0, b"\x00\x01 any bytes"),
     Started(3, 4242),
     Started(3, None),

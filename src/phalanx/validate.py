@@ -149,7 +149,7 @@ def validate_fit(
         _validate_picklable(spec)
         _check_pickles("collate_fn", config.collate_fn)
         _validate_datasets_picklable({"training": train, "validation": valid})
-        _validate_main_guard()
+        _validate_main_guard(config.strategy)
 
 
 def _validate_numbers(spec: TrainSpec, config: FitConfig) -> None:
@@ -606,7 +606,7 @@ def _blocks(node: ast.stmt, skip_main: bool) -> list[list[ast.stmt]]:
     return []
 
 
-def _validate_main_guard() -> None:
+def _validate_main_guard(strategy: str) -> None:
     """With spawn, the main module is re-imported in each worker: unguarded top-level code
     would start training again there. Detectable when fit() is called while the main module
     is still being executed at top level (not from a function called under the guard)."""
@@ -620,7 +620,7 @@ def _validate_main_guard() -> None:
             source = _read(path)
             if source is not None and not _has_main_guard(source):
                 raise MissingMainGuardError(
-                    f'{path} calls fit(strategy="ddp") at top level without an '
+                    f'{path} calls fit(strategy="{strategy}") at top level without an '
                     '`if __name__ == "__main__":` guard; worker processes re-import this file. '
                     'Put the call under `if __name__ == "__main__":`'
                 )

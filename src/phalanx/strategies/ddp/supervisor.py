@@ -165,11 +165,11 @@ class Supervisor:
         """What an agent saw, this machine's or a node's."""
         if seen.exited:
             assert seen.code is not None
-            self._feed(Exited(seen.slot, seen.code, seen.oom_kills))
+            self._feed(Exited(seen.slot, seen.code, seen.oom_kills, seen.pid))
         elif isinstance(seen.message, Rejected):
             self._rejected(seen.message)
         else:
-            self._feed(Received(seen.slot, seen.message, seen.stale))
+            self._feed(Received(seen.slot, seen.message, seen.stale, seen.pid))
 
     def _hear(self) -> None:
         """What the other nodes' agents sent, and the nodes lost."""

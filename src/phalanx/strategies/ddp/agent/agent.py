@@ -182,12 +182,15 @@ class Agent:
         self, slot: int, name: str, target: Callable[[Any], None], make_args: Callable[..., Any]
     ) -> int | None:
         """Start ``target(make_args(outbox, stack_file, heartbeat))`` as the process of
-        ``slot``; the one it replaces is read to the end and retired. Returns the new pid."""
+        ``slot``; the one it replaces is read to the end and retired (killed if it still
+        runs: a slot has one process). Returns the new pid."""
         reader, writer = self.ctx.Pipe(duplex=False)
         bell, ring = self.ctx.Pipe(duplex=False)
         if slot in self.slots:
             old = self.slots[slot]
-            self._read(slot, old.conn, stale=True)  # its last words, then let the pipe go
+            if old.alive():
+                old.kill()
+            self._read(slot, old, stale=True)  # its last words, then let the pipe go
             old.close()
             self.retired.append(old.process)
         heartbeat = Heartbeat.create(self.ctx)
@@ -227,16 +230,17 @@ class Agent:
         # unread, another worker's message that follows it (a failure in the next step).
         for slot, state in sorted(self.slots.items(), key=lambda item: item[0] in urgent):
             if not state.conn.closed:
-                self._read(slot, state.conn)
+                self._read(slot, state)
         for slot, state in list(self.slots.items()):
             code = state.exitcode()
             if code is not None and not state.exit_seen:
                 state.exit_seen = True
                 if not state.conn.closed:
-                    self._read(slot, state.conn)
+                    self._read(slot, state)
                 kills = _since(state.oom_at_start, oom_kill_count())
-                self.queue.append(Seen(slot, code=code, exited=True, oom_kills=kills))
-        beats = [Seen(slot, beat) for slot, beat in self._beats()]
+                pid = state.process.pid
+                self.queue.append(Seen(slot, code=code, exited=True, oom_kills=kills, pid=pid))
+        beats = [Seen(slot, beat, pid=self.slots[slot].process.pid) for slot, beat in self._beats()]
         seen, self.queue = [*beats, *self.queue], []
         return seen
 
@@ -250,10 +254,11 @@ class Agent:
                     beats.append((slot, beat))
         return beats
 
-    def _read(self, slot: int, conn: Connection, stale: bool = False) -> None:
+    def _read(self, slot: int, state: SlotState, stale: bool = False) -> None:
+        conn, pid = state.conn, state.process.pid
         try:
             while conn.poll():
-                self.queue.append(Seen(slot, received(conn.recv()), stale=stale))
+                self.queue.append(Seen(slot, received(conn.recv()), stale=stale, pid=pid))
         except (EOFError, OSError):
             conn.close()
 

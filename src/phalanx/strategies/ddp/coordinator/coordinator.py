@@ -53,6 +53,7 @@ class Received:
     slot: int
     message: object
     stale: bool = False  # from a process the slot's new one replaced: its last words
+    pid: int | None = None  # the process that wrote it (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Exited:
     slot: int
     code: int
     oom_kills: int | None = None
+    pid: int | None = None  # the process that ended (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -168,10 +170,13 @@ class Coordinator(Roster):
     def handle(self, event: CoordinatorEvent, now: Now) -> list[Action]:
         self.now = now
         if isinstance(event, Received):
+            if self.retired(event.slot, event.pid):
+                event = replace(event, stale=True)
             if _counts(event):
                 self._received(event.slot, event.message)
         elif isinstance(event, Exited):
-            self._exited(event.slot, event.code, event.oom_kills)
+            if not self.retired(event.slot, event.pid):  # (else it was accounted for)
+                self._exited(event.slot, event.code, event.oom_kills)
         elif isinstance(event, Spawned):
             self.spawned(event.slot, event.pid)
         elif isinstance(event, StacksTaken):
@@ -347,9 +352,9 @@ class Coordinator(Roster):
         survivors = [m for m in self.gens.current if m != slot and not self.slots[m].ended]
         holders = self.holders(survivors)
         action = self.book.fall(failure, holders, self.out, self.restart_kept(), self.can_restart())
-        if action == "preflight":
+        if action == "preflight":  # (as it was started: a restart's restores, skips faults)
             self.unready.add(slot)
-            self.spawn(Spawn(slot))
+            self.spawn(self.slots[slot].order or Spawn(slot))
         elif action in ("respawn", "shrink") and slot in self.gens.current:
             replacing = slot if action == "respawn" else None
             cause = f"worker {slot} {failure.kind}: {ACTIONS[action]}"

@@ -52,6 +52,7 @@ class Slot:
     joined_at: int | None = None  # a replacement: the step at which it joined
     joined_local: bool = False  # a replacement: it took the state from shared memory
     dropped: bool = False  # a replacement still starting when every member fell: killed
+    order: Spawn | None = None  # how it was started (a preflight's retry starts the same)
 
     @property
     def ended(self) -> bool:
@@ -198,6 +199,9 @@ class Roster:
         self.out: list[Action] = []
         self.panel = Panel(list(setup.devices), setup.timing.panel_tick)
         self.state = StateCopies()
+        # (slot, pid) of every process a spawn replaced in its slot: what it said or how it
+        # ended, seen after the spawn, is not the new process's
+        self.replaced: set[tuple[int, int]] = set()
 
     def _flush(self) -> list[Action]:
         actions, self.out = self.out, []
@@ -225,9 +229,13 @@ class Roster:
             phase="joining" if replacement else "start",
             progress_at=self.now.mono,
             replaces=action.replaces,
+            order=action,
         )
         if replacement:
             self.replacements.append(state)
+        old = self.slots.get(action.slot)
+        if old is not None and old.pid is not None:
+            self.replaced.add((action.slot, old.pid))
         self.slots[action.slot] = state
         self.out.append(action)
 
@@ -238,6 +246,11 @@ class Roster:
         event = self.panel.show(slot, panel_state, self.slots[slot], rank, detail, beat)
         if event is not None:
             self.emit(event)
+
+    def retired(self, slot: int, pid: int | None) -> bool:
+        """Whether ``pid`` is a process a spawn replaced in ``slot`` (an exit or a message
+        of it seen in the same poll as the spawn, or in flight from a node)."""
+        return pid is not None and (slot, pid) in self.replaced
 
     def kill(self, slot: int) -> None:
         """Killed on the coordinator's decision: its exit is no failure of its own."""

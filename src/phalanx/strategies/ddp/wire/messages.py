@@ -157,6 +157,9 @@ class Seen:
     stale: bool = False  # from the process the slot's new one replaced
     # An exit: the processes the kernel's OOM killer killed on this machine while it ran
     oom_kills: int | None = None
+    # The process that wrote or ended (None: unknown): the head tells a process it
+    # replaced from the slot's new one when both are seen in one poll or in flight
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -431,6 +434,7 @@ def _seen(d: _Doc, payload: bytes) -> Seen:
         exited=exited,
         stale=d.flag("stale"),
         oom_kills=d.maybe_integer("oom_kills", least=0),
+        pid=d.maybe_integer("pid", least=0),
     )
 
 
@@ -516,7 +520,7 @@ def _spawn_doc(m: SpawnOrder) -> dict[str, Any]:
 def _seen_doc(m: Seen) -> dict[str, Any]:
     message = None if m.message is None else to_wire(m.message)
     doc = {"slot": m.slot, "exited": m.exited, "code": m.code, "stale": m.stale}
-    return {**doc, "message": message, "oom_kills": m.oom_kills}
+    return {**doc, "message": message, "oom_kills": m.oom_kills, "pid": m.pid}
 
 
 # Each message's kind and document (its payload: End's and FinalWeights' ``weights``).
