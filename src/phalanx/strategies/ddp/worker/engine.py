@@ -189,16 +189,20 @@ class DdpEngine:
         self.m.replica.unvoted = None  # the vote carries it from here
         vote = unpack_vote(self.ballot.count(), mine.failures)
         vote.read_rows(self.ballot.rows(VOTE_HEAD))  # (each member's own: paces, bad samples)
-        # After backward DDP has reduced the gradients: every member holds the same ones
-        # (what keeps DDP's replicas equal), so each finds the same overflow, here counted for
-        # every member (only read when nobody failed: then every member checked).
-        if res.failure is None and self.trainable.overflowed():
-            vote.overflow = self.world
+        # Only read when nobody failed: then every member checks (see _overflowed).
         if vote.failed == 0:
+            if self._overflowed():
+                vote.overflow = self.world
             self._before_commit()
             # every member commits: a death from here fails no attempt
             self.hooks.on_phase(global_step, "optimizer")
         return vote
+
+    def _overflowed(self) -> bool:
+        """Under "16-mixed", whether the step's gradients overflowed (unscaling them): after
+        backward DDP has reduced them, every member holds the same ones (what keeps DDP's
+        replicas equal), so each finds the same overflow, counted for every member."""
+        return self.trainable.overflowed()
 
     def _before_commit(self) -> None:
         """What the members agree on before any commits, after a vote with no failure (a

@@ -51,7 +51,7 @@ from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.worker.ballot import FsdpBallot
 from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
-from phalanx.strategies.ddp.worker.group import GroupBroken
+from phalanx.strategies.ddp.worker.group import GroupBroken, broken_on_error
 from phalanx.trainable import Trainable
 
 # The commits of a generation after which its members agree on their snapshot cadence: the
@@ -121,7 +121,7 @@ class ShardedTrainable(Trainable):
             "model": model,
             "optimizer": {"state": states, "param_groups": optimizer["param_groups"]},
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "scaler": None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # which entries are dim-0 shards (phalanx.snapshot.shards.whole joins them)
             "shards": {
                 "model": [k for k, v in live.items() if isinstance(v, DTensor)],
@@ -166,6 +166,8 @@ class ShardedTrainable(Trainable):
         self.optimizer.load_state_dict({"state": states, "param_groups": saved["param_groups"]})
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict, with the user's keys, on the CPU of rank 0 (the
@@ -303,6 +305,15 @@ class FsdpEngine(DdpEngine):
     def commit(self, skip: bool = False) -> None:
         super().commit(skip)
         self.commits += 1
+
+    def _overflowed(self) -> bool:
+        """As under ddp, though each member unscales only its own gradient shards: torch's
+        unscale of sharded gradients all-reduces their overflow flags over the mesh
+        (DTensor's rule for the unscale op), so every member finds the same answer. That
+        is a collective: every member runs it (the vote found no failure), and a peer lost
+        in it is the group's end (GroupBroken), before anything changed."""
+        with broken_on_error("the loss scaler's unscale"):
+            return self.trainable.overflowed()
 
     def _before_commit(self) -> None:
         """The global gradient norm, when the step clips: one all-reduce of every member's

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from phalanx.strategies.ddp.worker.group import GenerationGroup, _broken_on_error
+from phalanx.strategies.ddp.worker.group import GenerationGroup, broken_on_error
 
 
 @dataclass
@@ -116,7 +116,7 @@ class FsdpGroup(GenerationGroup):
                 dist.destroy_process_group()
         before = Sockets.now()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        with _broken_on_error(f"forming the group {prefix}"):
+        with broken_on_error(f"forming the group {prefix}"):
             dist.init_process_group(
                 backend,
                 store=dist.PrefixStore(prefix, store),

@@ -167,7 +167,7 @@ class GenerationGroup:
         client's timeout). ``timeout`` bounds each collective; ``abandonable``: see the
         module's docstring."""
         scoped = dist.PrefixStore(prefix, store)
-        with _broken_on_error(f"forming the group {prefix}"):
+        with broken_on_error(f"forming the group {prefix}"):
             backend, kind = _backend(scoped, rank, size, device, timeout)
         pg = dist.ProcessGroup(scoped, rank, size)
         bind_backend(pg, device, kind, backend)
@@ -194,7 +194,7 @@ class GenerationGroup:
     def _start(self, what: str, start: Callable[[dist.ProcessGroup], dist.Work | None]) -> Any:
         """The collective started: something to :meth:`wait` for (a watched future on CPU,
         torch's work on CUDA)."""
-        with _broken_on_error(what):
+        with broken_on_error(what):
             work = start(self._group())
             assert work is not None
             return self.waits.watch(work.get_future()) if self.watched else work
@@ -216,7 +216,7 @@ class GenerationGroup:
 
     def wait(self, pending: Any, what: str = "all_reduce") -> None:
         """Until ``pending`` (from :meth:`all_reduce_async`) is done, or abandoned."""
-        with _broken_on_error(what):
+        with broken_on_error(what):
             value = pending.wait()
         if isinstance(value, Failure):
             raise GroupBroken(f"{what}: {value}")
@@ -258,7 +258,7 @@ class GenerationGroup:
         syncs them at commit). ``init_sync``: rank 0's weights to everyone at construction
         (the first generation only: later, rank 0 may be the member behind)."""
         ids = [self.device.index] if self.device.type == "cuda" else None
-        with _broken_on_error("building DDP"):
+        with broken_on_error("building DDP"):
             ddp = DistributedDataParallel(
                 module,
                 device_ids=ids,
@@ -332,7 +332,7 @@ def subgroup_ranks(ranks: Sequence[int], rank: int) -> int | None:
 
 
 @contextlib.contextmanager
-def _broken_on_error(what: str) -> Iterator[None]:
+def broken_on_error(what: str) -> Iterator[None]:
     """A torch error inside (gloo raises plain RuntimeErrors, c10d its DistErrors) is the
     group's end: :class:`GroupBroken`."""
     try:
