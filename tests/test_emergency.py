@@ -21,11 +21,12 @@ from phalanx.strategies.ddp.wire.protocol import Saved
 from phalanx.strategies.ddp.worker.emergency import await_verdict, keep_committed, save_committed
 
 
-def _loop(step: int, value: float = 1.0) -> Any:
-    """What save_committed reads of a TrainLoop: its state and its snapshot."""
+def _loop(step: int, value: float = 1.0, shards: bool = False) -> Any:
+    """What save_committed reads of a TrainLoop: its state, engine and snapshot."""
     state = SimpleNamespace(global_step=step, epoch=step // 10)
     return SimpleNamespace(
         state=state,
+        engine=SimpleNamespace(saves_shards=shards),
         snapshot=lambda: {"model": {"w": torch.full((2,), value)}, "loop": {"step": step}},
         close_checkpointer=lambda: None,
     )
@@ -66,6 +67,16 @@ def test_without_a_run_dir_nothing_is_saved_and_the_note_says_why() -> None:
     saved = save_committed(_loop(4), _config(None), slot=0)
     assert saved.path is None and not saved.wrote and "no run_dir" in saved.note
     assert keep_committed(None, _config(None), 3) == Saved(3, 0, note="nothing had trained yet")
+
+
+def test_an_fsdp_worker_saves_nothing_its_shards_alone_are_no_checkpoint(tmp_path: Path) -> None:
+    """Under fsdp a worker holds only its shards (the head's went with the head): a file of
+    them would be read as a whole checkpoint; nothing is written, and the note says where a
+    resume starts."""
+    saved = save_committed(_loop(7, shards=True), _config(tmp_path), slot=1)
+    assert saved.path is None and not saved.wrote and saved.step == 7
+    assert "newest complete sharded checkpoint" in saved.note
+    assert not list((tmp_path / "checkpoints").glob("*.pt"))
 
 
 def test_a_save_that_fails_is_reported_not_raised(tmp_path: Path) -> None:

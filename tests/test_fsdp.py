@@ -567,3 +567,16 @@ def test_the_coordinator_counts_on_a_shard_set_only_when_one_is_complete(
 ) -> None:
     state = StateCopies(shard_writers=writers, shard_failed=failed)
     assert state.shard_set({0: [0, 1, 2], 1: [0, 1]}) is kept
+
+
+def test_a_shard_set_counts_only_when_the_next_generation_reaches_every_writer() -> None:
+    """Across nodes the survivors read the snapshots on their own machines (and send them
+    to each other): a set whose writer is on a node none of them runs on is out of reach;
+    a lost node takes its slots' snapshots with it."""
+    state = StateCopies(shard_writers={0: {0, 1, 2, 3}})
+    members = {0: [0, 1, 2, 3]}
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
+    assert state.shard_set(members, lambda slot: node_of(slot) in {0, 1})
+    assert not state.shard_set(members, lambda slot: node_of(slot) == 0)
+    state.lost(1, [2, 3])
+    assert not state.shard_set(members)

@@ -725,3 +725,57 @@ def test_a_lost_node_that_registers_again_rejoins_and_the_model_is_the_clean_one
     w_head, w_node = weights(tmp_path / "node0.pt"), weights(tmp_path / "again.pt")
     assert same(w_head, w_node)
     assert same(w_head, one_node_run(tmp_path, epochs=30))  # as if no node was lost
+
+
+# -- fsdp across nodes ----------------------------------------------------------------------
+
+FSDP = {"PHALANX_TEST_STRATEGY": "fsdp"}
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_over_two_nodes_a_killed_worker_restarts_all_from_shards_across_nodes(
+    tmp_path: Path,
+) -> None:
+    """fsdp, one worker a node: node 1's worker is killed. Its shard snapshot is in node 1's
+    shared memory, out of reach of node 0's member alone, so every slot starts again (a
+    restart, one failure): the new generation takes the newest set of shard snapshots, half
+    of it on each node (each half sent to the other node over the group), computes the
+    steps since again, and ends with the model of one node that lost nothing."""
+    _, procs, logs = two_nodes(tmp_path, epochs=4, faults="kill:1@15", extra_env=FSDP)
+    finish_all(procs, logs)
+    head, node = result_of(logs[0]), result_of(logs[1])
+    assert head["steps"] == node["steps"] == 40
+    assert head["ledger_ok"] and node["ledger_ok"]
+    [fall] = head["failures"]
+    assert (fall["worker"], fall["kind"], fall["action"]) == (1, "crash", "restarted")
+    assert fall["replayed_steps"] is not None and 0 <= fall["replayed_steps"] <= 15
+    clean = one_node_run(tmp_path, epochs=4, extra_env=FSDP)
+    assert same(weights(tmp_path / "node0.pt"), clean)
+    assert same(weights(tmp_path / "node1.pt"), clean)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_a_lost_node_restarts_the_others_from_the_newest_sharded_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """fsdp over two nodes sharing run_dir, a sharded checkpoint every 5 steps: node 1 is
+    killed with its worker, and its shard snapshots with its machine, so no complete set is
+    left: node 0's slot starts again from the newest checkpoint (every rank's file in the
+    shared run_dir, cut to a world of one) and ends with the model of a run that lost
+    nothing."""
+    run_dir = tmp_path / "run"
+    env = {**FSDP, "PHALANX_TEST_CHECKPOINT_STEPS": "5"}
+    _, procs, logs = two_nodes(tmp_path, epochs=6, run_dir=run_dir, extra_env=env)
+    try:
+        wait_for("epoch 2/6 done", logs[0], procs[0])
+        kill_group(procs[1])
+        assert finish(procs[0]) == 0, logs[0].read_text()[-3000:]
+    finally:
+        for p in procs:
+            kill_group(p)
+    head = result_of(logs[0])
+    assert head["steps"] == 60 and head["ledger_ok"]
+    [failure] = head["failures"]
+    assert (failure["worker"], failure["action"]) == (1, "restarted")
+    assert failure["replayed_steps"] is not None and 0 <= failure["replayed_steps"] < 5
+    assert same(weights(tmp_path / "node0.pt"), one_node_run(tmp_path, epochs=6, extra_env=FSDP))

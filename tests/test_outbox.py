@@ -120,6 +120,7 @@ class Quiet:
         self.sentinel_end, self.keep = multiprocessing.Pipe(duplex=False)
         self.sentinel = self.sentinel_end.fileno()
         self.exitcode = None
+        self.pid = None  # (what the agent tells of it: unknown)
 
 
 def test_step_events_waiting_in_one_pipe_are_handled_before_a_peers_urgent_message() -> None:

@@ -1032,11 +1032,11 @@ _ENTRIES = [
     ),
     Explanation(
         code="PX142",
-        title="several nodes train with strategy='ddp' only",
+        title="several nodes train with strategy='ddp' or 'fsdp' only",
         meaning="The launch names several nodes (PHALANX_NNODES, torchrun's --nnodes, or "
         "Slurm's node count for the step is above 1) but fit() was given a strategy that "
         "trains on one node only ('single' or 'threads'): each node would train its own "
-        "copy. Across nodes, phalanx runs strategy='ddp': node 0 is the head (store, "
+        "copy. Across nodes, phalanx runs strategy='ddp' or 'fsdp': node 0 is the head (store, "
         "coordinator), every node starts and watches its own workers (docs/multinode.md).",
         when="First thing in fit(), on every node, before any other check, process or file.",
         causes=[
@@ -1045,8 +1045,8 @@ _ENTRIES = [
             "phalanx run --nnodes 2 (or PHALANX_NNODES=2) with such a strategy.",
         ],
         fixes=[
-            "Pass strategy='ddp' (every node runs the same script; devices= names that "
-            "node's devices).",
+            "Pass strategy='ddp' or 'fsdp' (every node runs the same script; devices= names "
+            "that node's devices).",
             "Or run on one node: torchrun --nnodes 1 --nproc-per-node 1, srun --nodes 1 "
             "--ntasks-per-node 1, or python train.py.",
         ],

@@ -228,7 +228,7 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "with this Python (the process becomes the script: its exit status is the script's). "
         "Start one per node, with the same PHALANX_TOKEN on each (or a shared run_dir); "
         "phalanx starts one worker per device of the node itself. Node 0 is the head; "
-        "several nodes train with strategy='ddp' (docs/multinode.md).",
+        "several nodes train with strategy='ddp' or 'fsdp' (docs/multinode.md).",
     )
     run.add_argument("--nnodes", type=int, required=True, help="number of nodes (1: one machine)")
     run.add_argument(

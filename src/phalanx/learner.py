@@ -149,7 +149,7 @@ class Learner:
             hang_timeout = timedelta(seconds=hang_timeout)
         if not isinstance(node_timeout, timedelta):
             node_timeout = timedelta(seconds=node_timeout)
-        # One process per node; several nodes with ddp only (PX140-PX142), before all else.
+        # One process per node; several nodes with ddp or fsdp (PX140-PX142), before all else.
         launch = check_launch(os.environ, strategy)
         requeued = _requeued(launch, run_dir, resume)
         resume = resume or requeued is not None

@@ -34,7 +34,7 @@ class RunInputs:
     train: Dataset[Any]
     valid: Dataset[Any] | None
     valid_size: int  # 0 without a validation set
-    launch: Launch | None = None  # how this process was started (several nodes: ddp only)
+    launch: Launch | None = None  # how this process was started (several nodes: ddp or fsdp)
     notices: list[str] = field(default_factory=list)  # said once the run's sinks are open
     # Across nodes, the head was lost and this node goes on: the ddp strategy's ``Failover``
     # (this node leads the run from here, or follows the node that does)

@@ -46,15 +46,17 @@ from phalanx.strategies import STRATEGIES, process_based
 def check_launch(environ: Mapping[str, str], strategy: str = "ddp") -> Launch:
     """The launch ``fit`` accepts: one process per node (PX140 for an environment that
     cannot be read, PX141 for several processes per node), and several nodes only with
-    ``strategy="ddp"`` (PX142). Called first in ``fit``, before any process, thread or file."""
+    ``strategy="ddp"`` or ``"fsdp"`` (PX142). Called first in ``fit``, before any process,
+    thread or file."""
     launch = detect(environ)
     if launch.local_world_size > 1:
         raise ProcessesPerNodeError(_copies_message(launch))
-    if launch.nnodes > 1 and strategy != "ddp":  # (fsdp: one node for now)
+    if launch.nnodes > 1 and not process_based(strategy):
         raise MultiNodeUnavailableError(
             f"this process is node {launch.node_rank} of {launch.nnodes} "
             f"({_NODES_FROM[launch.source]}), but strategy={strategy!r} trains on one node "
-            "only: several nodes train with strategy='ddp' (every node runs the same script, "
+            "only: several nodes train with strategy='ddp' or 'fsdp' (every node runs the "
+            "same script, "
             "fit(devices=...) naming that node's devices). Or run on one node (torchrun "
             "--nnodes 1 --nproc-per-node 1, srun --nodes 1 --ntasks-per-node 1, or without "
             "PHALANX_NNODES)"

@@ -307,7 +307,10 @@ class ShardedCheckpointer(Checkpointer):
         while not all(os.path.exists(f) for f in files):
             if time.monotonic() > deadline:
                 missing = [os.path.basename(f) for f in files if not os.path.exists(f)]
-                why = f"not every rank's shard was written within {self.complete_wait:g}s"
+                why = (
+                    f"not every rank's shard was written within {self.complete_wait:g}s "
+                    "(across nodes, run_dir must be a folder every node shares)"
+                )
                 self._emit(CheckpointSkipped(path=mine, reason=f"{why} ({', '.join(missing)})"))
                 return
             time.sleep(self.poll)

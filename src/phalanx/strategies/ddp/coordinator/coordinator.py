@@ -403,9 +403,17 @@ class Coordinator(Roster):
     def holders(self, members: list[int]) -> int:
         """How many of ``members`` hold the committed state: all but replacements let in
         that have not joined yet (they get it from a holder when their generation forms;
-        once no holder is left, only a restart from a snapshot or checkpoint can go on)."""
-        if self.setup.sharded:  # (each holds a shard: together, with a set of the others')
-            return len(members) if self.state.shard_set(self.gens.members) else 0
+        once no holder is left, only a restart from a snapshot or checkpoint can go on).
+        Under fsdp each holds a shard: together, with a set of the others' snapshots on
+        their machines (a lost member's snapshot on a node where none of ``members`` runs
+        is out of their reach: then a restart starts that node's slots too)."""
+        if self.setup.sharded:
+            nodes = {self.setup.node_of(m) for m in members}
+
+            def reach(slot: int) -> bool:
+                return self.setup.node_of(slot) in nodes
+
+            return len(members) if self.state.shard_set(self.gens.members, reach) else 0
         return sum(
             1
             for m in members
@@ -503,7 +511,7 @@ class NodeCoordinator(Coordinator):
             return
         failure = node_failure(self._where(lost[0]), event, lost)
         self.lost_nodes[event.node] = failure
-        self.state.lost(event.node)
+        self.state.lost(event.node, [s for s in self.slots if self.setup.node_of(s) == event.node])
         self.settle(before=max(self.slots[s].generation for s in lost))
         for slot in lost:
             self.move(slot, SlotStatus.ENDED)

@@ -9,6 +9,7 @@ each worker's last progress is :attr:`Slot.progress_at`, set only from its own m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -130,21 +131,28 @@ class StateCopies:
             f"{self.nbytes / 1e6:.1f} MB each (two buffers of that size per {each})"
         )
 
-    def lost(self, node: int) -> None:
-        """A node is gone with its machine: its shared memory too."""
+    def lost(self, node: int, slots: list[int]) -> None:
+        """A node is gone with its machine: its shared memory too (fsdp: the shard
+        snapshots of its ``slots``, so no set they belong to is complete any more)."""
         self.snapshots.pop(node, None)
+        for writers in self.shard_writers.values():
+            writers.difference_update(slots)
 
     @property
     def kept(self) -> bool:
         """Whether a snapshot lives on a node that is not lost."""
         return bool(self.snapshots)
 
-    def shard_set(self, members: dict[int, list[int]]) -> bool:
+    def shard_set(
+        self, members: dict[int, list[int]], reach: Callable[[int], bool] = lambda _: True
+    ) -> bool:
         """fsdp: whether every member of some generation (``members``: each one's) wrote a
         snapshot of its shards in it; with every member writing the same steps, a complete
-        set of one step is then in shared memory (the workers find which)."""
+        set of one step is then in shared memory (the workers find which). ``reach``: the
+        writer slots whose snapshots the next generation can read (on the machine of one of
+        its members: across nodes a set travels from the members that hold it)."""
         return not self.shard_failed and any(
-            set(members.get(generation, [-1])) <= writers
+            set(wrote := members.get(generation, [-1])) <= writers and all(map(reach, wrote))
             for generation, writers in self.shard_writers.items()
         )
 

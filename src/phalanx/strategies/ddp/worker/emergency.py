@@ -51,6 +51,14 @@ def save_committed(loop: TrainLoop, config: FitConfig, slot: int) -> Saved:
     step = loop.state.global_step
     if not config.run_dir:
         return Saved(slot, step, note="no run_dir: nothing is saved without one")
+    if loop.engine.saves_shards:  # (fsdp: a file of one member's shards is no checkpoint)
+        return Saved(
+            slot,
+            step,
+            note="under fsdp a worker holds only its shards, and the head's went with it: "
+            "nothing is saved, a resume starts from the newest complete sharded checkpoint "
+            "and computes the steps after it again",
+        )
     directory = checkpoint_dir(config.run_dir)
     os.makedirs(directory, exist_ok=True)
     with _locked(os.path.join(directory, LOCK_NAME)):

@@ -1,14 +1,17 @@
 """The state of a new fsdp generation whose members are not the last one's (a shrink, a
 replacement let in): no member holds the whole state, and a lost one's shards went with it.
-Every member therefore takes it from the newest complete set of shard snapshots in its
-machine's shared memory (:mod:`phalanx.snapshot.shards`): each old rank's snapshot of one
-committed step, written in its slot's folder. Each member cuts its own rows out of them for
-the new world, takes the loop's state of that step (ledger, metric sums, RNG), and the
+Every member therefore takes it from the newest complete set of shard snapshots
+(:mod:`phalanx.snapshot.shards`): each old rank's snapshot of one committed step, written in
+its slot's folder in its machine's shared memory. Each member cuts its own rows out of them
+for the new world, takes the loop's state of that step (ledger, metric sums, RNG), and the
 steps since are computed again (the run's steps are a pure function of their number, so the
 weights end as a run without the failure).
 
-Every member reads the same files (the old generation's writers are dead or fenced), so
-they choose the same set; an all-reduce checks that they did.
+Every member tells the others which snapshots its machine holds (one all-reduce of a table;
+the old generation's writers are dead or fenced), so every member chooses the same set. An
+old rank's snapshot that some member's machine lacks (across nodes) is sent by the first
+member whose machine holds it, over the new group (:func:`.handover.broadcast_state`); on
+one machine nothing travels.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, tag
 from phalanx.snapshot.store import Header
 from phalanx.strategies.ddp.worker.fsdp_engine import FsdpEngine
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
+from phalanx.strategies.ddp.worker.handover import broadcast_state
+
+WRITTEN = ("generation", "world", "rank", "step", "epoch")  # a Written, as a table's row
+FIELDS = len(WRITTEN)
 
 
 class NoShardSet(RuntimeError):
@@ -54,8 +61,8 @@ def restore_from_set(
             written = Written.of(header.tag, header.step, header.epoch) if header.whole else None
             if written is not None:
                 found.append((written, store))
-    chosen = newest_set(w for w, _ in found)
-    _agree(group, chosen)
+    everyone = _found_by_all(group, [w for w, _ in found])
+    chosen = newest_set(w for held in everyone for w in held)
     if past is not None and (chosen is None or chosen.step <= past):
         return None
     if chosen is None:
@@ -63,14 +70,7 @@ def restore_from_set(
             "no complete set of shard snapshots: a member was lost before every member "
             "of its generation had written one, so its shards are lost with it"
         )
-    states: list[dict[str, Any]] = []
-    for rank in range(chosen.world):
-        wanted = tag(chosen.generation, chosen.world, rank)
-        holder = next(s for w, s in found if _of(w, chosen, rank))
-        snap = holder.read(functools.partial(_is, wanted, chosen.step))
-        if snap is None:
-            raise NoShardSet(f"the snapshot of rank {rank} at step {chosen.step} was rewritten")
-        states.append(snap.state)
+    states = [_state_of(group, chosen, rank, found, everyone) for rank in range(chosen.world)]
     engine = loop.engine
     assert isinstance(engine, FsdpEngine)
     loop.restore(assemble(states, engine, group.size, group.rank))
@@ -91,17 +91,46 @@ def _is(wanted: int, step: int, header: Header) -> bool:
     return header.tag == wanted and header.step == step
 
 
-def _agree(group: FsdpGroup, chosen: ShardSet | None) -> None:
-    """Every member chose the same set (or none)."""
-    key = [-1.0, -1.0] if chosen is None else [float(chosen.generation), float(chosen.step)]
-    every = torch.zeros(group.size, 2, dtype=torch.float64, device=group.device)
-    every[group.rank] = torch.tensor(key, dtype=torch.float64)
-    group.all_reduce(every)  # (each row one member's: a sum of it and zeros)
-    if any(row != key for row in every.tolist()):
-        raise NoShardSet(
-            "the members of the new generation found different shard sets "
-            f"(this one: {chosen}); they cannot start from one state"
-        )
+def _found_by_all(group: FsdpGroup, mine: list[Written]) -> list[list[Written]]:
+    """What every member's machine holds (in member rank order), from two all-reduces: the
+    counts, then a table whose row ``r`` member ``r`` fills (a sum of it and zeros)."""
+    counts = torch.zeros(group.size, dtype=torch.float64, device=group.device)
+    counts[group.rank] = len(mine)
+    group.all_reduce(counts)
+    most = int(counts.max().item())
+    table = torch.zeros(group.size, max(1, most), FIELDS, dtype=torch.float64)
+    for i, w in enumerate(mine):
+        table[group.rank, i] = torch.tensor([float(getattr(w, f)) for f in WRITTEN])
+    table = table.to(group.device)
+    group.all_reduce(table)
+    rows = table.cpu().tolist()
+    return [
+        [Written(*(int(v) for v in rows[m][i])) for i in range(int(counts[m].item()))]
+        for m in range(group.size)
+    ]
+
+
+def _state_of(
+    group: FsdpGroup,
+    chosen: ShardSet,
+    rank: int,
+    found: list[tuple[Written, SnapshotStore]],
+    everyone: list[list[Written]],
+) -> dict[str, Any]:
+    """Old rank ``rank``'s snapshot of the chosen set: read from this machine's shared
+    memory, or sent by the first member whose machine holds it when some member's lacks it
+    (every member takes part in that broadcast)."""
+    wanted = tag(chosen.generation, chosen.world, rank)
+    holder = next((s for w, s in found if _of(w, chosen, rank)), None)
+    snap = None if holder is None else holder.read(functools.partial(_is, wanted, chosen.step))
+    state = None if snap is None else snap.state
+    have = [m for m, held in enumerate(everyone) if any(_of(w, chosen, rank) for w in held)]
+    if len(have) < group.size:  # (a member on another machine: sent over the group)
+        sent = broadcast_state(group, state if group.rank == have[0] else None, have[0])
+        state = sent if state is None or sent is None else state  # (None: none has it now)
+    if state is None:
+        raise NoShardSet(f"the snapshot of rank {rank} at step {chosen.step} was rewritten")
+    return state
 
 
 def assemble(

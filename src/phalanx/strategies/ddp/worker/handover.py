@@ -17,6 +17,7 @@ copy of the whole state.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from phalanx.loop import TrainLoop
 from phalanx.skeleton import decode, encode, fill_tensors, split_tensors, tensor_slots
 from phalanx.strategies.ddp.worker.group import GenerationGroup
 
-__all__ = ["hand_over"]
+__all__ = ["broadcast_state", "hand_over"]
 
 # Builds the group of the source and the members behind it (sorted ranks): its rank is
 # this member's index among them.
@@ -100,11 +101,24 @@ def positions(loop: TrainLoop, group: GenerationGroup) -> list[tuple[float, floa
 
 
 def _transfer(loop: TrainLoop, group: GenerationGroup, src: int) -> None:
-    """``src``'s snapshot to the other members of ``group``: the skeleton, then each tensor
-    (on this member's device while it travels; a CPU tensor goes back to the CPU)."""
+    """``src``'s snapshot to the other members of ``group``."""
+    state = broadcast_state(group, loop.snapshot() if group.rank == src else None, src)
+    if group.rank != src:
+        assert state is not None
+        loop.restore(state)
+
+
+def broadcast_state(
+    group: GenerationGroup, state: dict[str, Any] | None, src: int
+) -> dict[str, Any] | None:
+    """``src``'s ``state`` (a snapshot) on every member of ``group``: the skeleton, then
+    each tensor (on this member's device while it travels; a CPU tensor goes back to the
+    CPU). None on every member when ``src`` has none to send (``state`` None there)."""
     sending = group.rank == src
-    skeleton, tensors = split_tensors(loop.snapshot()) if sending else (None, [])
-    payload = group.broadcast_bytes(encode(skeleton) if sending else b"", src)
+    skeleton, tensors = split_tensors(state) if sending and state is not None else (None, [])
+    payload = group.broadcast_bytes(b"" if skeleton is None else encode(skeleton), src)
+    if not payload:
+        return None
     if not sending:
         skeleton = decode(payload)  # (a WireError for anything but a skeleton document)
     received: list[torch.Tensor] = []
@@ -116,5 +130,4 @@ def _transfer(loop: TrainLoop, group: GenerationGroup, src: int) -> None:
         group.broadcast(buf, src)
         if not sending:
             received.append(buf if slot.device.startswith("cuda") else buf.to(slot.device))
-    if not sending:
-        loop.restore(fill_tensors(skeleton, received))
+    return state if sending else fill_tensors(skeleton, received)
