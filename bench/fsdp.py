@@ -1,7 +1,7 @@
 """strategy="fsdp" on CPU (gloo), three tables (issue 24):
 
     PYTHONPATH=src .venv/bin/python bench/fsdp.py [--only memory,steps,failures]
-                                                  [--rounds 3] [--steps 60]
+                                                  [--rounds 3] [--steps 60] [--root-norm]
 
 - ``memory``: bytes each worker holds of parameters and of Adam's state, counted in the
   worker after its first optimizer step (its shards' bytes, ``to_local()``), for a model of
@@ -12,7 +12,11 @@
   ``snapshots=False``: the difference is what keeps shards recoverable) against a plain
   FSDP2 script (``fully_shard`` on each layer then the root, Adam, the same model, data and
   global batch, 2 processes), arms interleaved round by round; median over rounds of the
-  mean step interval after the first ``WARM`` steps.
+  mean step interval after the first ``WARM`` steps. The model's root holds no parameter
+  (every Linear is a unit): phalanx's vote box is then the root's only parameter, and its
+  all-gather and reduce-scatter are collectives plain FSDP2 does not run. ``--root-norm``
+  adds a LayerNorm after the Linears, outside every unit (as a transformer's final norm or
+  embeddings are): FSDP2 then gathers and reduces the root in both arms.
 - ``failures`` (3 workers): an exception in forward on worker 1 (its group rebuilt by the
   same members, each from the shards it kept) and in data (the vote carries it, zero passes
   line the step up); worker 1 killed under shrink and under respawn (every member of the new
@@ -50,9 +54,10 @@ BIG = (1024, 48)  # width, layers: 50.4 M parameters
 MEDIUM = (256, 8)  # 0.5 M parameters
 
 
-def layers(width: int, depth: int) -> nn.Module:
+def layers(width: int, depth: int, root_norm: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
+    norm = [nn.LayerNorm(width)] if root_norm else []
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)), *norm)
 
 
 def data(width: int, samples: int) -> TensorDataset:
@@ -119,7 +124,7 @@ def memory_table() -> None:
 
 
 # -- step time ------------------------------------------------------------------------------
-def _plain_fsdp(rank: int, port: int, steps: int, out: Any) -> None:
+def _plain_fsdp(rank: int, port: int, steps: int, out: Any, root_norm: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -128,9 +133,10 @@ def _plain_fsdp(rank: int, port: int, steps: int, out: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
-    model = layers(width, depth)
+    model = layers(width, depth, root_norm)
     for layer in model:
-        fully_shard(layer, mesh=mesh)
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     x, y = data(width, steps * 64).tensors
@@ -147,11 +153,14 @@ def _plain_fsdp(rank: int, port: int, steps: int, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def plain_fsdp(steps: int) -> float:
+def plain_fsdp(steps: int, root_norm: bool = False) -> float:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_plain_fsdp, args=(r, store.port, steps, out)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_plain_fsdp, args=(r, store.port, steps, out, root_norm))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=600) for _ in procs)
@@ -173,11 +182,11 @@ class Stamps:
         pass
 
 
-def phalanx_fsdp(steps: int, snapshots: bool = True) -> float:
+def phalanx_fsdp(steps: int, snapshots: bool = True, root_norm: bool = False) -> float:
     width, depth = MEDIUM
     sink = Stamps()
     opt = functools.partial(torch.optim.Adam, lr=1e-4)
-    px.Learner(functools.partial(layers, width, depth), opt, step).fit(
+    px.Learner(functools.partial(layers, width, depth, root_norm), opt, step).fit(
         data(width, steps * 64), epochs=1, batch_size=64, devices="cpu:0,cpu:1",
         strategy="fsdp", shard=(nn.Linear,), sinks=[sink], shuffle=False, preflight=False,
         snapshots=snapshots,
@@ -190,18 +199,24 @@ def interval(stamps: list[float]) -> float:
     return (warm[-1] - warm[0]) / (len(warm) - 1)
 
 
-def steps_table(rounds: int, steps: int) -> None:
+def steps_table(rounds: int, steps: int, root_norm: bool = False) -> None:
     plain: list[float] = []
     ours: list[float] = []
     bare: list[float] = []
-    quiet = functools.partial(phalanx_fsdp, snapshots=False)
+    base = functools.partial(plain_fsdp, root_norm=root_norm)
+    snapping = functools.partial(phalanx_fsdp, root_norm=root_norm)
+    quiet = functools.partial(phalanx_fsdp, snapshots=False, root_norm=root_norm)
     for r in range(rounds):
-        arms = [(plain, plain_fsdp), (ours, phalanx_fsdp), (bare, quiet)]
+        arms = [(plain, base), (ours, snapping), (bare, quiet)]
         for into, run in arms if r % 2 == 0 else arms[::-1]:
             into.append(run(steps))
     p, o = statistics.median(plain), statistics.median(ours)
     width, depth = MEDIUM
-    setup = f"{depth} x Linear({width}), global batch 64, Adam, {rounds} rounds x {steps} steps"
+    root = "a LayerNorm in the root" if root_norm else "no parameter in the root"
+    setup = (
+        f"{depth} x Linear({width}) ({root}), global batch 64, Adam, {rounds} rounds x "
+        f"{steps} steps"
+    )
     print(f"\n## Step time, 2 workers, {setup}\n")
     print("| arm | ms per step (median of rounds) | rounds | ratio |")
     print("|---|---|---|---|")
@@ -251,13 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="memory,steps,failures")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--root-norm", action="store_true", help="a LayerNorm in the root")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo")
     if "memory" in only:
         memory_table()
     if "steps" in only:
-        steps_table(args.rounds, args.steps)
+        steps_table(args.rounds, args.steps, args.root_norm)
     if "failures" in only:
         failures_table()
     return 0
