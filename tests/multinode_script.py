@@ -7,7 +7,8 @@ Writes the final state dict to OUT and prints one JSON line: steps, ledger, fail
 ``PHALANX_TEST_NODE_TIMEOUT`` (seconds) sets ``fit(node_timeout=)``; ``PHALANX_TEST_RESUME=1``
 passes ``resume=True``; ``PHALANX_TEST_FAULTS`` (``kill:0@15,kill:1@15``, every node the same)
 passes ``faults=``; ``PHALANX_TEST_STRATEGY`` (default ``ddp``) the strategy;
-``PHALANX_TEST_CHECKPOINT_STEPS`` checkpoints every that many steps; ``PHALANX_TEST_STEPS=1``
+``PHALANX_TEST_CHECKPOINT_STEPS`` checkpoints every that many steps,
+``PHALANX_TEST_SNAPSHOT_STEPS`` snapshots every that many; ``PHALANX_TEST_STEPS=1``
 adds each committed step's (global step, time) to the result (``steps_at``);
 ``PHALANX_TEST_STREAM`` (a folder of shards written by the test
 with ``stream_helpers.write_shards``) trains on them as a ``px.Stream`` instead.
@@ -66,6 +67,7 @@ def main() -> None:
         sinks = [*default_sinks(None if run_dir == "-" else run_dir), stamps]
     shards = os.environ.get("PHALANX_TEST_STREAM")
     every = os.environ.get("PHALANX_TEST_CHECKPOINT_STEPS")
+    snaps = os.environ.get("PHALANX_TEST_SNAPSHOT_STEPS")
     data = DATA if not shards else px.Stream(sorted(glob.glob(f"{shards}/*.bin")), read, lanes=3)
     result = learner.fit(
         data,
@@ -75,6 +77,7 @@ def main() -> None:
         devices=devices,
         strategy=os.environ.get("PHALANX_TEST_STRATEGY", "ddp"),
         checkpoint=px.Checkpoints(every_steps=int(every)) if every else None,
+        snapshots=px.Snapshots(every_steps=int(snaps)) if snaps else True,
         run_dir=None if run_dir == "-" else run_dir,
         hang_timeout=timedelta(seconds=10),
         node_timeout=float(os.environ.get("PHALANX_TEST_NODE_TIMEOUT", "10")),

@@ -599,3 +599,29 @@ def test_a_replacement_is_shown_training_by_its_joined_with_its_generation() -> 
     mine = [s for s in shown if s[0] == 1]
     assert mine[-2:] == [(1, "joining", None), (1, "training", 2)], shown
     assert (1, "training", None) not in shown
+
+
+def test_fsdp_under_shrink_a_loss_without_a_set_in_reach_stops_and_says_why() -> None:
+    """fsdp, mode="shrink": a lost member's shards are out of the survivors' reach (no set
+    here), and nothing would start the other slots again: the run stops, and the report's
+    note says so and names mode="respawn"."""
+    run = Run(world=2, run_dir=True, sharded=True, recovery=px.Recovery(mode="shrink"))
+    run.start_training()
+    actions = run.at(1).feed(Exited(1, SIGKILL, pid=run.c.slots[1].pid))
+    assert recorded(actions) == [(1, "crash", 0, "aborted")]
+    assert any(isinstance(a, SetAbort) for a in actions)
+    [note] = run.c.book.notes
+    assert 'mode="shrink"' in note and 'mode="respawn"' in note
+
+
+def test_a_pid_used_again_by_a_later_process_of_the_slot_is_that_process() -> None:
+    """A node that starts afresh (or pids that wrap) may give a replacement the pid of the
+    process it replaces: once the new process is known by it, its exit is its own."""
+    run = Run(world=2, run_dir=True)
+    run.start_training()
+    first = run.c.slots[1].pid
+    assert first is not None
+    run.at(1).feed(Exited(1, SIGKILL, pid=first))  # respawned: the replacement starts
+    run.c.handle(Spawned(1, first), run.now())  # (its pid is the one it replaces)
+    actions = run.at(2).feed(Exited(1, SIGKILL, pid=first))
+    assert [r[0] for r in recorded(actions)] == [1]  # its own fall, named

@@ -22,11 +22,14 @@ from phalanx.checkpoint.io import list_checkpoints
 from phalanx.errors import (
     CheckpointError,
     CheckpointMismatchError,
+    InvalidSettingError,
     TrainingFailed,
 )
 from phalanx.sharding import innermost_first, units
 from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, rows, tag
+from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.coordinator.roster import StateCopies
+from phalanx.validate import validate_sharding
 
 TRAIN, VALID = h.data(62), h.data(20, seed=1)  # 62 = 5 x 12 + 2: the last batch is 2 rows
 FIT: dict[str, Any] = dict(epochs=2, batch_size=12, seed=3, sinks=[])
@@ -96,6 +99,15 @@ def test_units_by_class_or_by_function_and_innermost_first() -> None:
 # -- refused before anything starts --------------------------------------------------------
 
 
+def test_more_members_than_a_snapshot_tag_holds_are_refused_counting_every_node() -> None:
+    config = FitConfig(
+        epochs=1, batch_size=8, devices=[f"cpu:{i}" for i in range(8)], strategy="fsdp"
+    )
+    validate_sharding(config, nodes=31)  # (248 members)
+    with pytest.raises(InvalidSettingError, match=r"not 256 \(32 nodes of 8\)"):
+        validate_sharding(config, nodes=32)
+
+
 @pytest.mark.parametrize(
     ("kw", "says"),
     [
@@ -159,8 +171,9 @@ def test_16_mixed_a_failure_before_any_gather_is_retried_a_kill_respawned_with_t
     fault = px.Fault("kill", worker=1, step=7)
     result = killed.fit(TRAIN, devices="cpu:0,cpu:1", strategy="fsdp", faults=[fault], **FIT)
     assert [f.action for f in result.failures] == ["respawned"]
-    # (the steps replayed are not bitwise the first computation's: rel 1e-7 in float32,
-    # 3e-5 through fp16's rounding; a step skipped for a fresh scale would be 1e-2)
+    # (until the replacement joins, the survivor trains alone, a world of one, whose sums
+    # round otherwise: rel 1e-7 in float32, 3e-5 through fp16; a step skipped for a fresh
+    # scale would be 1e-2)
     assert rel(result.model, steep.model) <= 1e-4 and result.ledger_ok is True
 
 

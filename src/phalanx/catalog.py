@@ -1177,7 +1177,10 @@ _ENTRIES = [
         "node shares and more than half of the run's nodes left, the lowest surviving node "
         "rank takes over as the head instead and the run goes on from that checkpoint "
         "without a restart (Recovery(head_failover=True), the default); this error comes "
-        "when no node may take over, and the message says why.",
+        "when no node may take over, and the message says why. Under strategy='fsdp' a "
+        "worker holds only its shards and the head's went with it: nothing is saved, and a "
+        "resume starts from the newest complete sharded checkpoint, computing the steps "
+        "after it again.",
         when="In fit() on a node other than the head, when the head's process, host or "
         "network is gone and no failover can be: no shared run_dir, not more than half of "
         "the nodes left (two nodes: one left), Recovery(head_failover=False) or "
@@ -1189,7 +1192,8 @@ _ENTRIES = [
         ],
         fixes=[
             "Start the same command on every node with fit(..., resume=True): the run goes "
-            "on from the newest checkpoint in run_dir and loses no committed step, when "
+            "on from the newest checkpoint in run_dir and loses no committed step (fsdp: "
+            "the steps after the newest sharded checkpoint are computed again), when "
             "run_dir is a folder every node shares (NFS, a parallel file system).",
             "Let the launcher do it: torchrun --max-restarts N, or Slurm's --requeue with "
             "the batch script passing resume=True; exit status 75 means 'run me again'.",

@@ -142,7 +142,7 @@ def validate_fit(
     _validate_precision(spec, config.devices)
     _validate_data(config, train_size)
     _validate_strategy(config)
-    _validate_sharding(spec, config)
+    validate_sharding(config, nodes)
     _validate_faults(config, nodes)
     _validate_early_stopping(spec, config, has_valid)
     _validate_keep_best(spec, config, has_valid)
@@ -339,7 +339,7 @@ def _validate_strategy(config: FitConfig) -> None:
         )
 
 
-def _validate_sharding(spec: TrainSpec, config: FitConfig) -> None:
+def validate_sharding(config: FitConfig, nodes: int = 1) -> None:
     """``shard=`` only with fsdp, and what fsdp does not do yet (each named, with what to
     do instead: docs/fsdp.md keeps the list)."""
     if config.strategy != "fsdp":
@@ -349,10 +349,12 @@ def _validate_sharding(spec: TrainSpec, config: FitConfig) -> None:
                 f'{config.strategy!r}: drop shard= or pass strategy="fsdp"'
             )
         return
-    if len(config.devices) > MAX_WORLD:
+    world = len(config.devices) * nodes  # (across nodes: each node as many as this one)
+    if world > MAX_WORLD:
+        each = f" ({nodes} nodes of {len(config.devices)})" if nodes > 1 else ""
         raise InvalidSettingError(
             f'strategy="fsdp" takes at most {MAX_WORLD} devices (a shard snapshot\'s tag '
-            f"holds the rank in 8 bits), not {len(config.devices)}"
+            f"holds the rank in 8 bits), not {world}{each}"
         )
     if config.on_bad_sample == "skip":
         raise InvalidSettingError(

@@ -190,6 +190,7 @@ class Agent:
             old = self.slots[slot]
             if old.alive():
                 old.kill()
+                old.process.join(timeout=self.timing.exit_wait.total_seconds())
             self._read(slot, old, stale=True)  # its last words, then let the pipe go
             old.close()
             self.retired.append(old.process)

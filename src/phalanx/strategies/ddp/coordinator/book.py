@@ -44,6 +44,12 @@ SHARDED = (
     "run_dir, or not every member had written a snapshot yet), so the run cannot go on "
     "without it (docs/fsdp.md)."
 )
+SHARDED_SHRINK = (
+    'Under strategy="fsdp" the survivors go on only from a complete set of shard snapshots on '
+    "their own machines, and a lost worker's snapshot was on a machine none of them runs on "
+    '(or none was complete): with mode="shrink" nothing starts the other slots again; '
+    'mode="respawn" restarts every slot from the set, or from a checkpoint (docs/fsdp.md).'
+)
 Fall = Literal["respawn", "shrink", "restart", "preflight", "stopped"]
 
 
@@ -171,6 +177,10 @@ class FailureBook:
         sharded = self.sharded and not survivors and restart_was_possible(self.recovery, history)
         if action == "abort" and sharded and failure.phase not in RUN_LEVEL_PHASES:
             self.notes.append(SHARDED)
+        elif (
+            action == "abort" and self.sharded and not survivors and self.recovery.mode == "shrink"
+        ):
+            self.notes.append(SHARDED_SHRINK)
         elif action == "abort" and not survivors and restart_was_possible(self.recovery, history):
             self.notes.append(NO_RUN_DIR if can_restart else TOO_FEW)
         self.record(failure, ACTIONS[action], out, recovers=action != "abort")

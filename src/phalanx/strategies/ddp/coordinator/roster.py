@@ -223,6 +223,8 @@ class Roster:
         """The process of ``slot`` started with ``pid`` (on the panel: replaced, then new)."""
         state = self.slots[slot]
         state.pid = pid
+        if pid is not None:  # (a pid used again, say on a node that started afresh, is this one)
+            self.replaced.discard((slot, pid))
         if slot in self.panel.shown:
             self.show(slot, "replaced", f"by pid {pid}")
         self.show(slot, "joining" if state.replaces is not None else "starting")

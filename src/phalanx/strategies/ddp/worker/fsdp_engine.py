@@ -51,7 +51,7 @@ from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.worker.ballot import FsdpBallot
 from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
-from phalanx.strategies.ddp.worker.group import GroupBroken, broken_on_error
+from phalanx.strategies.ddp.worker.group import GroupBroken
 from phalanx.trainable import Trainable
 
 # The commits of a generation after which its members agree on their snapshot cadence: the
@@ -311,9 +311,14 @@ class FsdpEngine(DdpEngine):
         unscale of sharded gradients all-reduces their overflow flags over the mesh
         (DTensor's rule for the unscale op), so every member finds the same answer. That
         is a collective: every member runs it (the vote found no failure), and a peer lost
-        in it is the group's end (GroupBroken), before anything changed."""
-        with broken_on_error("the loss scaler's unscale"):
+        in it is the group's end (GroupBroken), before anything changed (this member's own
+        out-of-memory error stays its own)."""
+        try:
             return self.trainable.overflowed()
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            raise GroupBroken(f"the loss scaler's unscale: {exc}") from exc
 
     def _before_commit(self) -> None:
         """The global gradient norm, when the step clips: one all-reduce of every member's

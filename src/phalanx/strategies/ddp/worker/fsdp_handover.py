@@ -7,7 +7,7 @@ for the new world, takes the loop's state of that step (ledger, metric sums, RNG
 steps since are computed again (the run's steps are a pure function of their number, so the
 weights end as a run without the failure).
 
-Every member tells the others which snapshots its machine holds (one all-reduce of a table;
+Every member tells the others which snapshots its machine holds (two small all-reduces;
 the old generation's writers are dead or fenced), so every member chooses the same set. An
 old rank's snapshot that some member's machine lacks (across nodes) is sent by the first
 member whose machine holds it, over the new group (:func:`.handover.broadcast_state`); on

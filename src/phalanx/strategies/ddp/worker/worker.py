@@ -633,7 +633,8 @@ class Worker:
         restart = gen.number == gen.timeline
         folder = self.a.snapshot_dir
         if folder is not None and self.a.config.snapshots is not None:
-            past = loop.state.global_step if restart else None
+            # (a restart without a run_dir resumed nothing: it needs a set, as any regroup)
+            past = loop.state.global_step if restart and self.a.config.run_dir else None
             restore_from_set(loop, group, folder, self.a.slot, past)
         elif not restart:
             raise NoShardSet(
