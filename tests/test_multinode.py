@@ -778,5 +778,7 @@ def test_fsdp_a_lost_node_restarts_the_others_from_the_newest_sharded_checkpoint
     assert head["steps"] == 60 and head["ledger_ok"]
     [failure] = head["failures"]
     assert (failure["worker"], failure["action"]) == (1, "restarted")
-    assert failure["replayed_steps"] is not None and 0 <= failure["replayed_steps"] < 5
+    # (at most two checkpoint intervals: the newest set may lack node 1's file, when the
+    # node was killed before writing its shard of it)
+    assert failure["replayed_steps"] is not None and 0 <= failure["replayed_steps"] < 10
     assert same(weights(tmp_path / "node0.pt"), one_node_run(tmp_path, epochs=6, extra_env=FSDP))
