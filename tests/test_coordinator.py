@@ -4,6 +4,7 @@ actions that come back."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from pathlib import Path
 
@@ -625,3 +626,26 @@ def test_a_pid_used_again_by_a_later_process_of_the_slot_is_that_process() -> No
     run.c.handle(Spawned(1, first), run.now())  # (its pid is the one it replaces)
     actions = run.at(2).feed(Exited(1, SIGKILL, pid=first))
     assert [r[0] for r in recorded(actions)] == [1]  # its own fall, named
+
+
+@pytest.mark.parametrize(
+    ("lost_at", "resumed", "replayed", "notice"),
+    [
+        (24, 24, 0, False),  # a node's emergency checkpoint held the last committed step
+        (24, 20, 4, True),  # fsdp: the newest sharded checkpoint, four steps before
+        (None, 20, None, False),  # nothing known of the lost head's step: nothing counted
+    ],
+)
+def test_the_lost_heads_failure_counts_the_steps_the_new_head_computes_again(
+    lost_at: int | None, resumed: int, replayed: int | None, notice: bool
+) -> None:
+    run = Run(world=2)
+    lost = WorkerFailure(0, 0, "cpu:0@node0", "crash", "the head lost", step=lost_at)
+    run.log += run.c.inherit(dataclasses.replace(lost, action="shrunk"), run.now())
+    for slot in range(2):
+        run.say(slot, Ready(slot))
+    actions = run.form([0, 1], 0, step=resumed)
+    [fall] = run.c.book.failures
+    assert fall.replayed_steps == replayed
+    said = [a.event.text for a in actions if isinstance(a, Emit) and isinstance(a.event, Notice)]
+    assert any("committed step(s) to compute again" in t for t in said) == notice

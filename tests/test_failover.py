@@ -50,6 +50,7 @@ def nodes(
     node_timeout: float | None = None,
     token: str | None = "t",
     form: str = "phalanx",
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
     """``count`` nodes of one CPU worker each on ``run_dir``; node k's log and model are
     ``node{k}.log`` and ``node{k}.pt``. ``token`` None: no PHALANX_TOKEN (the head writes
@@ -75,6 +76,7 @@ def nodes(
                 PHALANX_PORT=str(port),
             )
         env["PHALANX_TEST_STEPS"] = "1"
+        env.update(extra_env or {})
         if node_timeout is not None:
             env["PHALANX_TEST_NODE_TIMEOUT"] = str(node_timeout)
         args = [str(tmp_path / f"node{rank}.pt"), "cpu:0", str(EPOCHS), str(run_dir)]
@@ -145,6 +147,7 @@ def test_the_head_killed_node_1_takes_over_and_the_run_goes_on_without_a_restart
     assert next_step - killed_at < 10.0
     # No committed step lost: the first step after the takeover is the one after the save.
     assert min(s for s, _ in new_head["steps_at"]) == lost["step"] + 1
+    assert lost["replayed_steps"] == 0
     # One run, one record: the same run id, a second session, both heads' events appended.
     doc = json.loads((run_dir / "run.json").read_text())
     assert len(doc["sessions"]) == 2
@@ -210,3 +213,45 @@ def test_a_second_failure_during_the_failover_leaves_no_majority_and_the_survivo
     assert 20 < step < 60
     assert "only 1 of the run's 3 nodes reached it (no other node came)" in text, text[-3000:]
     assert "RESULT" not in text
+
+
+@pytest.mark.timeout(400)
+def test_fsdp_the_head_killed_node_1_takes_over_from_the_newest_sharded_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """fsdp, three nodes of one worker each: the head's member held a third of the state,
+    gone with it, so no emergency checkpoint is written; node 1 takes over from the newest
+    sharded checkpoint in the shared run_dir (epoch 2's, or epoch 3's when complete), the
+    steps since are computed again, and both survivors end with the model of a run that lost
+    nothing."""
+    run_dir = tmp_path / "run"
+    fsdp = {"PHALANX_TEST_STRATEGY": "fsdp"}
+    procs, logs = nodes(tmp_path, 3, run_dir, extra_env=fsdp)
+    try:
+        into_epoch_three(procs, logs)
+        kill_group(procs[0])
+        codes = [finish(p, 200) for p in procs[1:]]
+    finally:
+        for p in procs:
+            kill_group(p)
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts[1:])
+    assert "this node takes over as the head, with node(s) [2]" in texts[1]
+    results = [result_of(logs[k]) for k in (1, 2)]
+    assert [r["steps"] for r in results] == [EPOCHS * 10] * 2
+    assert all(r["ledger_ok"] for r in results)
+    clean = one_node_run(tmp_path, epochs=EPOCHS, extra_env=fsdp)
+    for k in (1, 2):
+        assert same(weights(tmp_path / f"node{k}.pt"), clean), f"node {k}"
+    [lost] = head_losses(results[0]["failures"])
+    assert head_losses(results[1]["failures"]) == [lost]
+    # The run went on from a checkpoint at an epoch's end, not from step 0, and the failure
+    # says so: the steps from there to the last committed one were computed again.
+    assert "from the newest complete checkpoint in run_dir" in lost["message"]
+    assert "under fsdp its shards went with it" in lost["message"]
+    first = min(s for s, _ in results[0]["steps_at"])
+    assert first in (21, 31), first
+    assert lost["step"] is not None and lost["step"] >= 20
+    assert lost["replayed_steps"] == lost["step"] - (first - 1)
+    for p in procs:
+        assert not alive_in_group(p.pid)

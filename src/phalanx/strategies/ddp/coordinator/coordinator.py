@@ -140,6 +140,7 @@ class Coordinator(Roster):
         self.killed_all = False
         self.quiet_until = float("-inf")  # no hang check before (a stalled one regroups)
         self.pending_hang: list[int] = []  # asked for their stacks
+        self.inherited: int | None = None  # the lost head's failure, its replay not yet known
         self.starting: list[int] = []  # the slots the next first generation (or restart) has
 
     # -- the one entry point -------------------------------------------------------------
@@ -165,6 +166,8 @@ class Coordinator(Roster):
         recovery time set when this run's first step is committed."""
         self.now = now
         self.book.record(failure, failure.action, self.out, recovers=True)
+        if failure.step is not None:
+            self.inherited = len(self.book.failures) - 1
         return self._flush()
 
     def handle(self, event: CoordinatorEvent, now: Now) -> list[Action]:
@@ -439,7 +442,22 @@ class Coordinator(Roster):
     def _restarted(self, joined: Joined) -> None:
         """The first member of a restart's generation has the state it restarted from:
         the steps between it and the fall are computed again (recorded on the fall). Under
-        fsdp a shrink or a respawn also starts from a set of snapshots: the same count."""
+        fsdp a shrink or a respawn also starts from a set of snapshots: the same count. The
+        lost head's failure (inherited): its last committed step less the step this run
+        resumed from (0 from a node's emergency checkpoint; under fsdp, from the newest
+        sharded checkpoint, the steps after it)."""
+        if self.inherited is not None:
+            head = self.book.failures[self.inherited]
+            self.inherited = None
+            assert head.step is not None
+            head.replayed_steps = max(0, head.step - joined.step)
+            if head.replayed_steps:
+                self.emit(
+                    Notice(
+                        f"went on from committed step {joined.step} after the head's loss: "
+                        f"{head.replayed_steps} committed step(s) to compute again"
+                    )
+                )
         if self.setup.sharded and joined.generation > 0 and joined.step <= self.state.committed:
             fall = next((f for f in reversed(self.book.failures) if f.action != "retried"), None)
             if fall is not None and fall.replayed_steps is None:

@@ -162,13 +162,19 @@ def head_loss_failure(
     node saw the loss (wall clock), ``silent``: how long the head had been silent then (a
     frozen or cut-off head: its cost counts from its last word), None: its link closed."""
     kept = [s.step for s in saved if s.path]
-    step = max(kept) if kept else None
+    known = kept or [s.step for s in saved]
+    step = max(known) if known else None
     workers = list(range(len(head.devices))) or [0]
     shown = "?" if step is None else step + 1
+    went_on = (
+        "from its last committed step without a restart"
+        if kept
+        else "from the newest complete checkpoint in run_dir (nothing held the lost "
+        "head's state: under fsdp its shards went with it), computing the steps after it again"
+    )
     message = (
         f"node {head.rank} ({head.host}), the head, lost with its workers {workers} at step "
-        f"{shown}: {why}; node {leader} took over as the head and the run went on from its "
-        "last committed step without a restart"
+        f"{shown}: {why}; node {leader} took over as the head and the run went on {went_on}"
     )
     return WorkerFailure(
         worker=workers[0],
