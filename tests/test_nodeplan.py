@@ -35,6 +35,7 @@ from phalanx.strategies.ddp.coordinator.nodeplan import (
     layout,
     majority,
     missing,
+    outnumbered,
     place_spares,
     successor,
 )
@@ -327,6 +328,27 @@ def test_a_node_goes_on_without_the_head_only_with_more_than_half(
     present: int, total: int, goes_on: bool
 ) -> None:
     assert majority(present, total) is goes_on
+
+
+OUTNUMBERED = [
+    # (nodes the head still hears, itself included; the succession a lost node may hold;
+    # the head stands down)
+    (1, 3, True),  # cut off alone from two: they take over
+    (2, 3, False),  # one node lost: it alone cannot
+    (1, 2, False),  # the other of two lost: the head keeps the tie
+    (2, 4, False),  # half of four: a tie, the head's
+    (2, 5, True),  # three of five lost: they may
+    (3, 5, False),
+    (1, 1, False),  # (nothing lost)
+]
+
+
+@pytest.mark.parametrize(("live", "believed", "stands_down"), OUTNUMBERED)
+def test_the_head_stands_down_when_the_nodes_it_lost_may_take_over(
+    live: int, believed: int, stands_down: bool
+) -> None:
+    assert outnumbered(live, believed) is stands_down
+    assert not (majority(live, believed) and stands_down)  # (a head with most stays)
 
 
 FENCED = [

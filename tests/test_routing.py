@@ -167,3 +167,30 @@ def test_a_node_carries_out_an_order_with_its_own_agent_and_answers(
     local, link = FakeAgents("node"), FakeLink()
     _order(order, link, local)  # type: ignore[arg-type]
     assert local.calls == calls and link.sent == answer
+
+
+# -- what a lost node may hold as the head's last word ---------------------------------------
+def test_a_partition_makes_the_head_stand_down_and_deaths_far_apart_do_not() -> None:
+    """Three nodes. A partition: both nodes last heard a succession of three; the head then
+    tells node 2 a succession of two (node 1 lost), which node 2, cut off, never reads: at
+    node 2's loss the head (one of three) stands down. Deaths far apart: node 2 answered
+    after reading the succession of two, so at its loss the head keeps the tie."""
+    hub, one, two = hub_with_nodes()
+    for node in (one, two):
+        node.told_succession(3)
+        node.heard()
+    one.lost = True
+    assert not hub.outnumbered(one)  # (the head and node 2: two of three)
+    two.told_succession(2)  # (sent after node 2's last word: perhaps never read)
+    two.lost = True
+    assert two.believes() == 3 and hub.outnumbered(two)
+
+    hub, one, two = hub_with_nodes()
+    for node in (one, two):
+        node.told_succession(3)
+        node.heard()
+    one.lost = True
+    two.told_succession(2)
+    two.heard()  # (it answered after that keep-alive)
+    two.lost = True
+    assert two.believes() == 2 and not hub.outnumbered(two)

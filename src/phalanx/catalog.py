@@ -1180,15 +1180,21 @@ _ENTRIES = [
         "when no node may take over, and the message says why. Under strategy='fsdp' a "
         "worker holds only its shards and the head's went with it: nothing is saved, and a "
         "resume starts from the newest complete sharded checkpoint, computing the steps "
-        "after it again.",
+        "after it again. The head itself ends the same way when it loses so many nodes "
+        "that they may be the larger side of a partition (more than half of the succession "
+        "they last heard from it): they may take over, so it stands down first, keeping "
+        "the committed step, and at most one side goes on.",
         when="In fit() on a node other than the head, when the head's process, host or "
         "network is gone and no failover can be: no shared run_dir, not more than half of "
         "the nodes left (two nodes: one left), Recovery(head_failover=False) or "
-        'mode="abort", or the survivors did not reach the node taking over.',
+        'mode="abort", or the survivors did not reach the node taking over. On the head, '
+        "when the nodes it lost are more than half of the run's and could take over.",
         causes=[
             "The head's process was killed (out of memory, a crash, a scheduler's kill), or "
             "its host went down.",
             "The head was frozen or partitioned from this node for longer than node_timeout.",
+            "On the head: its own link was cut, or most nodes died within one keep-alive of "
+            "each other (the head cannot tell that from a partition).",
         ],
         fixes=[
             "Start the same command on every node with fit(..., resume=True): the run goes "

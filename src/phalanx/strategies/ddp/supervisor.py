@@ -59,8 +59,9 @@ from phalanx.strategies.ddp.coordinator.coordinator import (
     Tick,
 )
 from phalanx.strategies.ddp.coordinator.roster import Now, Setup
+from phalanx.strategies.ddp.nodes.headloss import head_lost, kept_line, save_on_head_loss
 from phalanx.strategies.ddp.nodes.hub import Nodes, RemoteNode, rejected_link, start_head, tell_end
-from phalanx.strategies.ddp.nodes.node import run_node
+from phalanx.strategies.ddp.nodes.node import cannot_fail_over, run_node
 from phalanx.strategies.ddp.timing import Timing
 from phalanx.strategies.ddp.wire.control import rejected_notice
 from phalanx.strategies.ddp.wire.messages import (
@@ -185,6 +186,9 @@ class Supervisor:
                 continue  # (authenticated, but not a frame this version reads)
             self._heard(node, message)
         for node, cause in lost:
+            if self.hub.outnumbered(node):
+                self._stand_down(node, cause)
+        for node, cause in lost:
             self._feed(NodeLost(node.rank, node.host, cause))
         assert isinstance(self.coord, NodeCoordinator)
         for node, refused in self.hub.rejoined(self.coord.admits):
@@ -290,6 +294,34 @@ class Supervisor:
             "workers were stopped: the run goes on under the new head, and nothing this head's "
             "workers computed after it took over is kept (they write no checkpoint)"
         )
+
+    def _stand_down(self, node: RemoteNode, cause: str) -> None:
+        """The head lost so many nodes that those lost may be the larger side of a
+        partition, and one of them may take over (where a node may: a shared run_dir, the
+        failover on): this head stops first, so that at most one side goes on. Its workers
+        keep the last committed step as a node's do when the head is lost; raises HeadLost
+        (PX147, exit 75). The nodes still with it see its link close (they stop too, or
+        follow a new head they can reach)."""
+        assert self.hub is not None
+        if cannot_fail_over(self.config) is not None:
+            return  # (no node may take over: the head goes on with those left)
+        self._check_fence(now=True)  # (replaced already: PX145 says so)
+        saved = save_on_head_loss(self.agent)
+        self.told = True  # (nothing is told: the nodes still here see the link close)
+        lost = sorted(n.rank for n in self.hub.nodes.values() if n.lost)
+        live = 1 + sum(1 for n in self.hub.nodes.values() if not n.lost)
+        message = (
+            f"head: node {node.rank} lost ({cause}), with node(s) {lost} lost in all: this "
+            f"head and the {live - 1} node(s) still with it are not more than half of the "
+            f"{node.believes()} nodes of the succession node {node.rank} last heard, so the "
+            "lost nodes may be the larger side of a partition and take over; this head "
+            "stopped its workers so that at most one side goes on"
+        )
+        after = (
+            " Where the lost nodes took over (run_dir's head.json holds a newer term), the run "
+            "goes on there and there is nothing to do here."
+        )
+        raise head_lost(message + kept_line(saved) + after, saved, self.emit)
 
     def _spawn(self, action: Spawn) -> None:
         """Start the worker of a slot as the coordinator asked, on its node (a node's

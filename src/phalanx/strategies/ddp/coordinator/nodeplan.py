@@ -236,6 +236,14 @@ def majority(present: int, total: int) -> bool:
     return 2 * present > total
 
 
+def outnumbered(live: int, believed: int) -> bool:
+    """Whether the head, hearing ``live`` nodes (itself included), must stand down: the
+    nodes it lost may hold a succession of ``believed`` nodes as its last word, and when
+    they are more than half of it they may take over (:func:`majority`): of the two sides of
+    a partition at most one goes on (a tie stays with the head)."""
+    return majority(believed - live, believed)
+
+
 def successor(
     succession: Sequence[Heir], me: int, lost: Sequence[int] = (), cannot: str | None = None
 ) -> TakeOver | Follow | Stop:

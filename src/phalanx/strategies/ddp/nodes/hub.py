@@ -44,6 +44,7 @@ from phalanx.strategies.ddp.coordinator.nodeplan import (
     hear,
     layout,
     missing,
+    outnumbered,
     place_spares,
 )
 from phalanx.strategies.ddp.nodes.failover import Failover, check_quorum
@@ -89,6 +90,11 @@ class RemoteNode:
     alive: set[int] = field(default_factory=set)  # its slots with a live process
     spare: bool = False  # a spare that took this node rank's place
     standby: int = 0  # the node port it would lead the run from (0: none)
+    # The size of the succession it last heard from the head, as far as the head can know:
+    # the last one told before its latest frame, or a larger one told since (see believes)
+    told: int = 0
+    told_since: int = 0
+    believed: int = 0
     agent: RemoteAgent = field(init=False, repr=False, compare=False)  # (its slots' actions)
 
     def __post_init__(self) -> None:
@@ -108,6 +114,20 @@ class RemoteNode:
             self.last_sent = time.monotonic()
         except LinkError:
             pass
+
+    def told_succession(self, size: int) -> None:
+        """A succession of ``size`` nodes was sent to it (a welcome, a keep-alive)."""
+        self.told = size
+        self.told_since = max(self.told_since, size)
+
+    def heard(self) -> None:
+        """A frame came from it: it had (most likely) read what was told before."""
+        self.believed, self.told_since = self.told, 0
+
+    def believes(self) -> int:
+        """How many nodes the succession it holds as the head's last word may name (the
+        larger of what it read and what it may have read since)."""
+        return max(self.believed, self.told_since)
 
     def heir(self) -> Heir:
         """Its entry in the run's succession: the address the head reaches it on."""
@@ -176,6 +196,13 @@ class NodeHub:
         rank order (spares are not in it)."""
         live = [node.heir() for rank, node in sorted(self.nodes.items()) if not node.lost]
         return (self.own, *live)
+
+    def outnumbered(self, node: RemoteNode) -> bool:
+        """Whether ``node``, just lost, may be on the larger side of a partition: the nodes
+        the head still hears (itself included) are not more than half of the succession
+        ``node`` may hold (:func:`~..coordinator.nodeplan.outnumbered`)."""
+        live = 1 + sum(1 for n in self.nodes.values() if not n.lost)
+        return outnumbered(live, node.believes())
 
     def gather(
         self,
@@ -286,6 +313,7 @@ class NodeHub:
         )
         with contextlib.suppress(LinkError):  # (gone since its hello: poll sees its loss)
             tell(node.link, welcome)
+            node.told_succession(len(welcome.succession))
         node.link.start()
 
     def rejoined(self, admits: Callable[[int], bool]) -> list[tuple[RemoteNode, str]]:
@@ -360,9 +388,12 @@ class NodeHub:
                 closed = str(item)
                 break
             frames.append((node, item))
+            node.heard()
         verdict = hear(node.view(), now, self.timing, closed)
         if isinstance(verdict, Beat):
-            node.send(KeepAlive(self.succession()))
+            succession = self.succession()
+            node.send(KeepAlive(succession))
+            node.told_succession(len(succession))
         if isinstance(verdict, (Beat, Keep)):
             return None
         if verdict.silent is not None:  # (a frozen node reads this when it wakes: it is out)

@@ -184,7 +184,7 @@ def _standby(run: RunInputs, launch: Launch, token: bytes, timing: Timing) -> St
     """This node's own node port, from which it would lead the run were the head lost, or
     why it has none (no run_dir to resume from and fence in, a recovery policy without a
     failover, a spare, no route to the head's address yet)."""
-    cannot = _cannot_fail_over(run.config)
+    cannot = cannot_fail_over(run.config)
     if cannot is not None:
         return cannot
     if launch.spare:
@@ -192,7 +192,7 @@ def _standby(run: RunInputs, launch: Launch, token: bytes, timing: Timing) -> St
     return Standby.open(link_address(launch), token, timing)
 
 
-def _cannot_fail_over(config: FitConfig) -> str | None:
+def cannot_fail_over(config: FitConfig) -> str | None:
     """Why no node of this run may take over from a lost head, or None."""
     if not config.run_dir:
         return "the head's failover needs a run_dir every node shares, and this run has none"
