@@ -8,7 +8,9 @@ Writes the final state dict to OUT and prints one JSON line: steps, ledger, fail
 passes ``resume=True``; ``PHALANX_TEST_FAULTS`` (``kill:0@15,kill:1@15``, every node the same)
 passes ``faults=``; ``PHALANX_TEST_STRATEGY`` (default ``ddp``) the strategy;
 ``PHALANX_TEST_CHECKPOINT_STEPS`` checkpoints every that many steps,
-``PHALANX_TEST_SNAPSHOT_STEPS`` snapshots every that many; ``PHALANX_TEST_STEPS=1``
+``PHALANX_TEST_SNAPSHOT_STEPS`` snapshots every that many; ``PHALANX_TEST_GATHER=0``
+passes ``gather=False`` (OUT then holds the final sharded checkpoint's model, read whole);
+``PHALANX_TEST_STEPS=1``
 adds each committed step's (global step, time) to the result (``steps_at``);
 ``PHALANX_TEST_STREAM`` (a folder of shards written by the test
 with ``stream_helpers.write_shards``) trains on them as a ``px.Stream`` instead.
@@ -87,8 +89,13 @@ def main() -> None:
             px.Fault.parse(t) for t in os.environ.get("PHALANX_TEST_FAULTS", "").split(",") if t
         ],
         sinks=sinks,
+        gather=os.environ.get("PHALANX_TEST_GATHER") != "0",
     )
-    torch.save(result.model.state_dict(), out)
+    if result.model is None:  # (gather=False: the weights are in the final checkpoint)
+        assert result.model_path is not None
+        torch.save(px.load_checkpoint(result.model_path)["model"], out)
+    else:
+        torch.save(result.model.state_dict(), out)
     doc = {
         "steps": result.steps,
         "ledger_ok": result.ledger_ok,

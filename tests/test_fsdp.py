@@ -114,6 +114,8 @@ def test_more_members_than_a_snapshot_tag_holds_are_refused_counting_every_node(
         (dict(strategy="ddp", shard=(h.Block,)), "strategy=\"fsdp\" shards, but strategy='ddp'"),
         (dict(strategy="fsdp", on_bad_sample="skip"), 'does not take on_bad_sample="skip" yet'),
         (dict(strategy="fsdp", shard=3), "fit()'s shard must be None, module classes"),
+        (dict(strategy="ddp", gather=False), "strategy='ddp' holds the whole model anyway"),
+        (dict(strategy="fsdp", gather=False), "gather=False leaves the final weights in"),
     ],
 )
 def test_what_fsdp_does_not_take_is_refused_with_the_fix(
@@ -514,6 +516,31 @@ def test_sharded_checkpoints_resume_on_any_number_of_workers(
     assert result.model_path is not None
     model.load_state_dict(torch.load(result.model_path, weights_only=True))
     assert rel(model, result.model) == 0.0
+
+
+@pytest.mark.timeout(150)
+def test_gather_false_ends_in_a_sharded_checkpoint_and_gathers_nothing(
+    single: px.FitResult, tmp_path: Any
+) -> None:
+    """fsdp(2), a worker killed on the way, checkpoints every 5 steps (not at the last, 12):
+    the final weights are never gathered: each member writes its shards of a last
+    checkpoint, which ``model_path`` names and ``load_checkpoint`` reads whole, with one
+    device's weights; no run_dir/model.pt, no model in the result."""
+    run_dir = tmp_path / "run"
+    result = learner().fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1", strategy="fsdp", run_dir=str(run_dir),
+        checkpoint=px.Checkpoints(every_steps=5, every_epoch=False), gather=False,
+        faults=[px.Fault.parse("kill:1@7")], **FIT,
+    )  # fmt: skip
+    assert result.model is None and result.steps == single.steps == 12
+    assert result.ledger_ok is True and [f.kind for f in result.failures] == ["crash"]
+    assert result.model_path == str(run_dir / "checkpoints" / "ckpt-000000012.rank-0-of-2.pt")
+    assert not (run_dir / "model.pt").exists()
+    saved = px.load_checkpoint(result.model_path)
+    assert saved["phalanx"]["step"] == 12
+    model = h.Net()
+    model.load_state_dict(saved["model"])
+    assert rel(model, single.model) <= 1e-5
 
 
 @pytest.fixture(scope="module")

@@ -377,9 +377,11 @@ def test_torchrun_with_two_nodes_of_one_process_trains_one_job(tmp_path: Path) -
 @pytest.mark.timeout(400)
 def test_under_torchrun_max_restarts_a_lost_head_costs_no_committed_step(tmp_path: Path) -> None:
     """The head's process is killed under ``torchrun --max-restarts 1`` (its agent lives):
-    the other node saves its last committed step and exits 75, torchrun restarts both nodes,
-    and the script (always ``resume=True``) goes on from that step: the run ends with the
-    model of a run that lost nothing and an exact ledger."""
+    the other node saves its last committed step (PX147; torchrun's restart may stop it with
+    SIGTERM before it exits 75), torchrun restarts both nodes, and the script (always
+    ``resume=True``) goes on from that step (the head says it resumed from node 1's file):
+    the run ends with the model of a run that lost nothing and an exact ledger. No failover:
+    one node of two left is not more than half."""
     run_dir = tmp_path / "run"
     procs, logs = torchrun_nodes(
         tmp_path, "px-head-lost", ["6", str(run_dir)], ["--max-restarts", "1"], resume=True
@@ -782,3 +784,24 @@ def test_fsdp_a_lost_node_restarts_the_others_from_the_newest_sharded_checkpoint
     # node was killed before writing its shard of it)
     assert failure["replayed_steps"] is not None and 0 <= failure["replayed_steps"] < 10
     assert same(weights(tmp_path / "node0.pt"), one_node_run(tmp_path, epochs=6, extra_env=FSDP))
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_gather_false_over_two_nodes_ends_in_a_shared_sharded_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """fsdp over two nodes sharing run_dir with gather=False: nobody gathers the model; each
+    member writes its shards of the last checkpoint there, and both nodes' results name it
+    (each node's script reads it whole): the model of one node."""
+    run_dir = tmp_path / "run"
+    env = {**FSDP, "PHALANX_TEST_GATHER": "0"}
+    _, procs, logs = two_nodes(tmp_path, epochs=2, run_dir=run_dir, extra_env=env)
+    finish_all(procs, logs)
+    head, node = result_of(logs[0]), result_of(logs[1])
+    assert head["steps"] == node["steps"] == 20 and head["ledger_ok"]
+    final = str(run_dir / "checkpoints" / "ckpt-000000020.rank-0-of-2.pt")
+    assert head["model_path"] == node["model_path"] == final
+    assert not (run_dir / "model.pt").exists()
+    clean = one_node_run(tmp_path, epochs=2, extra_env=FSDP)
+    assert same(weights(tmp_path / "node0.pt"), clean)
+    assert same(weights(tmp_path / "node1.pt"), clean)

@@ -197,6 +197,7 @@ def fit_kinds() -> dict[str, Kind]:
             "None, module classes (a class or a tuple of them) or a function of a module",
             lambda v: v is None or callable(v) or _classes(v),
         ),
+        "gather": FLAG,
         "sinks": SINKS,
         "loggers": Kind(
             "a list of sinks (objects with handle(event) and close())",

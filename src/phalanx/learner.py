@@ -124,6 +124,7 @@ class Learner:
         on_failure: Recovery | None = None,
         snapshots: Snapshots | bool = True,
         shard: ShardRule = None,
+        gather: bool = True,
         sinks: Sequence[Sink] | None = None,
         loggers: Sequence[Sink] = (),
     ) -> FitResult:
@@ -138,7 +139,9 @@ class Learner:
         ``run_dir=""`` is the same as None: nothing is written.
         ``strategy="fsdp"`` shards the model's parameters, gradients and optimizer state
         among the devices (``shard``: which modules are its units, see
-        :mod:`phalanx.sharding` and docs/fsdp.md).
+        :mod:`phalanx.sharding` and docs/fsdp.md); ``gather=False`` leaves its final
+        weights in the run's last sharded checkpoint instead of gathering them into one
+        process (``FitResult.model`` is then None, ``model_path`` names that checkpoint).
         ``sinks`` replaces the default sinks (terminal, run folder); ``loggers`` adds to the
         sinks in force (``px.sinks.WandbSink``, ``MlflowSink``, ``TensorBoardSink``), on the
         head node only when a run has several (the other nodes' sinks see only their notices).
@@ -185,6 +188,7 @@ class Learner:
             max_bad_samples=max_bad_samples,
             snapshots=settings_of(snapshots),
             shard=shard,
+            gather=gather,
         )
         # A stream's lengths, counted once unless given (kept in run_dir for a resume).
         learned = [
@@ -266,7 +270,7 @@ class Learner:
         try:
             with handle_signals(self.interrupter), _keep_rng(config.devices):
                 result = finish(self._dispatch(run, emit), run)
-            if run_dir and result.interrupted is None:
+            if run_dir and result.interrupted is None and result.model is not None:
                 result.model_path = save_final_model(run_dir, result.model)
             emit(
                 RunEnded(

@@ -29,6 +29,7 @@ from phalanx import rng
 from phalanx.badsamples import BAD_SLOTS, PLAIN, Triage, Twist
 from phalanx.balance import Balancer, Decision, slower_than_peers
 from phalanx.checkpoint import Checkpointer, should_save
+from phalanx.checkpoint.io import list_checkpoints
 from phalanx.early_stopping import EarlyStopping
 from phalanx.errors import CheckpointError, TooManyBadSamples, WorkerAtFault, WorkerTooSlow
 from phalanx.events import (
@@ -746,6 +747,29 @@ class TrainLoop:
             self.checkpointer.save(
                 self.snapshot(), step=self.state.global_step, epoch=self.state.epoch, metric=metric
             )
+
+    def save_final(self) -> None:
+        """A checkpoint of the state as the run ends, unless this very state was saved
+        (fsdp's ``gather=False``: the final weights' only copy)."""
+        self._checkpoint(epoch_end=False, force=True)
+
+    def final_checkpoint(self) -> str:
+        """After :meth:`close_checkpointer`: the complete checkpoint of the state as the run
+        ends (a sharded one: every rank's file there), by its path; raises FailedHere when
+        there is none (the final weights would be lost)."""
+        with self._fails_as("checkpoint"):
+            assert self.checkpointer is not None
+            step = self.state.global_step
+            found = [p for p, s in list_checkpoints(self.checkpointer.directory) if s == step]
+            if not found:
+                raise CheckpointError(
+                    f"the final checkpoint (step {step}) is not complete in "
+                    f"{self.checkpointer.directory}: not every rank's shard file was written "
+                    "(across nodes, run_dir must be a folder every node shares); with "
+                    "gather=False it holds the only copy of the final weights"
+                )
+            return found[-1]
+        raise AssertionError("unreachable")  # (_fails_as raises)
 
     def close_checkpointer(self) -> None:
         """Wait for pending checkpoint writes; a write that failed fails this member."""

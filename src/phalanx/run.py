@@ -48,9 +48,11 @@ class RunInputs:
 
 @dataclass
 class FitResult:
-    """What ``fit()`` returns. ``model`` is on CPU; ``history`` has one dict per epoch."""
+    """What ``fit()`` returns. ``model`` is on CPU (None under ``fit(strategy="fsdp",
+    gather=False)``: the final weights stay in the sharded checkpoint ``model_path`` names,
+    which ``px.load_checkpoint`` reads whole); ``history`` has one dict per epoch."""
 
-    model: nn.Module
+    model: nn.Module | None
     history: list[dict[str, Any]]
     steps: int
     epochs: int
@@ -69,7 +71,7 @@ class FitResult:
 class RunEnd:
     """How a strategy's training ended, when nothing stopped it: the main member's state."""
 
-    model: nn.Module  # on CPU
+    model: nn.Module | None  # on CPU (None: fsdp's gather=False, model_path has the weights)
     history: list[dict[str, Any]]
     steps: int  # committed optimizer steps
     epochs: int  # finished epochs
@@ -106,6 +108,7 @@ def finish(end: RunEnd, run: RunInputs) -> FitResult:
         ledger_ok=not problems,
         ledger_problems=problems,
         quarantined=sorted(end.quarantine),
+        model_path=end.model_path if end.model is None else None,
     )
 
 

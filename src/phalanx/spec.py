@@ -112,6 +112,9 @@ class FitConfig:
     head_term: int = 0
     # fsdp: which modules are sharded as units (phalanx.sharding; None: its default rule)
     shard: Any = None
+    # fsdp: the final weights gathered into one process at the end (False: they stay in the
+    # run's last sharded checkpoint, which nobody gathers; FitResult.model is None)
+    gather: bool = True
 
     def loading(self) -> Loading:
         """What every DataLoader of the run is built with."""

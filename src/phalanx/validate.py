@@ -348,7 +348,19 @@ def validate_sharding(config: FitConfig, nodes: int = 1) -> None:
                 f'shard= says which modules strategy="fsdp" shards, but strategy='
                 f'{config.strategy!r}: drop shard= or pass strategy="fsdp"'
             )
+        if not config.gather:
+            raise InvalidSettingError(
+                f"gather=False keeps a sharded model's final weights in its shards, but "
+                f"strategy={config.strategy!r} holds the whole model anyway: drop gather=False "
+                'or pass strategy="fsdp"'
+            )
         return
+    if not config.gather and not config.run_dir:
+        raise InvalidSettingError(
+            "gather=False leaves the final weights in the run's last sharded checkpoint, "
+            "which needs a run_dir: pass run_dir=... (a folder every node shares, across "
+            "nodes), or drop gather=False"
+        )
     world = len(config.devices) * nodes  # (across nodes: each node as many as this one)
     if world > MAX_WORLD:
         each = f" ({nodes} nodes of {len(config.devices)})" if nodes > 1 else ""

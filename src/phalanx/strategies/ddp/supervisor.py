@@ -425,12 +425,13 @@ def _run_end(sup: Supervisor, outcome: FailureBook, fates: list[str], reason: st
         sup.tell_nodes(_failed_end(failures, poison, outcome.notes, fates))
         raise stopped(failures, poison, config, tuple(outcome.notes), fates)
     done = outcome.done
-    assert done.weights_path is not None
+    assert done.weights_path is not None or done.model_path is not None
     interrupted = done.interrupted
     if interrupted and reason:  # the reason as the supervisor was told it
         interrupted = f"Training interrupted: {reason}"
     end = RunEnd(
-        model=sup.final_model(done.weights_path),
+        # (fsdp's gather=False: nothing gathered, the final sharded checkpoint has the weights)
+        model=None if done.weights_path is None else sup.final_model(done.weights_path),
         history=done.history,
         steps=done.steps,
         epochs=done.epochs,
@@ -440,18 +441,22 @@ def _run_end(sup: Supervisor, outcome: FailureBook, fates: list[str], reason: st
         seconds=0.0,
         fates=fates,
         quarantine={int(i): int(g) for i, g in done.quarantine},
+        model_path=done.model_path,
     )
     if sup.hub is not None:
-        model_path = None
-        if config.run_dir and interrupted is None:
+        model_path = done.model_path
+        if config.run_dir and interrupted is None and end.model is not None:
             # Written before the nodes hear of the end, so that a node sharing run_dir (a
             # shared file system) finds the file when its fit returns (Learner writes the
             # same file again, atomically: the same bytes).
             from phalanx.learner import save_final_model
 
             model_path = os.path.abspath(save_final_model(config.run_dir, end.model))
-        with open(done.weights_path, "rb") as fh:
-            sup.tell_nodes(_ok_end(end, model_path, fh.read()))
+        weights = b""  # (none gathered: the nodes read model_path)
+        if done.weights_path is not None:
+            with open(done.weights_path, "rb") as fh:
+                weights = fh.read()
+        sup.tell_nodes(_ok_end(end, model_path, weights))
     return end
 
 

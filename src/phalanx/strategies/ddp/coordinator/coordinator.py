@@ -248,7 +248,7 @@ class Coordinator(Roster):
             self.show(slot, "finished")
         if isinstance(message, Aborted):
             self.book.aborted_by(slot, message.poison)
-        elif message.weights_path is not None:
+        elif message.weights_path is not None or message.model_path is not None:
             self.book.done = message
             self._dismiss_waiting()
 

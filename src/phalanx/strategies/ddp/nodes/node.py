@@ -26,6 +26,7 @@ from phalanx.interrupt import Interrupter
 from phalanx.launch import SPARE, Launch
 from phalanx.ranks import acting_as
 from phalanx.run import RunEnd, RunInputs, stopped
+from phalanx.runner import checkpoint_dir
 from phalanx.snapshot.config import snapshots_off
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.agent.agent import Agent, start_fork_server
@@ -367,13 +368,17 @@ def _node_end(run: RunInputs, end: End, seconds: float) -> RunEnd:
 
 
 def _shared(run_dir: str | None, path: object) -> str | None:
-    """The head's final weights file, where this node sees it: its own run_dir is the
-    same folder (a shared file system) and the file is there."""
+    """The head's final weights file (``model.pt``, or fsdp's last sharded checkpoint under
+    ``gather=False``), where this node sees it: its own run_dir is the same folder (a shared
+    file system) and the file is there."""
     if not run_dir or not isinstance(path, str):
         return None
-    mine = os.path.join(os.path.abspath(run_dir), os.path.basename(path))
-    same = os.path.exists(mine) and os.path.exists(path) and os.path.samefile(mine, path)
-    return mine if same else None
+    top = os.path.abspath(run_dir)
+    for folder in (top, checkpoint_dir(top)):
+        mine = os.path.join(folder, os.path.basename(path))
+        if os.path.exists(mine) and os.path.exists(path) and os.path.samefile(mine, path):
+            return mine
+    return None
 
 
 def _serve(
@@ -470,9 +475,12 @@ def _no_dir(config: FitConfig) -> FitConfig:
     return dataclasses.replace(config, run_dir=None)
 
 
-def _load_model(run: RunInputs, payload: bytes) -> torch.nn.Module:
+def _load_model(run: RunInputs, payload: bytes) -> torch.nn.Module | None:
+    """The head's final weights (none: fsdp's gather=False, end.model_path has them)."""
     import io
 
+    if not payload:
+        return None
     with acting_as(0, len(run.config.devices)):  # (as the main member sees it)
         model = run.spec.build_model()
     state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)

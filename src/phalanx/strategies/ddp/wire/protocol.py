@@ -335,6 +335,8 @@ class Done:
     interrupted: str | None = None
     ledger: list[list[float]] = field(default_factory=list)
     quarantine: list[list[int]] = field(default_factory=list)  # [index, global step] rows
+    # fsdp's gather=False: the final sharded checkpoint that holds the weights (no weights_path)
+    model_path: str | None = None
 
 
 @dataclass

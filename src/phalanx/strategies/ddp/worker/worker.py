@@ -597,8 +597,11 @@ class Worker:
         local, self.took_local = self.took_local, False
         self.send(Joined(self.a.slot, gen.number, loop.state.global_step, local))
         self.interrupted = loop.run().interrupted
-        if isinstance(loop.engine, FsdpEngine):  # (gathered by every member, kept by rank 0)
-            self.final_model = loop.engine.full_model_state()
+        if isinstance(loop.engine, FsdpEngine):
+            if self.a.config.gather:  # (gathered by every member, kept by rank 0)
+                self.final_model = loop.engine.full_model_state()
+            else:  # (left in a sharded checkpoint: each member writes its own shards)
+                loop.save_final()
 
     def shard_checkpointer(
         self, loop: TrainLoop, gen: Generation, rank: int
@@ -817,8 +820,11 @@ class Worker:
     def finish(self) -> int:
         assert self.loop is not None
         self.loop.close_checkpointer()
+        kept = None  # fsdp's gather=False: the final sharded checkpoint, found by rank 0
+        if not self.a.config.gather and self.loop.engine.is_main:
+            kept = self.loop.final_checkpoint()
         done = done_of(
-            self.loop, self.a.slot, self.a.weights_path, self.interrupted, self.final_model
+            self.loop, self.a.slot, self.a.weights_path, self.interrupted, self.final_model, kept
         )
         self.send(done)
         return 0
@@ -830,17 +836,28 @@ def done_of(
     weights_path: str,
     interrupted: str | None,
     model: dict[str, torch.Tensor] | None = None,
+    kept: str | None = None,
 ) -> Done:
     """A finished worker's word; the main member's with the final weights (``model``, the
-    whole model gathered under fsdp, else its own replica's; saved to ``weights_path``)
+    whole model gathered under fsdp, else its own replica's; saved to ``weights_path``; or,
+    under fsdp's ``gather=False``, ``kept``: the final sharded checkpoint, nothing gathered)
     and the results."""
     if not loop.engine.is_main:
         return Done(slot)
-    torch.save(loop.engine.state_dict()["model"] if model is None else model, weights_path)
+    if kept is None:
+        torch.save(loop.engine.state_dict()["model"] if model is None else model, weights_path)
     st = loop.state
     quarantine = [[i, g] for i, g in sorted(st.quarantine.items())]
     return Done(
-        slot, weights_path, st.history, st.global_step, st.epoch, interrupted, st.ledger, quarantine
+        slot,
+        None if kept is not None else weights_path,
+        st.history,
+        st.global_step,
+        st.epoch,
+        interrupted,
+        st.ledger,
+        quarantine,
+        model_path=kept,
     )
 
 
