@@ -9,6 +9,7 @@ keeps the step in an emergency checkpoint and exits 75 as before."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -31,7 +32,6 @@ from test_multinode import (
     same,
     saved_by_node,
     start,
-    wait_for,
     weights,
 )
 
@@ -85,12 +85,62 @@ def nodes(
     return procs, logs
 
 
-def into_epoch_three(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> float:
-    """Once epoch 2 is done (checkpoints at steps 10 and 20) and half a second into epoch
-    3 (steps committed after the newest checkpoint): the time."""
-    wait_for(f"epoch 2/{EPOCHS} done", logs[0], procs[0])
-    time.sleep(0.5)
+def into_epoch_three(
+    procs: list[subprocess.Popen[bytes]], logs: list[Path], run_dir: Path
+) -> float:
+    """Once the head has committed step 25, halfway through epoch 3 (checkpoints at steps 10
+    and 20; the steps since are only in the workers' memory): the time. Read from the
+    head's ``steps.csv`` (a row each step, flushed), not as a time after a log line: an
+    epoch takes about half a second here, so half a second after "epoch 2 done" the head
+    had reached epoch 3's checkpoint in every run, and no step was newer than it."""
+    deadline = time.monotonic() + 120
+    while newest_step(run_dir) < 25:
+        assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()[-3000:]
+        time.sleep(0.01)
     return time.time()
+
+
+def newest_step(run_dir: Path) -> int:
+    """The newest global step in ``steps.csv`` so far (its whole rows only; 0: none yet)."""
+    try:
+        text = (run_dir / "steps.csv").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return 0
+    rows = text.split("\n")[1:-1]  # (after the header; the piece after the last newline may be cut)
+    return max((int(row.split(",")[0]) for row in rows if row.strip()), default=0)
+
+
+def left_behind(procs: list[subprocess.Popen[bytes]], seconds: float = 10) -> list[int]:
+    """The nodes (by rank) whose process group still has a process after ``seconds``: a
+    node that exited, or was killed, leaves no worker behind. Call it before the tests'
+    ``kill_group``, which would empty every group whatever the nodes did."""
+    deadline = time.monotonic() + seconds
+    while any(alive_in_group(p.pid) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [k for k, p in enumerate(procs) if alive_in_group(p.pid)]
+
+
+def steps_written(run_dir: Path) -> list[int]:
+    """The global step of each row of the run's ``steps.csv``, in the file's order."""
+    with (run_dir / "steps.csv").open(newline="", encoding="utf-8") as f:
+        return [int(row["global_step"]) for row in csv.DictReader(f)]
+
+
+def assert_one_row_a_step(run_dir: Path, resumed: int) -> None:
+    """The run's one ``steps.csv`` after a takeover that resumed after step ``resumed``: the
+    old head's rows, then the new head's from ``resumed + 1`` to the run's end, each step
+    once and in order (the new head dropped any row after ``resumed``).
+
+    A known gap, not a rule: the old head writes a step's row when its supervisor reads
+    the step's event from its own worker, up to a poll after every member committed the
+    step. A head killed or frozen in between has no row for the last step(s) it
+    committed, and the new head resumes after them without writing them (seen in two runs
+    of six with the head killed at step 25: no row, and no event, for step 26). Once
+    the code writes them, this is ``rows == list(range(1, EPOCHS * 10 + 1))``."""
+    rows = steps_written(run_dir)
+    old = [s for s in rows if s <= resumed]
+    assert old == list(range(1, len(old) + 1)), rows
+    assert rows[len(old) :] == list(range(resumed + 1, EPOCHS * 10 + 1)), rows
 
 
 def events(run_dir: Path) -> list[dict[str, Any]]:
@@ -121,14 +171,16 @@ def test_the_head_killed_node_1_takes_over_and_the_run_goes_on_without_a_restart
     run_dir = tmp_path / "run"
     procs, logs = nodes(tmp_path, 3, run_dir, token=None, form=form)  # (run_dir's token)
     try:
-        killed_at = into_epoch_three(procs, logs)
+        killed_at = into_epoch_three(procs, logs, run_dir)
         kill_group(procs[0])  # the head: its process, the store, its worker
         codes = [finish(p, 200) for p in procs[1:]]
+        stayed = left_behind(procs)
     finally:
         for p in procs:
             kill_group(p)
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts[1:])
+    assert not stayed, f"node(s) {stayed} left processes behind"
     new_head, follower = assert_went_on_clean(tmp_path, logs, [1, 2])
     assert "this node takes over as the head, with node(s) [2]" in texts[1]
     assert "following node 1, the new head" in texts[2]
@@ -138,7 +190,7 @@ def test_the_head_killed_node_1_takes_over_and_the_run_goes_on_without_a_restart
     assert lost["message"].startswith("node 0 (") and "its link closed" in lost["message"]
     assert "node 1 took over as the head" in lost["message"]
     assert lost["worker"] == 0 and lost["kind"] == "crash" and lost["action"] == "shrunk"
-    assert 20 <= lost["step"] < 60  # the emergency checkpoint: newer than epoch 2's
+    assert 20 < lost["step"] < 30  # the emergency checkpoint: newer than epoch 2's
     assert lost["recovery_seconds"] is not None
     # The next committed step after the kill: node_timeout (10 s) is not waited for, the link
     # closed; the workers' emergency save, a new store and new workers (forked) come first.
@@ -156,8 +208,7 @@ def test_the_head_killed_node_1_takes_over_and_the_run_goes_on_without_a_restart
         len(head_losses([e["failure"] for e in recorded if e.get("event") == "WorkerFailed"])) == 1
     )
     assert json.loads((run_dir / "head.json").read_text())["term"] == 2
-    for p in procs:
-        assert not alive_in_group(p.pid)
+    assert_one_row_a_step(run_dir, lost["step"])
 
 
 @pytest.mark.timeout(400)
@@ -167,15 +218,12 @@ def test_a_frozen_head_is_replaced_after_node_timeout_and_fenced_when_it_wakes(
     run_dir = tmp_path / "run"
     procs, logs = nodes(tmp_path, 3, run_dir, node_timeout=3)
     try:
-        frozen_at = into_epoch_three(procs, logs)
+        frozen_at = into_epoch_three(procs, logs, run_dir)
         os.killpg(procs[0].pid, signal.SIGSTOP)  # the head and its worker: sockets open
         codes = [finish(p, 200) for p in procs[1:]]
         os.killpg(procs[0].pid, signal.SIGCONT)  # the old head wakes after the run ended
         old_code = finish(procs[0], 60)
-        deadline = time.monotonic() + 10
-        while alive_in_group(procs[0].pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left_behind = alive_in_group(procs[0].pid)
+        stayed = left_behind(procs)
     finally:
         for p in procs:
             kill_group(p)
@@ -190,7 +238,8 @@ def test_a_frozen_head_is_replaced_after_node_timeout_and_fenced_when_it_wakes(
     # The old head woke to a newer term: it committed nothing and said why.
     assert old_code != 0 and "PX145" in texts[0] and "was replaced by node 1" in texts[0]
     assert "RESULT" not in texts[0] and not (tmp_path / "node0.pt").exists()
-    assert not left_behind, "the woken head left processes behind"
+    assert not stayed, f"node(s) {stayed} left processes behind"
+    assert_one_row_a_step(run_dir, min(s for s, _ in new_head["steps_at"]) - 1)
 
 
 @pytest.mark.timeout(300)
@@ -200,15 +249,17 @@ def test_a_second_failure_during_the_failover_leaves_no_majority_and_the_survivo
     run_dir = tmp_path / "run"
     procs, logs = nodes(tmp_path, 3, run_dir, node_timeout=3)  # (node 1 waits 3 + 10 s)
     try:
-        into_epoch_three(procs, logs)
+        into_epoch_three(procs, logs, run_dir)
         kill_group(procs[0])
         kill_group(procs[2])  # node 2 lost too, as node 1 waits for it
         code = finish(procs[1], 120)
+        stayed = left_behind(procs)
     finally:
         for p in procs:
             kill_group(p)
     text = logs[1].read_text()
     assert code == 75, text[-3000:]  # EX_TEMPFAIL: the same command again, resume=True
+    assert not stayed, f"node(s) {stayed} left processes behind"
     step, _ = saved_by_node(text)
     assert 20 < step < 60
     assert "only 1 of the run's 3 nodes reached it (no other node came)" in text, text[-3000:]
@@ -221,21 +272,23 @@ def test_fsdp_the_head_killed_node_1_takes_over_from_the_newest_sharded_checkpoi
 ) -> None:
     """fsdp, three nodes of one worker each: the head's member held a third of the state,
     gone with it, so no emergency checkpoint is written; node 1 takes over from the newest
-    sharded checkpoint in the shared run_dir (epoch 2's, or epoch 3's when complete), the
+    sharded checkpoint in the shared run_dir (epoch 2's: the head is killed at step 25), the
     steps since are computed again, and both survivors end with the model of a run that lost
     nothing."""
     run_dir = tmp_path / "run"
     fsdp = {"PHALANX_TEST_STRATEGY": "fsdp"}
     procs, logs = nodes(tmp_path, 3, run_dir, extra_env=fsdp)
     try:
-        into_epoch_three(procs, logs)
+        into_epoch_three(procs, logs, run_dir)
         kill_group(procs[0])
         codes = [finish(p, 200) for p in procs[1:]]
+        stayed = left_behind(procs)
     finally:
         for p in procs:
             kill_group(p)
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts[1:])
+    assert not stayed, f"node(s) {stayed} left processes behind"
     assert "this node takes over as the head, with node(s) [2]" in texts[1]
     results = [result_of(logs[k]) for k in (1, 2)]
     assert [r["steps"] for r in results] == [EPOCHS * 10] * 2
@@ -250,8 +303,8 @@ def test_fsdp_the_head_killed_node_1_takes_over_from_the_newest_sharded_checkpoi
     assert "from the newest complete checkpoint in run_dir" in lost["message"]
     assert "under fsdp its shards went with it" in lost["message"]
     first = min(s for s, _ in results[0]["steps_at"])
-    assert first in (21, 31), first
-    assert lost["step"] is not None and lost["step"] >= 20
+    assert first == 21, first
+    assert lost["step"] is not None and lost["step"] > 20
     assert lost["replayed_steps"] == lost["step"] - (first - 1)
-    for p in procs:
-        assert not alive_in_group(p.pid)
+    # One steps.csv, each step once: the rows after step 20 were dropped and written again.
+    assert steps_written(run_dir) == list(range(1, EPOCHS * 10 + 1))
