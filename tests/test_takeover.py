@@ -14,7 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from phalanx.strategies.ddp.nodes.failover import Standby
+import phalanx as px
+from phalanx.launch import Launch
+from phalanx.spec import FitConfig
+from phalanx.strategies.ddp.nodes.failover import Standby, cannot_fail_over
 from phalanx.strategies.ddp.nodes.fencing import HEAD_FILE
 from phalanx.strategies.ddp.timing import Timing
 from phalanx.strategies.ddp.wire.link import Link
@@ -160,3 +163,23 @@ def test_a_stop_asked_for_while_the_head_is_lost_ends_the_node_with_the_step_it_
     assert "a stop was asked for (SIGTERM)" in text and "step 30 is in /shared/run" in text
     assert any("[PX147]" in getattr(e, "text", "") and e.level == "error" for e in said)
     assert port.closed
+
+
+@pytest.mark.parametrize(
+    ("source", "run_dir", "recovery", "says"),
+    [
+        ("phalanx", "RUN", px.Recovery(), None),
+        ("slurm", "RUN", px.Recovery(), None),
+        ("torchrun", "RUN", px.Recovery(), "torchrun's own restart (--max-restarts)"),
+        ("phalanx", None, px.Recovery(), "needs a run_dir every node shares"),
+        ("phalanx", "RUN", px.Recovery(head_failover=False), "head_failover=False"),
+        ("phalanx", "RUN", px.Recovery(mode="abort"), 'mode="abort"'),
+    ],
+)
+def test_which_runs_may_fail_over(
+    source: str, run_dir: str | None, recovery: px.Recovery, says: str | None
+) -> None:
+    config = FitConfig(1, 8, ["cpu:0"], "ddp", run_dir=run_dir, recovery=recovery)
+    launch = Launch(source, nnodes=3, node_rank=1)  # type: ignore[arg-type]
+    why = cannot_fail_over(config, launch)
+    assert why is None if says is None else (why is not None and says in why)

@@ -37,14 +37,15 @@ from phalanx.version import __version__
 
 EXIT_CODES = """exit status:
   0    done (demo: the run trained to its end, whatever its accuracy)
-  1    training failed or a configuration error (the report on stderr); explain: unknown
-       code; report, plot: no run in that folder
+  1    training failed or a configuration error (the report on stderr); or a node (an old
+       head too) was cut off or frozen and the run went on without it (PX145); explain:
+       unknown code; report, plot: no run in that folder
   2    usage error, or a missing optional dependency (scikit-learn, matplotlib)
   75   stopped and saved, a restart goes on (a batch script requeues on it): a batch
        system's warning (SIGUSR1, Slurm's --signal=USR1@120) stopped the run after a
-       checkpoint; or (a node other than the head) the head was lost and the node saved the
-       run's last committed step; run the same command with resume=True (a requeued Slurm
-       job resumes by itself)
+       checkpoint; or the head was lost and a node saved the run's last committed step
+       (or the head lost most nodes at once and stood down); run the same command with
+       resume=True (a requeued Slurm job resumes by itself)
   130  interrupted by Ctrl-C (the run saved a checkpoint: demo --resume goes on)
   143  ended by SIGTERM (likewise; a batch system can requeue the job)
   141  stdout closed early (e.g. piped into head): the rest of the output is dropped

@@ -61,7 +61,7 @@ from phalanx.strategies.ddp.coordinator.coordinator import (
 from phalanx.strategies.ddp.coordinator.roster import Now, Setup
 from phalanx.strategies.ddp.nodes.headloss import head_lost, kept_line, save_on_head_loss
 from phalanx.strategies.ddp.nodes.hub import Nodes, RemoteNode, rejected_link, start_head, tell_end
-from phalanx.strategies.ddp.nodes.node import cannot_fail_over, run_node
+from phalanx.strategies.ddp.nodes.node import run_node
 from phalanx.strategies.ddp.timing import Timing
 from phalanx.strategies.ddp.wire.control import rejected_notice
 from phalanx.strategies.ddp.wire.messages import (
@@ -129,6 +129,7 @@ class Supervisor:
         self.told = False  # whether the other nodes were told how the run ended
         self.fence = nodes.fence if nodes is not None else None
         self.inherited = nodes.inherited if nodes is not None else []
+        self.no_failover = nodes.no_failover if nodes is not None else "one node"
 
     @property
     def outcome(self) -> FailureBook:
@@ -157,8 +158,12 @@ class Supervisor:
                 return self.coord.book
 
     def _see(self, timeout: timedelta) -> None:
-        for seen in self.agent.poll(timeout):
-            self._seen(seen)
+        seen = self.agent.poll(timeout)
+        # Once a second (and at once for a head woken from a freeze), before it acts on
+        # what its workers or the nodes said: a head another node replaced stops here.
+        self._check_fence()
+        for one in seen:
+            self._seen(one)
         if self.hub is not None:
             self._hear()
 
@@ -175,9 +180,6 @@ class Supervisor:
     def _hear(self) -> None:
         """What the other nodes' agents sent, and the nodes lost."""
         assert self.hub is not None
-        # Once a second (and at once for a head woken from a freeze), before it acts on
-        # what the nodes said: a head another node replaced stops here.
-        self._check_fence()
         frames, lost = self.hub.poll()
         for node, frame in frames:
             try:
@@ -303,7 +305,7 @@ class Supervisor:
         (PX147, exit 75). The nodes still with it see its link close (they stop too, or
         follow a new head they can reach)."""
         assert self.hub is not None
-        if cannot_fail_over(self.config) is not None:
+        if self.no_failover is not None:
             return  # (no node may take over: the head goes on with those left)
         self._check_fence(now=True)  # (replaced already: PX145 says so)
         saved = save_on_head_loss(self.agent)

@@ -29,6 +29,7 @@ from typing import Any
 from phalanx.errors import HeadLost, HeadLostError
 from phalanx.failures import WorkerFailure
 from phalanx.launch import Address, Launch
+from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.coordinator.nodeplan import Follow, TakeOver, majority
 from phalanx.strategies.ddp.nodes.headloss import head_lost, kept_line
 from phalanx.strategies.ddp.nodes.shared import tell
@@ -152,6 +153,22 @@ class Failover(Exception):
         if self.standby is not None:
             with contextlib.suppress(OSError):
                 self.standby.close()
+
+
+def cannot_fail_over(config: FitConfig, launch: Launch) -> str | None:
+    """Why no node of this run may take over from a lost head, or None."""
+    if launch.source == "torchrun":
+        return (
+            "under torchrun, torchrun's own restart (--max-restarts) goes on after the head's "
+            "loss, and a failover would be undone by it"
+        )
+    if not config.run_dir:
+        return "the head's failover needs a run_dir every node shares, and this run has none"
+    if not config.recovery.head_failover:
+        return "the recovery policy turns the head's failover off (head_failover=False)"
+    if config.recovery.mode == "abort":
+        return 'the recovery policy is mode="abort"'
+    return None
 
 
 def head_loss_failure(

@@ -47,7 +47,7 @@ from phalanx.strategies.ddp.coordinator.nodeplan import (
     outnumbered,
     place_spares,
 )
-from phalanx.strategies.ddp.nodes.failover import Failover, check_quorum
+from phalanx.strategies.ddp.nodes.failover import Failover, cannot_fail_over, check_quorum
 from phalanx.strategies.ddp.nodes.fencing import Fence, claim
 from phalanx.strategies.ddp.nodes.shared import (
     agreement,
@@ -433,6 +433,9 @@ class Nodes:
     fence: Fence | None = None  # the head's term, while it leads (a shared run_dir)
     # failures decided before this head started: the lost head's, named by its successor
     inherited: list[WorkerFailure] = field(default_factory=list)
+    # why no node may take over were this head lost (None: one may: the head stands down
+    # when the nodes it lost may be the larger side of a partition)
+    no_failover: str | None = None
 
 
 def start_head(run: RunInputs, launch: Launch, emit: Any, timing: Timing) -> Nodes:
@@ -503,7 +506,9 @@ def start_head(run: RunInputs, launch: Launch, emit: Any, timing: Timing) -> Nod
         else Fence(config.run_dir or "", term, timing.fence_every.total_seconds())
     )
     inherited = [] if failover is None else [failover.failure]
-    return Nodes(hub, agent, labels, list(slots.shown), slots.slot_nodes, fence, inherited)
+    cannot = cannot_fail_over(config, launch)
+    shown, slot_nodes = list(slots.shown), slots.slot_nodes
+    return Nodes(hub, agent, labels, shown, slot_nodes, fence, inherited, cannot)
 
 
 def waiting_notice(

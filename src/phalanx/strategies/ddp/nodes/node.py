@@ -33,7 +33,12 @@ from phalanx.strategies.ddp.agent.agent import Agent, start_fork_server
 from phalanx.strategies.ddp.agent.routing import LocalAgent
 from phalanx.strategies.ddp.agent.spawner import Spawner
 from phalanx.strategies.ddp.coordinator.nodeplan import Hello, Stop, TakeOver, successor
-from phalanx.strategies.ddp.nodes.failover import Failover, Standby, head_loss_failure
+from phalanx.strategies.ddp.nodes.failover import (
+    Failover,
+    Standby,
+    cannot_fail_over,
+    head_loss_failure,
+)
 from phalanx.strategies.ddp.nodes.fencing import read_term
 from phalanx.strategies.ddp.nodes.headloss import (
     head_lost,
@@ -185,23 +190,12 @@ def _standby(run: RunInputs, launch: Launch, token: bytes, timing: Timing) -> St
     """This node's own node port, from which it would lead the run were the head lost, or
     why it has none (no run_dir to resume from and fence in, a recovery policy without a
     failover, a spare, no route to the head's address yet)."""
-    cannot = cannot_fail_over(run.config)
+    cannot = cannot_fail_over(run.config, launch)
     if cannot is not None:
         return cannot
     if launch.spare:
         return "this node is a spare"
     return Standby.open(link_address(launch), token, timing)
-
-
-def cannot_fail_over(config: FitConfig) -> str | None:
-    """Why no node of this run may take over from a lost head, or None."""
-    if not config.run_dir:
-        return "the head's failover needs a run_dir every node shares, and this run has none"
-    if not config.recovery.head_failover:
-        return "the recovery policy turns the head's failover off (head_failover=False)"
-    if config.recovery.mode == "abort":
-        return 'the recovery policy is mode="abort"'
-    return None
 
 
 def _failover(
