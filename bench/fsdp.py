@@ -1,6 +1,6 @@
 """strategy="fsdp" on CPU (gloo), three tables (issue 24):
 
-    PYTHONPATH=src .venv/bin/python bench/fsdp.py [--only memory,steps,failures]
+    PYTHONPATH=src .venv/bin/python bench/fsdp.py [--only memory,steps,failures,end]
                                                   [--rounds 3] [--steps 60] [--root-norm]
 
 - ``memory``: bytes each worker holds of parameters and of Adam's state, counted in the
@@ -25,6 +25,12 @@
   generation takes its rows from the newest complete shard set); all three killed in one
   step (every slot restarted from the set): time from the failure to the next committed
   step, and steps computed again.
+
+- ``end``: how a run ends with the 50.4 M-parameter model on 2 workers (3 steps, a
+  ``run_dir``): the default end gathers the whole model into rank 0 and writes
+  ``run_dir/model.pt``; ``gather=False`` writes each member's shards of a last checkpoint
+  instead. Time from the last committed step to ``fit``'s return, and the bytes one process
+  holds of the model at the end (the whole model; a member's shards).
 
 Timings on a shared 2-core machine are noisy: read the ratios.
 """
@@ -286,6 +292,38 @@ def failures_table() -> None:
     print(f"| kill all 3 | {how} | {f.recovery_seconds:.2f} | {f.replayed_steps} |")
 
 
+# -- the end ---------------------------------------------------------------------------------
+def end_table(rounds: int) -> None:
+    width, depth = BIG
+    opt = functools.partial(torch.optim.Adam, lr=1e-4)
+    learner = px.Learner(functools.partial(layers, width, depth), opt, step)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for gather in (True, False) if r % 2 == 0 else (False, True):
+            sink = Stamps()
+            with tempfile.TemporaryDirectory() as run_dir:
+                result = learner.fit(
+                    data(width, 3 * 16), epochs=1, batch_size=16, devices="cpu:0,cpu:1",
+                    strategy="fsdp", shard=(nn.Linear,), sinks=[sink], preflight=False,
+                    snapshots=False, run_dir=run_dir, gather=gather,
+                    checkpoint=px.Checkpoints(every_epoch=False, every_steps=100),
+                )  # fmt: skip
+                returned = time.time()
+                assert (result.model is None) is not gather
+            times[gather].append(returned - sink.times[-1])
+    params = sum(p.numel() for p in layers(width, depth).parameters())
+    whole = params * 4 / 2**20
+    print(f"\n## The end, 2 workers, {params / 1e6:.1f} M parameters, {rounds} rounds\n")
+    print("| end | last step -> fit returns (s, median) | rounds | model bytes in one process |")
+    print("|---|---|---|---|")
+    for gather, name, held in (
+        (True, "gathered (default): model.pt, FitResult.model", f"{whole:.0f} MiB (whole)"),
+        (False, "gather=False: a last sharded checkpoint", f"{whole / 2:.0f} MiB (its shards)"),
+    ):
+        each = ", ".join(f"{x:.2f}" for x in times[gather])
+        print(f"| {name} | {statistics.median(times[gather]):.2f} | {each} | {held} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="memory,steps,failures")
@@ -297,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo")
     if "memory" in only:
         memory_table()
+    if "end" in only:
+        end_table(args.rounds)
     if "steps" in only:
         steps_table(args.rounds, args.steps, args.root_norm)
     if "failures" in only:

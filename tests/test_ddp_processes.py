@@ -214,3 +214,62 @@ def test_a_second_stack_dump_holds_only_the_new_stacks(tmp_path: Path) -> None:
         reader.close()
         writer.close()
         sup.close()
+
+
+class OutvotedHub:
+    """A hub whose poll finds node 1 lost by silence, outvoted (see NodeHub.poll)."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.node = SimpleNamespace(rank=1, host="h1", lost=True)
+        self.nodes = {1: self.node, 2: SimpleNamespace(rank=2, host="h2", lost=True)}
+        self.outvoted = self.node
+
+    def poll(self) -> tuple[list[Any], list[Any]]:
+        return [], [(self.node, "no word for 3.1s (node_timeout 3s)")]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("successor", [True, False])
+def test_an_outvoted_head_stands_down_and_waits_for_the_successors_term(
+    tmp_path: Path, successor: bool
+) -> None:
+    """The hub says the nodes the head lost may take over: the head saves (no worker here)
+    and watches head.json; a successor's term there ends it with PX145 (exit 1), none in the
+    takeover's time with PX147 (exit 75), naming the loss and that no node took over."""
+    import threading
+    from datetime import timedelta
+
+    from phalanx.errors import HeadLost, NodeFencedError
+    from phalanx.strategies.ddp.nodes.fencing import Fence, claim
+    from phalanx.strategies.ddp.timing import Timing
+
+    run_dir = str(tmp_path)
+    term = claim(run_dir, 0, "h0", 0)
+    sup = _supervisor()
+    sup.timing = Timing(node=timedelta(seconds=0.5), takeover=timedelta(seconds=1))
+    sup.hub = OutvotedHub()  # type: ignore[assignment]
+    sup.fence = Fence(run_dir, term, every=1.0)
+    later = threading.Timer(0.4, lambda: claim(run_dir, 1, "h1", 41000))
+    if successor:
+        later.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises((NodeFencedError, HeadLost)) as ended:
+            sup._hear()
+    finally:
+        later.cancel()
+        sup.close()
+    took = time.monotonic() - started
+    if successor:
+        assert isinstance(ended.value, NodeFencedError) and took < 1.4
+        assert "was replaced by node 1" in str(ended.value)
+    else:
+        assert isinstance(ended.value, HeadLost) and ended.value.code == 75
+        assert 1.4 < took < 5.0  # (the takeover's time and node_timeout, watched)
+        text = str(ended.value)
+        assert "node 1 lost (no word for 3.1s" in text and "no node took over within 1.5s" in text

@@ -274,9 +274,10 @@ def test_the_heads_link_cut_the_two_other_nodes_take_over_and_the_head_is_fenced
     partition: it and its worker live on, alone). Nodes 1 and 2 (two of three) name the head
     lost after node_timeout, node 1 takes over, node 2 follows it, and both end with the model
     of a run that lost nothing and an exact ledger. The head, on its side, loses both nodes,
-    which may be the larger side (two of three): it stands down, its worker keeping the
-    committed step, and ends with PX147 (exit 75); or, where it reads the newer term first,
-    with PX145. Either way it writes no result. No namespace is left (the fixture)."""
+    which may be the side that takes over (two of three, their leader among them): it stands
+    down at once, its worker keeping the committed step, then finds node 1's term in
+    head.json and ends with PX145 (exit 1); PX147 (exit 75) only were no term to come in the
+    takeover's time. It writes no result. No namespace is left (the fixture)."""
     run_dir = tmp_path / "run"
     procs, logs = start_three(three_hosts, 29613, tmp_path, ["cpu:0", "12", str(run_dir)])
     try:

@@ -330,25 +330,37 @@ def test_a_node_goes_on_without_the_head_only_with_more_than_half(
     assert majority(present, total) is goes_on
 
 
-OUTNUMBERED = [
-    # (nodes the head still hears, itself included; the succession a lost node may hold;
-    # the head stands down)
-    (1, 3, True),  # cut off alone from two: they take over
-    (2, 3, False),  # one node lost: it alone cannot
-    (1, 2, False),  # the other of two lost: the head keeps the tie
-    (2, 4, False),  # half of four: a tie, the head's
-    (2, 5, True),  # three of five lost: they may
-    (3, 5, False),
-    (1, 1, False),  # (nothing lost)
+SPARE_IN_1 = (*heirs(0), Heir(1, "s", 0, ONE), *heirs(0, 2, 3, 4)[1:])  # (no node port)
+OUTNUMBERED: list[Any] = [
+    # (the succession a lost node may hold, the nodes the head still hears, it stands down)
+    pytest.param(heirs(0, 1, 2), {0}, True, id="cut off alone from two: they take over"),
+    pytest.param(heirs(0, 1, 2), {0, 2}, False, id="one of three lost: it cannot"),
+    pytest.param(heirs(0, 1, 2), {0, 1}, False, id="the other one lost"),
+    pytest.param(heirs(0, 1), {0}, False, id="the other of two: the head keeps the tie"),
+    pytest.param(heirs(0, 1, 2, 3), {0, 3}, False, id="half of four: the head's tie"),
+    pytest.param(heirs(0, 1, 2, 3, 4), {0, 2}, True, id="1, 3, 4 of five lost: they may"),
+    # their leader (node 1) is with the head: the others cannot rally, the head goes on
+    pytest.param(heirs(0, 1, 2, 3, 4), {0, 1}, False, id="their leader is here"),
+    pytest.param(heirs(0, 1, 2, listening=False), {0}, False, id="none can lead"),
+    pytest.param(SPARE_IN_1, {0, 1}, True, id="a spare cannot lead: 2, 3 and 4 may"),
+    pytest.param(SPARE_IN_1, {0, 3}, False, id="a spare lost too: two listen, of five"),
+    pytest.param((), {0}, False, id="never told one"),
+    # a successor head (node 1) with node 2 and 3: node 2 leads the others
+    pytest.param(heirs(1, 2, 3), {1}, True, id="a successor cut off"),
 ]
 
 
-@pytest.mark.parametrize(("live", "believed", "stands_down"), OUTNUMBERED)
+@pytest.mark.parametrize(("succession", "live", "stands_down"), OUTNUMBERED)
 def test_the_head_stands_down_when_the_nodes_it_lost_may_take_over(
-    live: int, believed: int, stands_down: bool
+    succession: tuple[Heir, ...], live: set[int], stands_down: bool
 ) -> None:
-    assert outnumbered(live, believed) is stands_down
-    assert not (majority(live, believed) and stands_down)  # (a head with most stays)
+    assert outnumbered(succession, live) is stands_down
+    if stands_down:  # (the other side's leader, with those it lost, would take over)
+        heirs_lost = [h for h in succession[1:] if h.port > 0 and h.rank not in live]
+        leader = heirs_lost[0].rank
+        others = [h.rank for h in succession if h.rank != leader]
+        gone = [r for r in others if r in live]
+        assert isinstance(successor(succession, leader, gone), TakeOver)
 
 
 FENCED = [

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from test_failover import EPOCHS, into_epoch_three, nodes
+from test_failover import EPOCHS, into_epoch_three, left_behind, nodes
 from test_multinode import (
-    alive_in_group,
     finish,
     kill_group,
     one_node_run,
@@ -36,15 +33,6 @@ pytestmark = [
 ]
 
 
-def left_behind(procs: list[subprocess.Popen[bytes]]) -> list[int]:
-    """The node process groups with a process still in them 10 s after the nodes exited (a
-    node's fork server and workers end after it)."""
-    deadline = time.monotonic() + 10
-    while any(alive_in_group(p.pid) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [p.pid for p in procs if alive_in_group(p.pid)]
-
-
 @pytest.mark.timeout(400)
 def test_the_warning_stops_every_node_with_75_and_the_requeued_job_resumes_exactly(
     tmp_path: Path,
@@ -52,7 +40,7 @@ def test_the_warning_stops_every_node_with_75_and_the_requeued_job_resumes_exact
     run_dir = tmp_path / "run"
     procs, logs = nodes(tmp_path, 2, run_dir, form="slurm")
     try:
-        into_epoch_three(procs, logs)
+        into_epoch_three(procs, logs, run_dir)
         for p in procs:
             os.killpg(p.pid, signal.SIGUSR1)  # (as Slurm: every task of the step)
         codes = [finish(p, 120) for p in procs]
@@ -78,7 +66,7 @@ def test_the_warning_stops_every_node_with_75_and_the_requeued_job_resumes_exact
             kill_group(p)
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
-    assert not left, "the requeued job left processes behind"
+    assert not left, f"the requeued job's nodes {left} left processes behind"
     assert "Slurm requeued this job (SLURM_RESTART_COUNT=1): resuming from" in texts[0]
     results = [result_of(log) for log in logs]
     assert [r["steps"] for r in results] == [EPOCHS * 10] * 2

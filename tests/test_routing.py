@@ -18,6 +18,7 @@ from phalanx.strategies.ddp.timing import DEFAULT
 from phalanx.strategies.ddp.wire.link import Frame
 from phalanx.strategies.ddp.wire.messages import (
     DumpOrder,
+    Heir,
     KillOrder,
     Message,
     SpawnOrder,
@@ -170,27 +171,33 @@ def test_a_node_carries_out_an_order_with_its_own_agent_and_answers(
 
 
 # -- what a lost node may hold as the head's last word ---------------------------------------
+def three(hub: NodeHub, *ranks: int) -> tuple[Heir, ...]:
+    """A succession of the head and these node ranks (each with a node port)."""
+    return (hub.own, *(Heir(r, f"h{r}", 40000 + r, ("cpu:0",)) for r in ranks))
+
+
 def test_a_partition_makes_the_head_stand_down_and_deaths_far_apart_do_not() -> None:
-    """Three nodes. A partition: both nodes last heard a succession of three; the head then
-    tells node 2 a succession of two (node 1 lost), which node 2, cut off, never reads: at
-    node 2's loss the head (one of three) stands down. Deaths far apart: node 2 answered
-    after reading the succession of two, so at its loss the head keeps the tie."""
+    """Three nodes. A partition: both nodes last read the succession of three; the head
+    then tells node 2 the succession without node 1, which node 2, cut off, never reads: by
+    what it may hold, node 2 (with node 1, its leader) may take over, so the head stands
+    down. Deaths far apart: node 2 answered after reading the succession of two (it leads
+    alone of two, not more than half), so at its loss the head goes on."""
     hub, one, two = hub_with_nodes()
     for node in (one, two):
-        node.told_succession(3)
+        node.told_succession(three(hub, 1, 2))
         node.heard()
     one.lost = True
     assert not hub.outnumbered(one)  # (the head and node 2: two of three)
-    two.told_succession(2)  # (sent after node 2's last word: perhaps never read)
+    two.told_succession(three(hub, 2))  # (sent after node 2's last word: perhaps never read)
     two.lost = True
-    assert two.believes() == 3 and hub.outnumbered(two)
+    assert two.may_hold() == [three(hub, 1, 2), three(hub, 2)] and hub.outnumbered(two)
 
     hub, one, two = hub_with_nodes()
     for node in (one, two):
-        node.told_succession(3)
+        node.told_succession(three(hub, 1, 2))
         node.heard()
     one.lost = True
-    two.told_succession(2)
+    two.told_succession(three(hub, 2))
     two.heard()  # (it answered after that keep-alive)
     two.lost = True
-    assert two.believes() == 2 and not hub.outnumbered(two)
+    assert two.may_hold() == [three(hub, 2)] and not hub.outnumbered(two)

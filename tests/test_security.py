@@ -236,6 +236,9 @@ def test_the_heads_writes_never_read_what_a_rogue_left_in_the_counters() -> None
         for raw in (b"not a number", GARBAGE):
             rogue.set(CONTROL_KEY, raw)
             rogue.set(GEN_LATEST, raw)
+            # (read back on the rogue's connection: its writes are in the store before the
+            # head's; a set is not answered, so under load they could land after them)
+            assert rogue.get(GEN_LATEST) == raw
             agent.announce(Announcement(0, (0, 1)))
             agent.set_stop("a user's stop")
             agent.set_abort("decided")

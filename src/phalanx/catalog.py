@@ -1180,15 +1180,16 @@ _ENTRIES = [
         "when no node may take over, and the message says why. Under strategy='fsdp' a "
         "worker holds only its shards and the head's went with it: nothing is saved, and a "
         "resume starts from the newest complete sharded checkpoint, computing the steps "
-        "after it again. The head itself ends the same way when it loses so many nodes "
-        "that they may be the larger side of a partition (more than half of the succession "
-        "they last heard from it): they may take over, so it stands down first, keeping "
-        "the committed step, and at most one side goes on.",
+        "after it again. The head itself ends the same way when the nodes it lost may be "
+        "the side of a partition that takes over (the leader of the succession they hold "
+        "is among them, and they are more than half of it): it stands down first, keeping "
+        "the committed step, and when a successor's term then appears in head.json it ends "
+        "with PX145 instead (the run goes on there).",
         when="In fit() on a node other than the head, when the head's process, host or "
         "network is gone and no failover can be: no shared run_dir, not more than half of "
         "the nodes left (two nodes: one left), Recovery(head_failover=False) or "
         'mode="abort", or the survivors did not reach the node taking over. On the head, '
-        "when the nodes it lost are more than half of the run's and could take over.",
+        "when the nodes it lost could take over and none did within the takeover's time.",
         causes=[
             "The head's process was killed (out of memory, a crash, a scheduler's kill), or "
             "its host went down.",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -768,7 +769,7 @@ class TrainLoop:
                     "(across nodes, run_dir must be a folder every node shares); with "
                     "gather=False it holds the only copy of the final weights"
                 )
-            return found[-1]
+            return os.path.abspath(found[-1])
         raise AssertionError("unreachable")  # (_fails_as raises)
 
     def close_checkpointer(self) -> None:

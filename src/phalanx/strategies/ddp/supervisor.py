@@ -61,7 +61,7 @@ from phalanx.strategies.ddp.coordinator.coordinator import (
 from phalanx.strategies.ddp.coordinator.roster import Now, Setup
 from phalanx.strategies.ddp.nodes.headloss import head_lost, kept_line, save_on_head_loss
 from phalanx.strategies.ddp.nodes.hub import Nodes, RemoteNode, rejected_link, start_head, tell_end
-from phalanx.strategies.ddp.nodes.node import run_node
+from phalanx.strategies.ddp.nodes.node import run_node, shared_path
 from phalanx.strategies.ddp.timing import Timing
 from phalanx.strategies.ddp.wire.control import rejected_notice
 from phalanx.strategies.ddp.wire.messages import (
@@ -129,7 +129,6 @@ class Supervisor:
         self.told = False  # whether the other nodes were told how the run ended
         self.fence = nodes.fence if nodes is not None else None
         self.inherited = nodes.inherited if nodes is not None else []
-        self.no_failover = nodes.no_failover if nodes is not None else "one node"
 
     @property
     def outcome(self) -> FailureBook:
@@ -188,7 +187,7 @@ class Supervisor:
                 continue  # (authenticated, but not a frame this version reads)
             self._heard(node, message)
         for node, cause in lost:
-            if self.hub.outnumbered(node):
+            if node is self.hub.outvoted:
                 self._stand_down(node, cause)
         for node, cause in lost:
             self._feed(NodeLost(node.rank, node.host, cause))
@@ -298,32 +297,31 @@ class Supervisor:
         )
 
     def _stand_down(self, node: RemoteNode, cause: str) -> None:
-        """The head lost so many nodes that those lost may be the larger side of a
-        partition, and one of them may take over (where a node may: a shared run_dir, the
-        failover on): this head stops first, so that at most one side goes on. Its workers
-        keep the last committed step as a node's do when the head is lost; raises HeadLost
-        (PX147, exit 75). The nodes still with it see its link close (they stop too, or
-        follow a new head they can reach)."""
+        """The nodes the head lost may be the side of a partition that takes over (the
+        hub's ``outvoted``: their leader is among them, and they are more than half of the
+        run's succession): this head stops first, so that at most one side goes on. Its
+        workers keep the last committed step as a node's do when the head is lost. It then
+        watches run_dir's head.json for a successor's term (the takeover's time): one there
+        ends it with PX145 (exit 1: the run goes on there, nothing to start again here); none
+        with HeadLost (PX147, exit 75: start the run again). The nodes still with it see its
+        link close (they stop too, or follow a new head they can reach)."""
         assert self.hub is not None
-        if self.no_failover is not None:
-            return  # (no node may take over: the head goes on with those left)
         self._check_fence(now=True)  # (replaced already: PX145 says so)
         saved = save_on_head_loss(self.agent)
         self.told = True  # (nothing is told: the nodes still here see the link close)
+        wait = self.timing.takeover + self.timing.node
+        end = time.monotonic() + wait.total_seconds()
+        while time.monotonic() < end:
+            self._check_fence(now=True)  # (a successor took over: NodeFencedError)
+            time.sleep(self.timing.store_poll.total_seconds())
         lost = sorted(n.rank for n in self.hub.nodes.values() if n.lost)
-        live = 1 + sum(1 for n in self.hub.nodes.values() if not n.lost)
         message = (
-            f"head: node {node.rank} lost ({cause}), with node(s) {lost} lost in all: this "
-            f"head and the {live - 1} node(s) still with it are not more than half of the "
-            f"{node.believes()} nodes of the succession node {node.rank} last heard, so the "
-            "lost nodes may be the larger side of a partition and take over; this head "
-            "stopped its workers so that at most one side goes on"
+            f"head: node {node.rank} lost ({cause}), with node(s) {lost} lost in all: they may "
+            "be the side of a partition that takes over (the leader they know is among them, "
+            "and they are more than half of the run's nodes), so this head stopped its "
+            f"workers, and no node took over within {wait.total_seconds():g}s"
         )
-        after = (
-            " Where the lost nodes took over (run_dir's head.json holds a newer term), the run "
-            "goes on there and there is nothing to do here."
-        )
-        raise head_lost(message + kept_line(saved) + after, saved, self.emit)
+        raise head_lost(message + kept_line(saved), saved, self.emit)
 
     def _spawn(self, action: Spawn) -> None:
         """Start the worker of a slot as the coordinator asked, on its node (a node's
@@ -443,10 +441,11 @@ def _run_end(sup: Supervisor, outcome: FailureBook, fates: list[str], reason: st
         seconds=0.0,
         fates=fates,
         quarantine={int(i): int(g) for i, g in done.quarantine},
-        model_path=done.model_path,
+        model_path=shared_path(config.run_dir, done.model_path),
     )
     if sup.hub is not None:
-        model_path = done.model_path
+        # (gather=False: the main member's path, where this head sees it in run_dir)
+        model_path = shared_path(config.run_dir, done.model_path)
         if config.run_dir and interrupted is None and end.model is not None:
             # Written before the nodes hear of the end, so that a node sharing run_dir (a
             # shared file system) finds the file when its fit returns (Learner writes the

@@ -15,7 +15,7 @@ start, time), as the supervisor does with :mod:`.coordinator`'s actions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,12 +236,17 @@ def majority(present: int, total: int) -> bool:
     return 2 * present > total
 
 
-def outnumbered(live: int, believed: int) -> bool:
-    """Whether the head, hearing ``live`` nodes (itself included), must stand down: the
-    nodes it lost may hold a succession of ``believed`` nodes as its last word, and when
-    they are more than half of it they may take over (:func:`majority`): of the two sides of
-    a partition at most one goes on (a tie stays with the head)."""
-    return majority(believed - live, believed)
+def outnumbered(succession: Sequence[Heir], live: Collection[int]) -> bool:
+    """Whether the head, hearing the nodes ``live`` (node ranks, itself included), must
+    stand down, where the nodes it lost may hold ``succession`` (the head first) as its last
+    word: they may take over (:func:`successor`) only when the leader it names (its lowest
+    node rank with a node port) is among them and those of them with a node port are more
+    than half of it; then the head stands down first, so that of the two sides of a
+    partition at most one goes on (a tie stays with the head)."""
+    heirs = [h for h in succession[1:] if h.port > 0]
+    if not heirs or heirs[0].rank in live:
+        return False
+    return majority(sum(1 for h in heirs if h.rank not in live), len(succession))
 
 
 def successor(

@@ -179,7 +179,7 @@ def head_loss_failure(
     node saw the loss (wall clock), ``silent``: how long the head had been silent then (a
     frozen or cut-off head: its cost counts from its last word), None: its link closed."""
     kept = [s.step for s in saved if s.path]
-    known = kept or [s.step for s in saved]
+    known = kept or [s.step for s in saved if s.step > 0]  # (0: nothing had trained)
     step = max(known) if known else None
     workers = list(range(len(head.devices))) or [0]
     shown = "?" if step is None else step + 1

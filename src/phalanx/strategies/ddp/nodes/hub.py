@@ -35,6 +35,7 @@ from phalanx.strategies.ddp.coordinator.nodeplan import (
     Hello,
     Keep,
     Layout,
+    Lost,
     NodeView,
     Park,
     Refuse,
@@ -90,11 +91,11 @@ class RemoteNode:
     alive: set[int] = field(default_factory=set)  # its slots with a live process
     spare: bool = False  # a spare that took this node rank's place
     standby: int = 0  # the node port it would lead the run from (0: none)
-    # The size of the succession it last heard from the head, as far as the head can know:
-    # the last one told before its latest frame, or a larger one told since (see believes)
-    told: int = 0
-    told_since: int = 0
-    believed: int = 0
+    # The succession it holds as the head's last word, as far as the head can know: the
+    # last one told before its latest frame, or one told since (see may_hold)
+    told: tuple[Heir, ...] = ()
+    told_since: list[tuple[Heir, ...]] = field(default_factory=list)
+    believed: tuple[Heir, ...] = ()
     agent: RemoteAgent = field(init=False, repr=False, compare=False)  # (its slots' actions)
 
     def __post_init__(self) -> None:
@@ -115,19 +116,20 @@ class RemoteNode:
         except LinkError:
             pass
 
-    def told_succession(self, size: int) -> None:
-        """A succession of ``size`` nodes was sent to it (a welcome, a keep-alive)."""
-        self.told = size
-        self.told_since = max(self.told_since, size)
+    def told_succession(self, succession: tuple[Heir, ...]) -> None:
+        """``succession`` was sent to it (in a welcome, a keep-alive)."""
+        self.told = succession
+        if succession not in self.told_since:
+            self.told_since.append(succession)
 
     def heard(self) -> None:
         """A frame came from it: it had (most likely) read what was told before."""
-        self.believed, self.told_since = self.told, 0
+        self.believed, self.told_since = self.told, []
 
-    def believes(self) -> int:
-        """How many nodes the succession it holds as the head's last word may name (the
-        larger of what it read and what it may have read since)."""
-        return max(self.believed, self.told_since)
+    def may_hold(self) -> list[tuple[Heir, ...]]:
+        """Each succession it may hold as the head's last word: the one it read before its
+        latest frame, or one sent since (which it may have read)."""
+        return [self.believed, *(s for s in self.told_since if s != self.believed)]
 
     def heir(self) -> Heir:
         """Its entry in the run's succession: the address the head reaches it on."""
@@ -189,6 +191,10 @@ class NodeHub:
         self.run_id = ""  # the nodes sign with Signer.for_run(token, run_id), as the head
         self.prefix = ""  # of the run's keys in the store (see Agent.prefix)
         self.own = Heir(0, "?", 0)  # the head's own entry in the succession
+        # A lost node that may be on the side of a partition that takes over: the head
+        # stands down (see outnumbered); None while it may go on
+        self.outvoted: RemoteNode | None = None
+        self.replaceable = False  # whether a node may take over were the head lost
         self.term = 0  # the head's fencing term (0: none; see fencing)
 
     def succession(self) -> tuple[Heir, ...]:
@@ -198,11 +204,10 @@ class NodeHub:
         return (self.own, *live)
 
     def outnumbered(self, node: RemoteNode) -> bool:
-        """Whether ``node``, just lost, may be on the larger side of a partition: the nodes
-        the head still hears (itself included) are not more than half of the succession
-        ``node`` may hold (:func:`~..coordinator.nodeplan.outnumbered`)."""
-        live = 1 + sum(1 for n in self.nodes.values() if not n.lost)
-        return outnumbered(live, node.believes())
+        """Whether ``node``, just lost, may be on the side of a partition that takes over,
+        by any succession it may hold (:func:`~..coordinator.nodeplan.outnumbered`)."""
+        live = {self.own.rank, *(n.rank for n in self.nodes.values() if not n.lost)}
+        return any(outnumbered(s, live) for s in node.may_hold())
 
     def gather(
         self,
@@ -313,7 +318,7 @@ class NodeHub:
         )
         with contextlib.suppress(LinkError):  # (gone since its hello: poll sees its loss)
             tell(node.link, welcome)
-            node.told_succession(len(welcome.succession))
+            node.told_succession(welcome.succession)
         node.link.start()
 
     def rejoined(self, admits: Callable[[int], bool]) -> list[tuple[RemoteNode, str]]:
@@ -364,24 +369,42 @@ class NodeHub:
         lost: list[tuple[RemoteNode, str]] = []
         now = time.monotonic()
         for spare in list(self.spares):
-            if self._listen(spare, now, []) is not None:
+            gone = self._listen(spare, now, [])
+            if gone is not None:
+                if gone.silent is not None:
+                    with contextlib.suppress(LinkError, OSError):
+                        tell(spare.link, Fenced(gone.silent, gone.limit))
+                spare.lost = True
+                spare.link.close()
                 self.spares.remove(spare)
                 self.notes.append(("warning", f"the spare on {spare.host} is gone: dropped"))
+        silent: list[tuple[RemoteNode, Lost]] = []
         for node in self.nodes.values():
             if node.lost:
                 continue  # (its link is closed)
-            why = self._listen(node, now, frames)
-            if why is not None:
-                lost.append((node, why))
+            verdict = self._listen(node, now, frames)
+            if verdict is not None:
+                node.lost = True
+                silent.append((node, verdict))
+        # The head stands down when a lost node may be on the side that takes over; else a
+        # node lost for its silence is told so (a frozen node reads it when it wakes: out).
+        if self.replaceable and self.outvoted is None:
+            self.outvoted = next((node for node, _ in silent if self.outnumbered(node)), None)
+        for node, verdict in silent:
+            if verdict.silent is not None and self.outvoted is None:
+                with contextlib.suppress(LinkError, OSError):
+                    tell(node.link, Fenced(verdict.silent, verdict.limit))
+            node.link.close()
+            node.alive.clear()
+            lost.append((node, verdict.why))
         self._rejected()
         return frames, lost
 
     def _listen(
         self, node: RemoteNode, now: float, frames: list[tuple[RemoteNode, Frame]]
-    ) -> str | None:
-        """``node``'s frames (added to ``frames``) and why it is lost now (None: it is not),
-        as :func:`~.nodeplan.hear` decides: a node lost for its silence is told so
-        (``fenced``); a live one gets its keep-alive."""
+    ) -> Lost | None:
+        """``node``'s frames (added to ``frames``) and whether it is lost now (None: it is
+        not), as :func:`~.nodeplan.hear` decides; a live one gets its keep-alive."""
         closed = None
         for item in node.link.drain():
             if isinstance(item, LinkError):
@@ -393,16 +416,10 @@ class NodeHub:
         if isinstance(verdict, Beat):
             succession = self.succession()
             node.send(KeepAlive(succession))
-            node.told_succession(len(succession))
+            node.told_succession(succession)
         if isinstance(verdict, (Beat, Keep)):
             return None
-        if verdict.silent is not None:  # (a frozen node reads this when it wakes: it is out)
-            with contextlib.suppress(LinkError, OSError):
-                tell(node.link, Fenced(verdict.silent, verdict.limit))
-        node.lost = True
-        node.link.close()
-        node.alive.clear()
-        return verdict.why
+        return verdict
 
     def _rejected(self) -> None:
         while not self.listener.rejected.empty():
@@ -433,9 +450,6 @@ class Nodes:
     fence: Fence | None = None  # the head's term, while it leads (a shared run_dir)
     # failures decided before this head started: the lost head's, named by its successor
     inherited: list[WorkerFailure] = field(default_factory=list)
-    # why no node may take over were this head lost (None: one may: the head stands down
-    # when the nodes it lost may be the larger side of a partition)
-    no_failover: str | None = None
 
 
 def start_head(run: RunInputs, launch: Launch, emit: Any, timing: Timing) -> Nodes:
@@ -506,9 +520,8 @@ def start_head(run: RunInputs, launch: Launch, emit: Any, timing: Timing) -> Nod
         else Fence(config.run_dir or "", term, timing.fence_every.total_seconds())
     )
     inherited = [] if failover is None else [failover.failure]
-    cannot = cannot_fail_over(config, launch)
-    shown, slot_nodes = list(slots.shown), slots.slot_nodes
-    return Nodes(hub, agent, labels, shown, slot_nodes, fence, inherited, cannot)
+    hub.replaceable = cannot_fail_over(config, launch) is None  # (else it never stands down)
+    return Nodes(hub, agent, labels, list(slots.shown), slots.slot_nodes, fence, inherited)
 
 
 def waiting_notice(

@@ -356,12 +356,12 @@ def _node_end(run: RunInputs, end: End, seconds: float) -> RunEnd:
         failures=failures,
         seconds=seconds,
         fates=fates,
-        model_path=_shared(run.config.run_dir, end.model_path),
+        model_path=shared_path(run.config.run_dir, end.model_path),
         quarantine=dict(end.quarantine),
     )
 
 
-def _shared(run_dir: str | None, path: object) -> str | None:
+def shared_path(run_dir: str | None, path: object) -> str | None:
     """The head's final weights file (``model.pt``, or fsdp's last sharded checkpoint under
     ``gather=False``), where this node sees it: its own run_dir is the same folder (a shared
     file system) and the file is there."""

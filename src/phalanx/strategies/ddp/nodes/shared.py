@@ -132,6 +132,8 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
         "slow_worker": config.slow_worker,
         "on_bad_sample": config.on_bad_sample,
         "max_bad_samples": config.max_bad_samples,
+        "strategy": config.strategy,
+        "gather": config.gather,
     }
 
 
