@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,24 @@ def left_behind(procs: list[subprocess.Popen[bytes]], seconds: float = 10) -> li
     return [k for k, p in enumerate(procs) if alive_in_group(p.pid)]
 
 
+def through(
+    procs: list[subprocess.Popen[bytes]],
+    fault: Callable[[], Any],
+    waited: list[int],
+    timeout: float = 200,
+) -> tuple[Any, list[int], list[int]]:
+    """``fault()``'s value, then the exit codes of the nodes ``waited`` (by rank) and the
+    nodes left with a process after them (:func:`left_behind`); every node's process group
+    is killed at the end, whatever happened."""
+    try:
+        value = fault()
+        codes = [finish(procs[k], timeout) for k in waited]
+        return value, codes, left_behind(procs)
+    finally:
+        for p in procs:
+            kill_group(p)
+
+
 def steps_written(run_dir: Path) -> list[int]:
     """The global step of each row of the run's ``steps.csv``, in the file's order."""
     with (run_dir / "steps.csv").open(newline="", encoding="utf-8") as f:
@@ -170,14 +189,13 @@ def test_the_head_killed_node_1_takes_over_and_the_run_goes_on_without_a_restart
 ) -> None:
     run_dir = tmp_path / "run"
     procs, logs = nodes(tmp_path, 3, run_dir, token=None, form=form)  # (run_dir's token)
-    try:
+
+    def kill_the_head() -> float:
         killed_at = into_epoch_three(procs, logs, run_dir)
         kill_group(procs[0])  # the head: its process, the store, its worker
-        codes = [finish(p, 200) for p in procs[1:]]
-        stayed = left_behind(procs)
-    finally:
-        for p in procs:
-            kill_group(p)
+        return killed_at
+
+    killed_at, codes, stayed = through(procs, kill_the_head, [1, 2])
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts[1:])
     assert not stayed, f"node(s) {stayed} left processes behind"
@@ -248,15 +266,13 @@ def test_a_second_failure_during_the_failover_leaves_no_majority_and_the_survivo
 ) -> None:
     run_dir = tmp_path / "run"
     procs, logs = nodes(tmp_path, 3, run_dir, node_timeout=3)  # (node 1 waits 3 + 10 s)
-    try:
+
+    def kill_two() -> None:
         into_epoch_three(procs, logs, run_dir)
         kill_group(procs[0])
         kill_group(procs[2])  # node 2 lost too, as node 1 waits for it
-        code = finish(procs[1], 120)
-        stayed = left_behind(procs)
-    finally:
-        for p in procs:
-            kill_group(p)
+
+    _, [code], stayed = through(procs, kill_two, [1], timeout=120)
     text = logs[1].read_text()
     assert code == 75, text[-3000:]  # EX_TEMPFAIL: the same command again, resume=True
     assert not stayed, f"node(s) {stayed} left processes behind"
@@ -278,14 +294,12 @@ def test_fsdp_the_head_killed_node_1_takes_over_from_the_newest_sharded_checkpoi
     run_dir = tmp_path / "run"
     fsdp = {"PHALANX_TEST_STRATEGY": "fsdp"}
     procs, logs = nodes(tmp_path, 3, run_dir, extra_env=fsdp)
-    try:
+
+    def kill_the_head() -> None:
         into_epoch_three(procs, logs, run_dir)
         kill_group(procs[0])
-        codes = [finish(p, 200) for p in procs[1:]]
-        stayed = left_behind(procs)
-    finally:
-        for p in procs:
-            kill_group(p)
+
+    _, codes, stayed = through(procs, kill_the_head, [1, 2])
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts[1:])
     assert not stayed, f"node(s) {stayed} left processes behind"

@@ -620,3 +620,33 @@ def test_a_shard_set_counts_only_when_the_next_generation_reaches_every_writer()
     assert not state.shard_set(members, lambda slot: node_of(slot) == 0)
     state.lost(1, [2, 3])
     assert not state.shard_set(members)
+
+
+def test_gather_false_fails_the_member_when_its_final_checkpoint_lacks_a_rank(
+    sharded_run: Path, tmp_path: Path
+) -> None:
+    """The last checkpoint is the final weights' only copy under gather=False: one missing
+    a rank's file is a failure of the main member (PX120, naming the step and the folder),
+    one that is whole is named by its rank 0's file."""
+    import types
+
+    from phalanx.failures import FailedHere
+    from phalanx.loop import TrainLoop
+    from phalanx.replica import Identity
+
+    folder = copy_of(sharded_run, tmp_path)
+    loop: Any = types.SimpleNamespace(
+        state=types.SimpleNamespace(global_step=12, epoch=2),
+        engine=types.SimpleNamespace(identity=Identity(0, 0, "cpu:0")),
+        checkpointer=types.SimpleNamespace(directory=str(folder)),
+    )
+    loop._fails_as = functools.partial(TrainLoop._fails_as, loop)
+    assert TrainLoop.final_checkpoint(loop) == str(folder / "ckpt-000000012.rank-0-of-3.pt")
+    (folder / "ckpt-000000012.rank-2-of-3.pt").unlink()
+    with pytest.raises(FailedHere) as failed:
+        TrainLoop.final_checkpoint(loop)
+    failure = failed.value.failure
+    assert failure.phase == "checkpoint" and failure.step == 12
+    assert "PX120" in failure.message and "the final checkpoint (step 12) is not complete" in (
+        failure.message
+    )

@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from test_failover import EPOCHS, into_epoch_three, left_behind, nodes
+from test_failover import EPOCHS, into_epoch_three, nodes, through
 from test_multinode import (
-    finish,
-    kill_group,
     one_node_run,
     result_of,
     same,
@@ -39,15 +37,13 @@ def test_the_warning_stops_every_node_with_75_and_the_requeued_job_resumes_exact
 ) -> None:
     run_dir = tmp_path / "run"
     procs, logs = nodes(tmp_path, 2, run_dir, form="slurm")
-    try:
+
+    def warn() -> None:
         into_epoch_three(procs, logs, run_dir)
         for p in procs:
             os.killpg(p.pid, signal.SIGUSR1)  # (as Slurm: every task of the step)
-        codes = [finish(p, 120) for p in procs]
-        stayed = left_behind(procs)
-    finally:
-        for p in procs:
-            kill_group(p)
+
+    _, codes, stayed = through(procs, warn, [0, 1], timeout=120)
     texts = [log.read_text() for log in logs]
     assert codes == [75, 75], "\n".join(t[-3000:] for t in texts)
     assert all("RESULT" not in t for t in texts) and not stayed
@@ -58,12 +54,7 @@ def test_the_warning_stops_every_node_with_75_and_the_requeued_job_resumes_exact
     for log, keep in zip(logs, first, strict=True):
         log.rename(keep)
     again, logs = nodes(tmp_path, 2, run_dir, form="slurm", extra_env={"SLURM_RESTART_COUNT": "1"})
-    try:
-        codes = [finish(p, 200) for p in again]
-        left = left_behind(again)
-    finally:
-        for p in again:
-            kill_group(p)
+    _, codes, left = through(again, lambda: None, [0, 1])
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
     assert not left, f"the requeued job's nodes {left} left processes behind"
