@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import TensorDataset
 
 
@@ -42,6 +43,9 @@ class Net(nn.Module):
 def net() -> nn.Module:
     return Net()
 
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+FP16 = MixedPrecisionPolicy(param_dtype=torch.float16)
 
 adam = functools.partial(torch.optim.Adam, lr=1e-3)
 sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -87,3 +91,13 @@ def last_output_step(model: nn.Module, batch: Any) -> torch.Tensor:
     x, _ = batch
     out = model(x).float()
     return (out[:, 3] * 64.0 + out[:, 0]).mean()
+
+
+def bf16_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """:func:`step`, failing unless the model computed in bfloat16 (an ``mp_policy``'s
+    units: the output layer's too)."""
+    x, y = batch
+    logits = model(x)
+    if logits.dtype != torch.bfloat16:
+        raise TypeError(f"the model computed in {logits.dtype}, not in torch.bfloat16")
+    return nn.functional.cross_entropy(logits.float(), y)

@@ -116,6 +116,10 @@ def test_more_members_than_a_snapshot_tag_holds_are_refused_counting_every_node(
         (dict(strategy="fsdp", shard=3), "fit()'s shard must be None, module classes"),
         (dict(strategy="ddp", gather=False), "strategy='ddp' holds the whole model anyway"),
         (dict(strategy="fsdp", gather=False), "gather=False leaves the final weights in"),
+        (dict(strategy="ddp", mp_policy=h.BF16), "but strategy='ddp': drop mp_policy="),
+        (dict(strategy="fsdp", mp_policy=h.FP16), "torch.float16 needs a loss scaler"),
+        (dict(strategy="fsdp", mp_policy="bf16"), "must be None or a torch.distributed.fsdp"),
+        (dict(strategy="fsdp", mp_policy=h.BF16, precision="bf16-mixed"), "keep precision='32'"),
     ],
 )
 def test_what_fsdp_does_not_take_is_refused_with_the_fix(
@@ -123,8 +127,9 @@ def test_what_fsdp_does_not_take_is_refused_with_the_fix(
 ) -> None:
     if kw.get("run_dir") == "RUN":
         kw["run_dir"] = str(tmp_path / "run")
+    precision = kw.pop("precision", "32")
     with pytest.raises(px.ConfigError) as err:
-        learner().fit(TRAIN, devices="cpu:0,cpu:1", **kw, **FIT)
+        learner(precision=precision).fit(TRAIN, devices="cpu:0,cpu:1", **kw, **FIT)
     assert says in str(err.value)
     assert not (tmp_path / "run").exists()
 
@@ -217,6 +222,38 @@ def test_fsdp_equals_ddp_with_bf16_autocast_and_units_by_class() -> None:
     )
     assert rel(fsdp.model, ddp.model) <= 1e-5
     assert fsdp.history[0]["train/loss"] == pytest.approx(ddp.history[0]["train/loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(150)
+def test_an_mp_policy_computes_in_bfloat16_keeps_float32_shards_and_recovers(
+    fsdp2: px.FitResult,
+) -> None:
+    """FSDP2's MixedPrecisionPolicy on every unit and on the model's own parameters (the
+    step fails unless the output layer, in the root, computed in bfloat16); the shards, the
+    optimizer and the result stay float32. The same members retrying a step change nothing;
+    another world size (3 workers, or 1 while a killed worker is respawned) rounds its
+    partial sums in bfloat16 otherwise, far less than float32's run differs."""
+    make = functools.partial(
+        px.Learner, h.net, h.adam, h.bf16_step, grad_accumulation=2, grad_clip_norm=0.5
+    )
+    fit = dict(FIT, strategy="fsdp", mp_policy=h.BF16)
+    clean = make().fit(TRAIN, VALID, devices="cpu:0,cpu:1", **fit)
+    assert clean.failures == [] and clean.ledger_ok is True and clean.steps == 12
+    assert type(clean.model) is h.Net
+    assert {v.dtype for v in clean.model.state_dict().values()} == {torch.float32}
+    far = rel(clean.model, fsdp2.model)  # (float32's run: the same data, step and seed)
+    assert far > 5e-2
+    three = make().fit(TRAIN, VALID, devices=fsdp_devices(3), **fit)
+    assert three.failures == [] and rel(three.model, clean.model) <= far / 4
+    fault = px.Fault("exception", worker=1, step=4, phase="backward")
+    retried = make().fit(TRAIN, VALID, devices="cpu:0,cpu:1", faults=[fault], **fit)
+    [failure] = retried.failures
+    assert (failure.worker, failure.phase, failure.action) == (1, "backward", "retried")
+    assert rel(retried.model, clean.model) <= 1e-6 and retried.ledger_ok is True
+    fault = px.Fault("kill", worker=1, step=5)
+    killed = make().fit(TRAIN, VALID, devices="cpu:0,cpu:1", faults=[fault], **fit)
+    assert [f.action for f in killed.failures] == ["respawned"] and killed.ledger_ok is True
+    assert rel(killed.model, clean.model) <= far / 4
 
 
 # -- failures that lose no shard -----------------------------------------------------------

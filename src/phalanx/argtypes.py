@@ -57,6 +57,15 @@ def _classes(value: Any) -> bool:
     return listed and all(isinstance(v, type) for v in value)
 
 
+def _mp_policy(value: Any) -> bool:
+    """None, or FSDP2's mixed precision policy (imported only when one is given)."""
+    if value is None:
+        return True
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return isinstance(value, MixedPrecisionPolicy)
+
+
 def _optional(kind: Kind) -> Kind:
     return Kind(f"{kind.says} or None", lambda v: v is None or kind.accepts(v), kind.number)
 
@@ -198,6 +207,9 @@ def fit_kinds() -> dict[str, Kind]:
             lambda v: v is None or callable(v) or _classes(v),
         ),
         "gather": FLAG,
+        "mp_policy": Kind(
+            "None or a torch.distributed.fsdp.MixedPrecisionPolicy", lambda v: _mp_policy(v)
+        ),
         "sinks": SINKS,
         "loggers": Kind(
             "a list of sinks (objects with handle(event) and close())",

@@ -7,7 +7,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,6 +38,9 @@ from phalanx.spec import FitConfig, ModelSource, OptimizerFactory, SchedulerFact
 from phalanx.strategies import process_based
 from phalanx.stream import Stream
 from phalanx.validate import check_launch, dataset_size, validate_fit, validate_run_dir
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 class Learner:
@@ -125,6 +128,7 @@ class Learner:
         snapshots: Snapshots | bool = True,
         shard: ShardRule = None,
         gather: bool = True,
+        mp_policy: MixedPrecisionPolicy | None = None,
         sinks: Sequence[Sink] | None = None,
         loggers: Sequence[Sink] = (),
     ) -> FitResult:
@@ -141,7 +145,9 @@ class Learner:
         among the devices (``shard``: which modules are its units, see
         :mod:`phalanx.sharding` and docs/fsdp.md); ``gather=False`` leaves its final
         weights in the run's last sharded checkpoint instead of gathering them into one
-        process (``FitResult.model`` is then None, ``model_path`` names that checkpoint).
+        process (``FitResult.model`` is then None, ``model_path`` names that checkpoint);
+        ``mp_policy`` (FSDP2's ``MixedPrecisionPolicy``) gathers and computes its units in
+        the policy's dtypes, their float32 shards kept as the optimizer's master weights.
         ``sinks`` replaces the default sinks (terminal, run folder); ``loggers`` adds to the
         sinks in force (``px.sinks.WandbSink``, ``MlflowSink``, ``TensorBoardSink``), on the
         head node only when a run has several (the other nodes' sinks see only their notices).
@@ -189,6 +195,7 @@ class Learner:
             snapshots=settings_of(snapshots),
             shard=shard,
             gather=gather,
+            mp_policy=mp_policy,
         )
         # A stream's lengths, counted once unless given (kept in run_dir for a resume).
         learned = [

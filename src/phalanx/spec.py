@@ -115,6 +115,9 @@ class FitConfig:
     # fsdp: the final weights gathered into one process at the end (False: they stay in the
     # run's last sharded checkpoint, which nobody gathers; FitResult.model is None)
     gather: bool = True
+    # fsdp: FSDP2's MixedPrecisionPolicy for every unit (None: float32 parameters, with
+    # autocast when the Learner's precision asks for it)
+    mp_policy: Any = None
 
     def loading(self) -> Loading:
         """What every DataLoader of the run is built with."""

@@ -140,6 +140,7 @@ def validate_fit(
     _validate_schedule(config, has_valid)
     _validate_factories(spec)
     _validate_precision(spec, config.devices)
+    _validate_mp_policy(spec, config)
     _validate_data(config, train_size)
     _validate_strategy(config)
     validate_sharding(config, nodes)
@@ -285,6 +286,44 @@ def _validate_precision(spec: TrainSpec, devices: list[str]) -> None:
         raise PrecisionError(
             f"precision='bf16-mixed' but {cuda[0]} does not support bfloat16; use "
             "precision='16-mixed' on this GPU"
+        )
+
+
+MP_DTYPES = (torch.bfloat16, torch.float32)  # what an mp_policy may name (no loss scaler)
+
+
+def _validate_mp_policy(spec: TrainSpec, config: FitConfig) -> None:
+    """``mp_policy=`` only with fsdp, on float32 parameters, in bfloat16 or float32 (no loss
+    scaler runs on that path), and not with a precision that autocasts as well."""
+    policy = config.mp_policy
+    if policy is None:
+        return
+    if config.strategy != "fsdp":
+        raise InvalidSettingError(
+            f'mp_policy= is FSDP2\'s policy for the units strategy="fsdp" shards, but '
+            f"strategy={config.strategy!r}: drop mp_policy= (precision='bf16-mixed' "
+            'autocasts under any strategy) or pass strategy="fsdp"'
+        )
+    if spec.precision.name != "32":
+        raise PrecisionError(
+            f"mp_policy= and precision={spec.precision.name!r} both say how the step "
+            "computes: keep precision='32' with mp_policy=, or drop mp_policy= to autocast"
+        )
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, name)
+        if dtype is not None and dtype not in MP_DTYPES:
+            fix = (
+                "torch.float16 needs a loss scaler, which runs with precision='16-mixed' "
+                "(autocast, float32 parameters): use that, or torch.bfloat16"
+                if dtype == torch.float16
+                else "use torch.bfloat16 or torch.float32"
+            )
+            raise PrecisionError(f"mp_policy's {name}={dtype}: {fix}")
+    cuda = [d for d in config.devices if d.startswith("cuda")]
+    if policy.param_dtype == torch.bfloat16 and cuda and not torch.cuda.is_bf16_supported():
+        raise PrecisionError(
+            f"mp_policy's param_dtype=torch.bfloat16 but {cuda[0]} does not support "
+            "bfloat16; use precision='16-mixed' on this GPU"
         )
 
 

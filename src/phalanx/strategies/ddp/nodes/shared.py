@@ -134,6 +134,7 @@ def agreement(config: FitConfig, plan: Plan, precision: str) -> dict[str, Any]:
         "max_bad_samples": config.max_bad_samples,
         "strategy": config.strategy,
         "gather": config.gather,
+        "mp_policy": repr(config.mp_policy),
     }
 
 

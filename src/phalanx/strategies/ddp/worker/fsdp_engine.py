@@ -12,6 +12,8 @@ What differs from the ddp engine (:mod:`.engine`), and why:
   refuses the PREMUL_SUM that FSDP2 otherwise uses), and each member scales its loss by its
   rows over the global batch, as the threads strategy does: the math of one device.
 - **The vote rides the root's reduce-scatter** (:class:`.ballot.FsdpBallot`).
+- **An ``mp_policy``** (FSDP2's ``MixedPrecisionPolicy``) goes to every unit and to the
+  model itself, as a unit of its own, so that the root holds only the box, in float32.
 - **Every member runs the same passes** (forward gathers shards): a member with fewer rows than
   micro-batches pads with zero passes of a template sample, validation pads the same way, and
   a failure after the first gather cannot be lined up again: the member leaves the group
@@ -261,9 +263,16 @@ class FsdpEngine(DdpEngine):
         member kept when it left the last one."""
         member, built = self.m, {}
 
+        policy = self.config.mp_policy
+        cast = {} if policy is None else {"mp_policy": policy}
+
         def shard(step: StepModule) -> None:
             for unit in innermost_first(units(step.model, self.config.shard)):
-                fully_shard(unit, mesh=self.mesh)
+                fully_shard(unit, mesh=self.mesh, **cast)
+            if policy is not None and not isinstance(step.model, FSDPModule):
+                # (the model's own parameters in the policy too; the box stays float32 in the
+                # root: its 16-bit pieces are exact in float32 only)
+                fully_shard(step.model, mesh=self.mesh, **cast)
             ballot = FsdpBallot(step, self.rank, self.world, size, self.device, self.template)
             fully_shard(ballot, mesh=self.mesh)
             for module in ballot.modules():

@@ -30,7 +30,7 @@ def preflight(member: Member, config: FitConfig, plan: Plan, train: Dataset[Any]
     first = plan.local_batch(0, 0, slot, len(config.devices))
     # Only preflight faults fire here: the others belong to the real steps.
     faults = FaultInjector([f for f in config.faults if f.phase == "preflight"], slot)
-    with _alone(member, faults):
+    with _alone(member, faults), _as_policy(config, member.device):
         faults.check(0, "preflight")
         result = replica.run(
             lambda: (config.collate_fn or default_collate)([train[i] for i in first]),
@@ -43,6 +43,16 @@ def preflight(member: Member, config: FitConfig, plan: Plan, train: Dataset[Any]
     if result.failure is not None:
         result.failure.phase = "preflight"
         raise FailedHere(result.failure)
+
+
+def _as_policy(config: FitConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """fsdp with an ``mp_policy``: the unsharded model computes in the policy's dtype as
+    near as autocast gets it (its units will compute in that dtype), so that a step that
+    depends on it fails or passes here as it will in training."""
+    dtype = getattr(config.mp_policy, "param_dtype", None)
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 @contextlib.contextmanager
