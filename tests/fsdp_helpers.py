@@ -27,11 +27,11 @@ class Block(nn.Module):
 class Net(nn.Module):
     """Odd sizes (7 inputs, 3 outputs): some dim-0 shards are uneven or empty."""
 
-    def __init__(self, depth: int = 3) -> None:
+    def __init__(self, depth: int = 3, width: int = 32) -> None:
         super().__init__()
-        self.inp = nn.Linear(7, 32)
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
-        self.out = nn.Linear(32, 3)
+        self.inp = nn.Linear(7, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -42,6 +42,12 @@ class Net(nn.Module):
 
 def net() -> nn.Module:
     return Net()
+
+
+def wide_net() -> nn.Module:
+    """Each block's weights 512 KiB: a snapshot's shards (of 3 members) large enough to be
+    read mapped."""
+    return Net(width=256)
 
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from phalanx.errors import (
 )
 from phalanx.sharding import innermost_first, units
 from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, rows, tag
+from phalanx.snapshot.store import MAPPED_BYTES
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.coordinator.roster import StateCopies
 from phalanx.validate import validate_sharding
@@ -38,7 +41,7 @@ FIT: dict[str, Any] = dict(epochs=2, batch_size=12, seed=3, sinks=[])
 def learner(**kw: Any) -> px.Learner:
     kw.setdefault("grad_accumulation", 2)
     kw.setdefault("grad_clip_norm", 0.5)
-    return px.Learner(h.net, kw.pop("optimizer", h.adam), h.step, **kw)
+    return px.Learner(kw.pop("model", h.net), kw.pop("optimizer", h.adam), h.step, **kw)
 
 
 def rel(a: nn.Module, b: nn.Module) -> float:
@@ -324,6 +327,25 @@ def test_a_lost_worker_is_survived_from_the_shard_set(
 
 
 @pytest.mark.timeout(120)
+def test_a_shrink_cuts_each_members_rows_out_of_mapped_snapshots() -> None:
+    """Shards large enough for a mapped read (a block's weight: 512 KiB, 3 members): every
+    member of the new generation cuts its rows out of the old ranks' snapshots as views of
+    shared memory, and the run ends with one device's weights."""
+    make = functools.partial(learner, model=h.wide_net, optimizer=h.sgd)  # (Adam would
+    # magnify float32 rounding of other sums here: 3e-4 for a clean fsdp run)
+    weight = h.wide_net().blocks[0].up.weight  # type: ignore[index]
+    assert weight.nbytes // 3 >= MAPPED_BYTES  # (a member's shard of it)
+    single = make().fit(TRAIN, devices="cpu", **FIT)
+    result = make().fit(
+        TRAIN, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", faults=[px.Fault.parse("kill:1@5")],
+        on_failure=px.Recovery(mode="shrink"), snapshots=px.Snapshots(every_steps=2), **FIT,
+    )  # fmt: skip
+    [failure] = result.failures
+    assert failure.action == "shrunk" and failure.replayed_steps in (0, 1)
+    assert rel(result.model, single.model) <= 1e-5 and result.ledger_ok is True
+
+
+@pytest.mark.timeout(120)
 def test_a_data_failure_zero_passes_a_batchnorm_model_and_changes_nothing() -> None:
     """The zero pass runs a template of the run's first samples (two rows: BatchNorm1d
     refuses one in training mode), its running statistics put back."""
@@ -593,6 +615,53 @@ def sharded_run(tmp_path_factory: Any) -> Path:
 def copy_of(folder: Path, tmp_path: Path) -> Path:
     shutil.copytree(folder, tmp_path / "checkpoints")
     return tmp_path / "checkpoints"
+
+
+READ_PEAK = """
+import sys, torch
+from phalanx.checkpoint.io import read_checkpoint
+member = None if sys.argv[2] == "whole" else (8, 1)
+if sys.argv[2] != "none":
+    state = read_checkpoint(sys.argv[1], member=member)
+    w, rows = state["model"]["w"], torch.arange(8192.0)
+    assert w.shape[1] == 8192 and state["model"]["b"].shape == (7,)
+    assert torch.equal(w[:, 0], rows if member is None else rows[1024:2048])
+status = open("/proc/self/status").read().split("VmHWM:")[1]  # (this program's own peak)
+print(int(status.split()[0]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_member_reads_only_its_rows_of_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """A resume under fsdp reads each rank's file mapped and copies out only the rows the
+    member takes: its peak memory holds an eighth of the tensor (member 1 of 8), not the
+    joined whole (256 MiB in 2 ranks' files; each process measured alone, against one that
+    reads nothing)."""
+    from phalanx.checkpoint.io import shard_name, write_shard
+
+    full = torch.arange(8192.0)[:, None].expand(8192, 8192)  # (each row its index)
+    for rank, piece in enumerate(full.chunk(2)):
+        write_shard(
+            str(tmp_path / shard_name(5, rank, 2)),
+            {
+                "model": {"w": piece.clone(), "b": torch.zeros(7)},
+                "optimizer": {"state": {}, "param_groups": []},
+                "shards": {"model": ["w"], "optimizer": {}},
+                "phalanx": {"rank": rank, "world": 2, "step": 5},
+            },
+        )
+    path = str(tmp_path / shard_name(5, 0, 2))
+    peaks = {}
+    for how in ("none", "whole", "member"):
+        out = subprocess.run(
+            [sys.executable, "-c", READ_PEAK, path, how],
+            capture_output=True, text=True, timeout=90, check=True,
+        )  # fmt: skip
+        peaks[how] = int(out.stdout.split()[-1]) / 1024  # MiB (VmHWM: KiB)
+    # (whole: 256 MiB joined, and each file's bytes while it loads; member: its 32 MiB of
+    # rows, and the mapped pages it read them from)
+    more = {how: peaks[how] - peaks["none"] for how in ("whole", "member")}
+    assert more["whole"] > 256 and more["member"] < more["whole"] / 3, peaks
 
 
 def test_a_checkpoint_missing_a_ranks_shard_is_passed_over(

@@ -88,6 +88,35 @@ def test_a_snapshot_comes_back_equal_and_loads_into_a_fresh_model(tmp_path: Path
     store.close()
 
 
+def test_a_mapped_read_views_the_large_tensors_and_tells_when_their_buffer_is_rewritten(
+    tmp_path: Path,
+) -> None:
+    """fsdp's restore reads every old rank's snapshot mapped and cuts its rows out: a large
+    tensor is a view of the buffer (a write to it stays private), a small one (an RNG
+    state) a copy of its own; once a writer begins on that buffer again, the snapshot is no
+    longer ``unchanged``."""
+    model, opt = trained()
+    big = torch.randn(1 << 15)  # (128 KiB: mapped)
+    state = {**state_of(model, opt, 1), "big": big}
+    store = SnapshotStore(str(tmp_path))
+    store.begin(state).finish()
+    reader = SnapshotStore(str(tmp_path))
+    snap = reader.read(mapped=True)
+    assert snap is not None and snap.source is not None
+    same(state, snap.state)
+    snap.state["big"][0] = 1e9  # (copy-on-write: the buffer keeps the snapshot)
+    torch.set_rng_state(snap.state["rng"]["torch"])  # (small: a tensor of its own)
+    again = SnapshotStore(str(tmp_path)).read()
+    assert again is not None and torch.equal(again.state["big"], big)
+    store.begin({**state_of(model, opt, 2), "big": big}).finish()  # (into the other buffer)
+    assert reader.unchanged(snap)
+    store.begin({**state_of(model, opt, 3), "big": big}).finish()  # (into step 1's)
+    assert not reader.unchanged(snap)
+    copied = SnapshotStore(str(tmp_path)).read()
+    assert copied is not None and copied.source is None and reader.unchanged(copied)
+    store.close()
+
+
 def test_writes_alternate_and_a_write_left_half_way_never_hides_the_last_whole_one(
     tmp_path: Path,
 ) -> None:

@@ -91,7 +91,9 @@ def resume(loop: TrainLoop, plan: Plan, config: FitConfig, emit: Emit) -> None:
     assert config.run_dir
     reader = Checkpointer(checkpoint_dir(config.run_dir), Checkpoints(), emit)
     try:
-        found = reader.load_latest()
+        engine = loop.engine  # (an fsdp member reads only its rows of a sharded checkpoint)
+        member = (getattr(engine, "world", 1), engine.rank) if engine.saves_shards else None
+        found = reader.load_latest(member)
     finally:
         reader.close()
     if found is None:

@@ -124,14 +124,16 @@ class Checkpointer:
             self._thread.join()
         self._raise_pending()
 
-    def load_latest(self) -> tuple[dict[str, Any], CheckpointInfo] | None:
+    def load_latest(
+        self, member: tuple[int, int] | None = None
+    ) -> tuple[dict[str, Any], CheckpointInfo] | None:
         """The newest checkpoint that verifies, as ``(state, info)``; None if there is none.
         Waits for queued saves first. Each newer file that fails verification is skipped with
         a :class:`CheckpointSkipped` event naming it and the reason; nothing is deleted."""
         self._queue.join()
         for path, step in reversed(list_checkpoints(self.directory)):
             try:
-                state, info = self._read(path, step)
+                state, info = self._read(path, step, member)
             except CheckpointFormatError:
                 raise  # never released: say so rather than quietly resume from older files
             except CheckpointError as exc:
@@ -140,9 +142,12 @@ class Checkpointer:
             return state, info
         return None
 
-    def _read(self, path: str, step: int) -> tuple[dict[str, Any], CheckpointInfo]:
-        """A file's state (without its record) and info, verified against the index."""
-        payload = read_checkpoint(path, self._digest(os.path.basename(path)))
+    def _read(
+        self, path: str, step: int, member: tuple[int, int] | None = None
+    ) -> tuple[dict[str, Any], CheckpointInfo]:
+        """A file's state (without its record) and info, verified against the index (a
+        sharded one cut to ``member``'s rows when given: see ``read_checkpoint``)."""
+        payload = read_checkpoint(path, self._digest(os.path.basename(path)), member)
         meta = payload.pop(META_KEY, None)
         try:
             metric = meta["metric"]

@@ -154,9 +154,15 @@ def _check_digest(name: str, size: int, sha256: Callable[[], str], expected: Dig
 
 def peek(path: str | os.PathLike[str], key: str, expected: Digest | None = None) -> Any:
     """``payload[key]`` of a checkpoint, verified as :func:`read_verified` does but without
-    holding the file in memory: the checksum is computed in chunks and torch maps the file
-    (``mmap=True``), so the tensors are never read. For checks in the caller's process
-    before a run starts (the plan record)."""
+    holding the file in memory (:func:`read_mapped`), so the tensors are never read. For
+    checks in the caller's process before a run starts (the plan record)."""
+    return read_mapped(path, expected).get(key)
+
+
+def read_mapped(path: str | os.PathLike[str], expected: Digest | None = None) -> dict[str, Any]:
+    """:func:`read_verified`'s payload, its tensors mapped from the file (``mmap=True``), not
+    read: the checksum is computed in chunks, and only the bytes of what is then used are
+    read."""
     name = os.fspath(path)
     try:
         size = os.path.getsize(name)
@@ -168,7 +174,7 @@ def peek(path: str | os.PathLike[str], key: str, expected: Digest | None = None)
     if expected is not None:
         _check_digest(name, size, lambda: _file_sha256(name), expected)
     _check_torch_file(name, head, size)
-    return _load_dict(name, name, mmap=True).get(key)
+    return _load_dict(name, name, mmap=True)
 
 
 def _file_sha256(name: str) -> str:
@@ -240,22 +246,31 @@ def _shard_digest(path: str) -> Digest | None:
         return None
 
 
-def read_checkpoint(path: str | os.PathLike[str], expected: Digest | None = None) -> dict[str, Any]:
+def read_checkpoint(
+    path: str | os.PathLike[str],
+    expected: Digest | None = None,
+    member: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """:func:`read_verified` for a checkpoint of one file; for a sharded one (``path`` is a
     rank's file) every rank's file, each checked against its own digest, joined into the
-    whole state (:func:`phalanx.snapshot.shards.whole`). A missing or damaged rank's file
-    raises CheckpointError naming it."""
+    whole state (:func:`phalanx.snapshot.shards.whole`), or, with ``member`` (``(world,
+    rank)``), cut to the rows that member takes (:func:`phalanx.snapshot.shards.part`): the
+    files are then mapped, not read, so a member's memory holds its rows, not the model. A
+    missing or damaged rank's file raises CheckpointError naming it."""
     name = os.fspath(path)
     files = shard_files(name)
     if files is None:
         return read_verified(name, expected)
-    from phalanx.snapshot.shards import whole
+    from phalanx.snapshot.shards import part, whole
 
     states = []
     for rank, file in enumerate(files):
         if not os.path.exists(file):
             raise CheckpointError(f"{file}: missing (a rank's shard of {os.path.basename(name)})")
-        state = read_verified(file, _shard_digest(file))
+        if member is None:
+            state = read_verified(file, _shard_digest(file))
+        else:
+            state = read_mapped(file, _shard_digest(file))
         record = state.get("phalanx") or {}
         said = (record.get("rank"), record.get("world"))
         if said != (rank, len(files)):
@@ -264,7 +279,12 @@ def read_checkpoint(path: str | os.PathLike[str], expected: Digest | None = None
     steps = {s["phalanx"].get("step") for s in states}
     if len(steps) > 1:
         raise CheckpointError(f"{name}: its ranks' files are of different steps {sorted(steps)}")
-    return whole(states)
+    if member is None:
+        return whole(states)
+    try:
+        return part(states, *member)
+    except ValueError as exc:
+        raise CheckpointError(f"{name}: {exc}") from exc
 
 
 def stale_shards(directory: str | os.PathLike[str], before: int) -> list[str]:

@@ -15,7 +15,7 @@ its rows from the overlapping rows of the old ranks' shards (:func:`reshard`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,11 +111,28 @@ def whole(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     one world, in rank order: each writes a ``shards`` record naming its sharded entries
     (``model`` keys, and per optimizer state index the keys of param-shaped values); those
     are joined along dim 0, the rest taken from rank 0 (the same on every rank)."""
+    return _joined(states, lambda pieces: torch.cat(list(pieces)))
+
+
+def part(states: Sequence[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
+    """As :func:`whole`, but each sharded entry holds only the rows member ``rank`` of
+    ``world`` takes (:func:`rows`), copied out of the pieces: read from mapped files, only
+    those rows are read. Raises ValueError when a piece does not hold its rank's rows."""
+
+    def cut(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        return reshard(pieces, sum(p.shape[0] for p in pieces), world, rank)
+
+    return _joined(states, cut)
+
+
+def _joined(
+    states: Sequence[dict[str, Any]], join: Callable[[Sequence[torch.Tensor]], torch.Tensor]
+) -> dict[str, Any]:
     first = states[0]
     record = first.get("shards") or {}
     model = dict(first["model"])
     for key in record.get("model", []):
-        model[key] = torch.cat([s["model"][key] for s in states])
+        model[key] = join([s["model"][key] for s in states])
     optimizer = first["optimizer"]
     opt_states = {i: dict(values) for i, values in optimizer["state"].items()}
     for index, keys in record.get("optimizer", {}).items():
@@ -123,9 +140,7 @@ def whole(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if found is None:
             continue
         for key in keys:
-            opt_states[found][key] = torch.cat(
-                [s["optimizer"]["state"][found][key] for s in states]
-            )
+            opt_states[found][key] = join([s["optimizer"]["state"][found][key] for s in states])
     out = {k: v for k, v in first.items() if k != "shards"}
     out["model"] = model
     out["optimizer"] = {**optimizer, "state": opt_states}

@@ -56,6 +56,7 @@ BUFFERS = ("state-0", "state-1")
 LOCK = "writer.lock"
 OWNER = "owner.lock"  # held by the agent whose folder it is (see sweep)
 PREFIX = "phalanx-snap-"
+MAPPED_BYTES = 1 << 16  # a mapped read's views: tensors this large or larger (read())
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class Snapshot:
     state: dict[str, Any]
     nbytes: int
     tag: int = -1
+    # (mapped: the buffer it was read from, and its header then; see SnapshotStore.unchanged)
+    source: tuple[str, Header] | None = None
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -153,24 +156,38 @@ class SnapshotStore:
         whole = [h for h in self.headers().values() if h.whole]
         return max(whole, key=lambda h: (h.step, h.serial)) if whole else None
 
-    def read(self, want: Callable[[Header], bool] | None = None) -> Snapshot | None:
+    def read(
+        self, want: Callable[[Header], bool] | None = None, mapped: bool = False
+    ) -> Snapshot | None:
         """The newest whole snapshot (of those ``want`` accepts), copied out of shared
         memory (a buffer rewritten while it was read is dropped, and the other one tried);
-        None when there is none."""
+        None when there is none. ``mapped``: each tensor of at least :data:`MAPPED_BYTES`
+        is a copy-on-write view of the buffer instead, read only where it is used (fsdp's
+        restore cuts a member's rows out of every old rank's shards); whoever uses it
+        checks :meth:`unchanged` afterwards."""
         order = sorted(
             ((h, n) for n, h in self.headers().items() if h.whole and (want is None or want(h))),
             key=lambda item: (item[0].step, item[0].serial),
             reverse=True,
         )
         for header, name in order:
-            snap = self._read(name, header)
+            snap = self._read(name, header, mapped)
             if snap is not None:
                 return snap
         return None
 
-    def _read(self, name: str, header: Header) -> Snapshot | None:
+    def unchanged(self, snap: Snapshot) -> bool:
+        """Whether the buffer a mapped snapshot was read from still holds it (nobody began
+        to write it since): what was cut out of its views is then that snapshot's."""
+        if snap.source is None:
+            return True
+        name, header = snap.source
+        return self.headers().get(name) == header
+
+    def _read(self, name: str, header: Header, mapped: bool = False) -> Snapshot | None:
         """One buffer's snapshot, each tensor copied into storage of its own (torch's
-        generators, say, want a tensor that owns its storage)."""
+        generators, say, want a tensor that owns its storage), or, ``mapped``, each large
+        one a view of the buffer (see :meth:`read`)."""
         path = os.path.join(self.folder, name)
         try:
             with open(path, "rb") as fh:
@@ -178,21 +195,30 @@ class SnapshotStore:
                 skeleton = decode(skeleton_raw)
                 slots = tensor_slots(skeleton)
                 offsets, _ = layout(slots)
+                view = None
+                if mapped:  # (private: writing a view never reaches the buffer)
+                    view = mmap.mmap(fh.fileno(), header.data_end, access=mmap.ACCESS_COPY)
                 tensors = []
                 for slot, offset in zip(slots, offsets, strict=True):
+                    nbytes = _numel(slot.shape) * _itemsize(slot.dtype)
+                    if view is not None and nbytes >= MAPPED_BYTES:
+                        raw = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)
+                        tensors.append(raw.view(slot.dtype).view(slot.shape))
+                        continue
                     tensor = torch.empty(slot.shape, dtype=slot.dtype)
                     if tensor.numel():
                         fh.seek(offset)
                         fh.readinto(tensor_bytes(tensor).numpy())  # type: ignore[arg-type]
                     tensors.append(tensor)
                 after = Header.unpack(os.pread(fh.fileno(), HEADER_SIZE, 0))
-        except (OSError, WireError):
+        except (OSError, WireError, ValueError):
             return None
         if after != header:
             return None  # rewritten while it was read
         state = fill_tensors(skeleton, tensors)
         nbytes = header.data_end + header.skeleton_bytes
-        return Snapshot(header.step, header.epoch, state, nbytes, header.tag)
+        source = (name, header) if mapped else None
+        return Snapshot(header.step, header.epoch, state, nbytes, header.tag, source)
 
     # -- writing ---------------------------------------------------------------------------
     def forget(self, drop: Callable[[Header], bool]) -> int:

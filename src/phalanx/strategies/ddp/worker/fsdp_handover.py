@@ -25,7 +25,7 @@ import torch
 from phalanx.loop import TrainLoop
 from phalanx.snapshot import SnapshotStore
 from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, tag
-from phalanx.snapshot.store import Header
+from phalanx.snapshot.store import MAPPED_BYTES, Header, Snapshot
 from phalanx.strategies.ddp.worker.fsdp_engine import FsdpEngine
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
 from phalanx.strategies.ddp.worker.handover import broadcast_state
@@ -70,10 +70,15 @@ def restore_from_set(
             "no complete set of shard snapshots: a member was lost before every member "
             "of its generation had written one, so its shards are lost with it"
         )
-    states = [_state_of(group, chosen, rank, found, everyone) for rank in range(chosen.world)]
+    read: list[tuple[SnapshotStore, Snapshot]] = []
+    states = [_state_of(group, chosen, rank, found, everyone, read) for rank in range(chosen.world)]
     engine = loop.engine
     assert isinstance(engine, FsdpEngine)
-    loop.restore(assemble(states, engine, group.size, group.rank))
+    mine = assemble(states, engine, group.size, group.rank)
+    del states  # (the views of the buffers: only this member's rows were read from them)
+    if not all(store.unchanged(snap) for store, snap in read):
+        raise NoShardSet(f"a snapshot of step {chosen.step} was rewritten while it was read")
+    loop.restore(mine)
     for store in stores:
         store.close()
     SnapshotStore(slot_folder(folder, slot)).forget(
@@ -116,13 +121,18 @@ def _state_of(
     rank: int,
     found: list[tuple[Written, SnapshotStore]],
     everyone: list[list[Written]],
+    read: list[tuple[SnapshotStore, Snapshot]],
 ) -> dict[str, Any]:
     """Old rank ``rank``'s snapshot of the chosen set: read from this machine's shared
-    memory, or sent by the first member whose machine holds it when some member's lacks it
-    (every member takes part in that broadcast)."""
+    memory (mapped: its large tensors are views of the buffer, listed in ``read``), or sent
+    by the first member whose machine holds it when some member's lacks it (every member
+    takes part in that broadcast)."""
     wanted = tag(chosen.generation, chosen.world, rank)
     holder = next((s for w, s in found if _of(w, chosen, rank)), None)
-    snap = None if holder is None else holder.read(functools.partial(_is, wanted, chosen.step))
+    want = functools.partial(_is, wanted, chosen.step)
+    snap = None if holder is None else holder.read(want, mapped=True)
+    if holder is not None and snap is not None:
+        read.append((holder, snap))
     state = None if snap is None else snap.state
     have = [m for m, held in enumerate(everyone) if any(_of(w, chosen, rank) for w in held)]
     if len(have) < group.size:  # (a member on another machine: sent over the group)
@@ -142,7 +152,8 @@ def assemble(
     first = states[0]
     record = first.get("shards") or {}
     live = engine.sharded.model.state_dict()
-    model = dict(first["model"])
+    sharded = set(record.get("model", []))
+    model = {k: _owned(v) for k, v in first["model"].items() if k not in sharded}
     for key in record.get("model", []):
         pieces = [s["model"][key] for s in states]
         model[key] = reshard(pieces, live[key].shape[0], world, rank)
@@ -151,8 +162,9 @@ def assemble(
     opt_states: dict[Any, dict[str, Any]] = {}
     listed = {str(i): keys for i, keys in record.get("optimizer", {}).items()}
     for index, values in optimizer["state"].items():
-        here = dict(values)
-        for key in listed.get(str(index), []):
+        cut = listed.get(str(index), [])
+        here = {k: _owned(v) for k, v in values.items() if k not in cut}
+        for key in cut:
             pieces = [s["optimizer"]["state"][index][key] for s in states]
             here[key] = reshard(pieces, params[int(index)].shape[0], world, rank)
         opt_states[index] = here
@@ -161,3 +173,11 @@ def assemble(
         "model": model,
         "optimizer": {"state": opt_states, "param_groups": optimizer["param_groups"]},
     }
+
+
+def _owned(value: Any) -> Any:
+    """A tensor of a mapped read as a copy of its own (a value that is not a tensor, or a
+    small tensor, which such a read copied already, as it is)."""
+    if isinstance(value, torch.Tensor) and value.nbytes >= MAPPED_BYTES:
+        return value.clone()
+    return value
