@@ -107,3 +107,28 @@ def bf16_step(model: nn.Module, batch: Any) -> torch.Tensor:
     if logits.dtype != torch.bfloat16:
         raise TypeError(f"the model computed in {logits.dtype}, not in torch.bfloat16")
     return nn.functional.cross_entropy(logits.float(), y)
+
+
+def load_dcp_sharded(rank: int, port: int, folder: str, out: str) -> None:
+    """Rank ``rank`` of 2 (gloo): a Net sharded with ``fully_shard`` per block and at the
+    root, filled by ``dcp.load`` from ``folder``; writes its shards to ``out/rank-<r>.pt``."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = Net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=folder)
+        model.load_state_dict(state["model"])
+        mine = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+        torch.save(mine, f"{out}/rank-{rank}.pt")
+    finally:
+        dist.destroy_process_group()

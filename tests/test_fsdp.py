@@ -664,6 +664,52 @@ def test_a_member_reads_only_its_rows_of_a_sharded_checkpoint(tmp_path: Path) ->
     assert more["whole"] > 256 and more["member"] < more["whole"] / 3, peaks
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (dcp.load, one process)
+def test_a_checkpoint_exported_to_dcp_loads_whole_and_into_another_sharding(
+    sharded_run: Path, tmp_path: Path
+) -> None:
+    """``phalanx export`` writes the newest checkpoint of an fsdp(3) run as a DCP folder:
+    ``dcp.load`` fills a plain model with its weights, and two FSDP2 processes (another
+    world, units per block) each get their rows of them; a second export into the same
+    folder is refused, naming it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.multiprocessing as mp
+
+    from phalanx.cli import main
+    from phalanx.snapshot.shards import rows as rows_of
+
+    out = tmp_path / "dcp"
+    assert main(["export", str(sharded_run.parent), "--dcp", str(out)]) == 0
+    assert (out / ".metadata").exists()
+    whole = px.load_checkpoint(sharded_run)["model"]
+    model = h.Net()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    model.load_state_dict(state["model"])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in whole.items())
+    assert rel(model, h.Net()) > 1e-3
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=h.load_dcp_sharded, args=(r, store.port, str(out), str(tmp_path)))
+        for r in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=90)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    for rank in range(2):
+        mine = torch.load(tmp_path / f"rank-{rank}.pt")
+        for key, full in whole.items():
+            start, stop = rows_of(full.shape[0], 2, rank)
+            assert torch.equal(mine[key], full[start:stop]), key
+    with pytest.raises(CheckpointError, match="exists and is not an empty folder"):
+        px.export_dcp(sharded_run, out)
+
+
 def test_a_checkpoint_missing_a_ranks_shard_is_passed_over(
     sharded_run: Path, tmp_path: Path
 ) -> None:

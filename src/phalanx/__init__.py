@@ -1,7 +1,7 @@
 """phalanx: data-parallel PyTorch training that names every failure and keeps going."""
 
 from phalanx import faults, metrics
-from phalanx.checkpoint import Checkpoints, load_checkpoint
+from phalanx.checkpoint import Checkpoints, export_dcp, load_checkpoint
 from phalanx.early_stopping import EarlyStopping
 from phalanx.errors import (
     ConfigError,
@@ -42,6 +42,7 @@ __all__ = [
     "WorkerFailure",
     "__version__",
     "cross_entropy_step",
+    "export_dcp",
     "faults",
     "is_main",
     "load_checkpoint",

@@ -217,8 +217,31 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("-o", "--output", metavar="FILE", help="default: RUN_DIR/run.png")
     plot.set_defaults(handler=_plot)
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint's model as a torch.distributed.checkpoint (DCP) folder",
+        description="The model of SOURCE (a checkpoint file, any rank's file of a sharded "
+        "one, or a run_dir for its newest that verifies) as a DCP folder OUT, under the key "
+        "'model' with your model's keys: dcp.load({'model': model.state_dict()}, "
+        "checkpoint_id=OUT) fills a model, whole or sharded (docs/fsdp.md).",
+    )
+    export.add_argument("source", metavar="SOURCE")
+    export.add_argument("--dcp", required=True, metavar="OUT", help="a new folder")
+    export.set_defaults(handler=_export)
     _add_run(sub)
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from phalanx.checkpoint.dcp import export_dcp
+
+    try:
+        out = export_dcp(args.source, args.dcp)
+    except PhalanxError as exc:
+        print(f"phalanx export: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} (DCP: the model under 'model')")
+    return 0
 
 
 def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
