@@ -27,11 +27,14 @@ from phalanx.errors import (
     InvalidSettingError,
     TrainingFailed,
 )
+from phalanx.replica import StepModule
 from phalanx.sharding import innermost_first, units
 from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, rows, tag
 from phalanx.snapshot.store import MAPPED_BYTES
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.coordinator.roster import StateCopies
+from phalanx.strategies.ddp.worker.ballot import FsdpBallot
+from phalanx.strategies.ddp.worker.fsdp_engine import box_carrier
 from phalanx.validate import validate_sharding
 
 TRAIN, VALID = h.data(62), h.data(20, seed=1)  # 62 = 5 x 12 + 2: the last batch is 2 rows
@@ -97,6 +100,57 @@ def test_units_by_class_or_by_function_and_innermost_first() -> None:
     ordered = innermost_first(chosen)
     assert ordered.index(model.blocks[0].up) < ordered.index(model.blocks[0])
     assert len(ordered) == len(chosen)
+
+
+def test_the_box_is_carried_by_the_last_unit_only_where_the_root_would_hold_it_alone() -> None:
+    """Every parameter in a unit: the last unit among the model's modules carries the
+    vote's box; a parameter left to the root (the Gpt's final norm, a Net's input layer,
+    weights tied across units), or no unit at all: the root carries it."""
+    net = h.Net()
+    assert box_carrier(net, innermost_first(units(net, (nn.Linear, h.Block)))) is net.out
+    assert box_carrier(net, units(net, nn.Linear)) is None  # (the blocks' norms: the root)
+    assert box_carrier(net, units(net)) is None  # (inp and out stay in the root)
+    assert box_carrier(net, []) is None
+    gpt = Gpt()
+    assert box_carrier(gpt, units(gpt)) is None  # (its final norm)
+    gpt.norm = nn.Identity()  # type: ignore[assignment]
+    assert box_carrier(gpt, units(gpt)) is gpt.head
+    gpt.head.weight = gpt.embed.weight  # (tied: the head is no unit, the root holds it)
+    assert box_carrier(gpt, units(gpt)) is None
+
+
+def test_a_carried_box_whose_carrier_gave_no_gradient_is_not_counted() -> None:
+    """The carrier's output never got a gradient (a unit no forward used): counting raises,
+    naming it, rather than read a box no ballot reached."""
+    step = StepModule(h.Net(), h.step)
+    ballot = FsdpBallot(step, 0, 2, 3, torch.device("cpu"), lambda: None, carrier=step.model.out)
+    assert ballot.cast([1.0, 2.0, 3.0]) is None  # (the carrier's hook delivers it)
+    with pytest.raises(RuntimeError, match=r"the output of Linear .* took no gradient"):
+        ballot.count()
+
+
+@pytest.mark.timeout(120)
+def test_a_box_carried_by_a_unit_counts_every_vote_through_failures(
+    single: px.FitResult,
+) -> None:
+    """Every Linear and block a unit (the root holds nothing): the vote rides the output layer's
+    reduce-scatter through accumulation, clipping, validation's padding, a failure in
+    data (the vote carries it), one in backward (the group rebuilt) and a kill (a
+    replacement from the set): one device's weights, every sample once."""
+    faults = [px.Fault.parse(f) for f in ("exception:1@3/data", "exception:0@6/backward")]
+    result = learner().fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp",
+        shard=(nn.Linear, h.Block), faults=[*faults, px.Fault.parse("kill:2@9")], **FIT,
+    )  # fmt: skip
+    assert [(f.phase, f.action) for f in result.failures] == [
+        ("data", "retried"),
+        ("backward", "retried"),
+        ("forward", "respawned"),
+    ]
+    assert rel(result.model, single.model) <= 1e-5 and result.ledger_ok is True
+    assert result.history[-1]["valid/loss"] == pytest.approx(
+        single.history[-1]["valid/loss"], rel=1e-5
+    )
 
 
 # -- refused before anything starts --------------------------------------------------------

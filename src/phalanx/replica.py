@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 
 StepFn = Callable[[nn.Module, Any], Any]
 # A ddp member's vote as the synchronised backward carries it: a leaf tensor and the
-# gradient it receives (strategies/ddp/worker/ballot.py).
-Cast = tuple[torch.Tensor, torch.Tensor]
+# gradient it receives (strategies/ddp/worker/ballot.py); None when a hook of the model's
+# delivers it (fsdp's box carried by a unit).
+Cast = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def backward(loss: torch.Tensor, ballot: Cast | None = None) -> None:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import NonFiniteLossError
-from phalanx.replica import StepModule, ZeroPass
+from phalanx.replica import Cast, StepModule, ZeroPass
 
 PIECES = 4  # 16-bit pieces of one float64 (little-endian on every member)
 
@@ -41,7 +41,7 @@ class BallotBox(Protocol):
     """How an engine casts a member's vote and counts everyone's (:class:`Ballot` under
     DDP, :class:`FsdpBallot` under FSDP2)."""
 
-    def cast(self, packed: Sequence[float] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def cast(self, packed: Sequence[float] | np.ndarray) -> Cast: ...
 
     def count(self) -> list[float]: ...
 
@@ -145,17 +145,41 @@ def decode(reduced: np.ndarray, world: int, size: int) -> np.ndarray:
     return Decoder(world, size)(reduced)
 
 
+class BoxHolder(nn.Module):
+    """The box of an fsdp vote, ``[world, world * size * PIECES]``, in a module of its own:
+    a child of the root (:class:`FsdpBallot`), sharded with it, or grouped with a unit of
+    the model (``fully_shard([unit, holder])``) when the root holds nothing else."""
+
+    def __init__(self, world: int, size: int, device: torch.device) -> None:
+        super().__init__()
+        self.box = nn.Parameter(torch.zeros(world, world * size * PIECES, device=device))
+
+    def forward(self) -> torch.Tensor:
+        return self.box  # (while its unit is gathered: the unsharded parameter)
+
+
 class FsdpBallot(nn.Module):
     """The root of an fsdp member's sharded model (``fully_shard`` on it last): ``step`` (the
     replica's step module, whose forward this is, over the model's own units) and the box,
-    ``[world, world * size * PIECES]``, in this root unit.
+    ``[world, world * size * PIECES]``, in :attr:`holder`.
 
     FSDP2 gives a member only its shard of a reduced gradient: the box's dim-0 shard of a
     member is one row. So each member's ballot goes into every row (its own slot filled, the
-    others zero), and the root's reduce-scatter, a plain SUM (no division: see
+    others zero), and a reduce-scatter, a plain SUM (no division: see
     :class:`~phalanx.strategies.ddp.worker.fsdp_engine.FsdpEngine`), leaves in every member's
     row the sum of all ballots: exact for the same reason as :class:`Ballot`'s. The vote thus
-    rides the last reduce-scatter of the backward, with no collective of its own.
+    rides a reduce-scatter of the backward, with no collective of its own:
+
+    - **the root's** (``carrier`` None): the box is a root parameter, and its ballot a
+      second root of the backward (:meth:`cast`). Where the root holds other parameters
+      (a transformer's embeddings, its final norm), FSDP2 gathers and reduces it anyway.
+    - **a unit's** (``carrier``: a unit the model's forward runs, sharded together with
+      :attr:`holder` by ``fully_shard([carrier, holder])``): where the root would hold the
+      box alone, its own all-gather and reduce-scatter would be the step's only extra
+      collectives. The box is gathered and reduced with the carrier's parameters instead,
+      and its ballot delivered by a hook on the carrier's output: that output's gradient
+      comes before any gradient of the carrier's inputs, hence before FSDP2 reduces the
+      carrier (:meth:`attach`). :meth:`count` checks that it came.
 
     ``template()`` loads one training sample on the device: the zero pass under fsdp is a
     forward and backward of it with the loss times zero (a pass that skipped a unit would
@@ -170,22 +194,71 @@ class FsdpBallot(nn.Module):
         size: int,
         device: torch.device,
         template: Callable[[], Any],
+        carrier: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.step = step
         self.rank, self.world, self.size = rank, world, size
-        self.box = nn.Parameter(torch.zeros(world, world * size * PIECES, device=device))
+        self.holder = BoxHolder(world, size, device)
+        self.carried = carrier is not None
         self.template = template
         self._checked = False  # the template's loss was finite once
-        self.last: torch.Tensor | None = None  # the box as this forward used it
+        self.last: torch.Tensor | None = None  # the box as this forward used it (root's)
         self._ballot = np.zeros((world, size * PIECES), dtype=np.float32)
         self._sent = torch.from_numpy(self._ballot).view(1, -1)
         self._packed = np.zeros(size, dtype="<f8")
         self._slot, self._pieces = self._ballot[rank], pieces(self._packed)
         self._decode = Decoder(world, size, scale=1.0)
+        # (a carried box:) the unsharded box of this forward, the ballot waiting for the
+        # carrier's backward, and whether that backward took it
+        self._unsharded: torch.Tensor | None = None
+        self._grid: torch.Tensor | None = None
+        self._delivered = False
+        self._hooks: list[Any] = []
+        if carrier is not None:
+            self.carrier_name = type(carrier).__name__
+
+    @property
+    def box(self) -> nn.Parameter:
+        return self.holder.box
+
+    def attach(self, carrier: nn.Module) -> None:
+        """Once ``fully_shard([carrier, holder])`` is done: the carrier's forward first
+        runs the holder (so the group's all-gather of the box is the carrier's, and the
+        box as unsharded then is kept), and a hook on its output's first gradient sets the
+        ballot as the unsharded box's gradient, which FSDP2 then reduces with the
+        carrier's (its pre-hooks are registered before, so they gather first)."""
+
+        def before(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled():
+                self._unsharded = self.holder()
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled() or self._unsharded is None:
+                return
+            flat = [t for t in _tensors(output) if t.requires_grad]
+            if flat:
+                box = self._unsharded
+                torch.autograd.graph.register_multi_grad_hook(
+                    flat, lambda _grads: self._deliver(box), mode="any"
+                )
+
+        self._hooks = [
+            carrier.register_forward_pre_hook(before),
+            carrier.register_forward_hook(after, prepend=True),
+        ]
+
+    def _deliver(self, box: torch.Tensor) -> None:
+        """The carrier's output got its gradient: the ballot (when this backward carries
+        one, and not yet given) becomes the unsharded box's gradient."""
+        grid = self._grid
+        if grid is not None and not self._delivered:
+            box.grad = grid
+            self._delivered = True
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any]:
-        self.last = self.box * 1.0  # (not a view: the root's reduce-scatter carries its grad)
+        if not self.carried:  # (not a view: the root's reduce-scatter carries its grad)
+            self.last = self.box * 1.0
         if isinstance(batch, ZeroPass):
             return self._template_pass()
         return self.step(batch)
@@ -220,20 +293,31 @@ class FsdpBallot(nn.Module):
         finally:
             self.set_requires_gradient_sync(True)  # type: ignore[operator]
 
-    def cast(self, packed: Sequence[float] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """This member's ballot for ``packed``, as a second root of the synchronised
-        backward: the box as this step's forward used it, and its gradient (the ballot in
-        every row). (Its gradient is cleared after each count and each discarded attempt:
+    def cast(self, packed: Sequence[float] | np.ndarray) -> Cast:
+        """This member's ballot for ``packed`` (every row of the box's gradient): carried
+        by a unit, left for the carrier's hook (None: no second root); else, as a second
+        root of the synchronised backward, the box as this step's forward used it and its
+        gradient. (Its gradient is cleared after each count and each discarded attempt:
         FSDP2 adds into the sharded gradient, which is out of reach during forward.)"""
-        assert self.last is not None, "cast() before a forward"
         self._packed[:] = packed
         self._slot[:] = self._pieces
         grid = self._sent.repeat(self.world, 1)
-        return self.last, grid if self.box.device.type == "cpu" else grid.to(self.box.device)
+        grid = grid if self.box.device.type == "cpu" else grid.to(self.box.device)
+        if self.carried:
+            self._grid, self._delivered = grid, False
+            return None
+        assert self.last is not None, "cast() before a forward"
+        return self.last, grid
 
     def count(self) -> list[float]:
         """After the synchronised backward: the sum of every member's packed vote (this
         member's row of the box's reduced gradient)."""
+        if self.carried and not self._delivered:
+            raise RuntimeError(
+                f"the vote's box got no ballot: the output of {self.carrier_name} (the unit "
+                "that carries it) took no gradient in this backward; pass shard= so that "
+                "a unit every forward uses comes last among your model's modules"
+            )
         grad = self.box.grad
         assert grad is not None, "count() before a backward that carried the ballots"
         local = grad.to_local() if hasattr(grad, "to_local") else grad
@@ -242,9 +326,22 @@ class FsdpBallot(nn.Module):
         return counted
 
     def clear(self) -> None:
-        """Drop the box's gradient (outside forward and backward: the sharded one)."""
+        """Drop the box's gradient (outside forward and backward: the sharded one), and a
+        ballot not delivered."""
         self.box.grad = None
+        self._grid, self._delivered = None, False
 
     def rows(self, upto: int) -> list[list[float]]:
         """After :meth:`count`: the first ``upto`` values of every member's own vote."""
         return self._decode.votes[:, :upto].tolist()
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (nested in tuples, lists and dicts)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        return [t for v in output.values() for t in _tensors(v)]
+    if isinstance(output, tuple | list):
+        return [t for v in output for t in _tensors(v)]
+    return []

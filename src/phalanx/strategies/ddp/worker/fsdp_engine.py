@@ -11,7 +11,8 @@ What differs from the ddp engine (:mod:`.engine`), and why:
 - **Reductions are plain sums.** Every FSDP unit reduce-scatters with SUM (no division; gloo
   refuses the PREMUL_SUM that FSDP2 otherwise uses), and each member scales its loss by its
   rows over the global batch, as the threads strategy does: the math of one device.
-- **The vote rides the root's reduce-scatter** (:class:`.ballot.FsdpBallot`).
+- **The vote rides a reduce-scatter of the backward** (:class:`.ballot.FsdpBallot`): the
+  root's, or, where the root would hold nothing but the box, a unit's (:func:`box_carrier`).
 - **An ``mp_policy``** (FSDP2's ``MixedPrecisionPolicy``) goes to every unit and to the
   model itself, as a unit of its own, so that the root holds only the box, in float32.
 - **Every member runs the same passes** (forward gathers shards): a member with fewer rows than
@@ -267,14 +268,21 @@ class FsdpEngine(DdpEngine):
         cast = {} if policy is None else {"mp_policy": policy}
 
         def shard(step: StepModule) -> None:
-            for unit in innermost_first(units(step.model, self.config.shard)):
-                fully_shard(unit, mesh=self.mesh, **cast)
+            found = innermost_first(units(step.model, self.config.shard))
+            carrier = None if policy is not None else box_carrier(step.model, found)
+            ballot = FsdpBallot(
+                step, self.rank, self.world, size, self.device, self.template, carrier
+            )
+            for unit in found:
+                grouped = [unit, ballot.holder] if unit is carrier else unit
+                fully_shard(grouped, mesh=self.mesh, **cast)
             if policy is not None and not isinstance(step.model, FSDPModule):
                 # (the model's own parameters in the policy too; the box stays float32 in the
                 # root: its 16-bit pieces are exact in float32 only)
                 fully_shard(step.model, mesh=self.mesh, **cast)
-            ballot = FsdpBallot(step, self.rank, self.world, size, self.device, self.template)
             fully_shard(ballot, mesh=self.mesh)
+            if carrier is not None:
+                ballot.attach(carrier)
             for module in ballot.modules():
                 if isinstance(module, FSDPModule):  # (neither setter reaches inner units)
                     module.set_gradient_divide_factor(1.0)
@@ -406,6 +414,20 @@ class FsdpEngine(DdpEngine):
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """See :meth:`ShardedTrainable.full_model_state` (collective)."""
         return self.sharded.full_model_state()
+
+
+def box_carrier(model: nn.Module, found: list[nn.Module]) -> nn.Module | None:
+    """The unit that carries the vote's box (:class:`.ballot.FsdpBallot`): where every
+    parameter of ``model`` is in one of its units ``found``, the root would hold the box
+    alone, so the last unit among the model's modules (its output head, or last block:
+    used by every forward) carries it; else None (the root's collectives carry it)."""
+    if not found:
+        return None
+    inside = {id(p) for unit in found for p in unit.parameters()}
+    if any(id(p) not in inside for p in model.parameters()):
+        return None
+    chosen = {id(unit) for unit in found}
+    return [m for m in model.modules() if id(m) in chosen][-1]
 
 
 def one_position(loop: TrainLoop, group: FsdpGroup, mine: bool) -> bool:
