@@ -230,8 +230,8 @@ class FsdpBallot(nn.Module):
         carrier's (its pre-hooks are registered before, so they gather first)."""
 
         def before(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled():
-                self._unsharded = self.holder()
+            # (validation's forwards too: the group is resharded after the carrier then)
+            self._unsharded = self.holder()
 
         def after(module: nn.Module, args: Any, output: Any) -> None:
             if not torch.is_grad_enabled() or self._unsharded is None:
