@@ -51,7 +51,9 @@ row is measured in this run, none is written in. Rows (``--only`` takes their ke
   one in ``forward`` (the group aborted and rebuilt, the worker's kept shards taken back);
   each matches the reference. ``fsdp-respawn``: two devices, worker 1 killed at
   ``KILL_STEP`` and respawned, both restoring the newest shard set from shared memory;
-  skipped with one GPU.
+  skipped with one GPU. ``fsdp-mp``: one worker, FSDP2's bfloat16 ``MixedPrecisionPolicy``
+  (``fit(mp_policy=)``), every Linear a unit (the vote's box carried by the last one), an
+  exception in ``data`` retried; float32 weights within bfloat16's rounding of the reference.
 - ``handover``: two workers, one killed at ``KILL_STEP``, respawned; the survivor goes on
   alone, then hands its state over to the replacement over the group (steps slowed to
   ``SLOW_S`` so that the replacement joins before the end). Needs two devices:
@@ -107,6 +109,7 @@ ROWS = (
     "fsdp-vote",
     "fsdp-rebuild",
     "fsdp-respawn",
+    "fsdp-mp",
 )
 NEEDS_REFERENCE = ROWS[ROWS.index("reference") + 1 :]  # (every row after it)
 
@@ -646,6 +649,34 @@ def fsdp_respawn_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) ->
     same_run(row, result, rec, ref)
 
 
+MP_TOLERANCE = 5e-2  # bfloat16 compute against the float32 reference
+
+
+def fsdp_mp_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) -> None:
+    """fsdp with FSDP2's bfloat16 MixedPrecisionPolicy, every Linear a unit (so the vote's
+    box rides the last unit's collectives): an exception in data is retried; the weights
+    stay float32, within bfloat16's rounding of the float32 reference."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_bf16_supported():
+        row.result = "skipped: this GPU has no bfloat16"
+        return
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fault = px.Fault("exception", 0, FAULT_STEP, phase="data")
+    result, _ = fault_fit(
+        device, epochs, [fault], strategy="fsdp", mp_policy=policy, shard=(nn.Linear,)
+    )
+    row.result = "ok"
+    expect(row, result, [(0, "exception", FAULT_STEP, "retried")])
+    row.check(result.ledger_ok is True, "ledger exact")
+    assert result.model is not None
+    weights = params(result.model)
+    row.check(all(w.dtype == torch.float32 for w in weights), "float32 weights")
+    diff = rel_diff(weights, ref["params"])
+    row.check(diff <= MP_TOLERANCE, f"near the reference ({diff:.1e} > {MP_TOLERANCE:.0e})")
+    row.notes.append(f"model vs float32 reference {diff:.1e}")
+
+
 # -- the table ------------------------------------------------------------------------------------
 def header(device: str) -> str:
     dev = torch.device(device)
@@ -716,6 +747,8 @@ def plan_rows(args: argparse.Namespace) -> list[tuple[Row, Callable[[Row], None]
          lambda r: fsdp_rebuild_row(r, dev, e_fault, ref)),
         (Row("fsdp-respawn", f"fsdp, 2 workers, one killed -> respawned from shard set ({b})"),
          lambda r: fsdp_respawn_row(r, dev, e_fault, ref)),
+        (Row("fsdp-mp", f"fsdp, bf16 MixedPrecisionPolicy, box in a unit, data retried ({b})"),
+         lambda r: fsdp_mp_row(r, dev, e_fault, ref)),
     ]  # fmt: skip
     return made
 

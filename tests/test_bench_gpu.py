@@ -31,6 +31,7 @@ ROWS = [
     "fsdp-vote",
     "fsdp-rebuild",
     "fsdp-respawn",
+    "fsdp-mp",
 ]
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")
