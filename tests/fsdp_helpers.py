@@ -44,6 +44,19 @@ def net() -> nn.Module:
     return Net()
 
 
+class UnusedHeadNet(Net):
+    """:class:`Net` with a head no forward calls, registered last (a unit, under
+    ``shard=(nn.Linear, Block)``: the one that would carry the vote's box)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(32, 5)
+
+
+def unused_head_net() -> nn.Module:
+    return UnusedHeadNet()
+
+
 def wide_net() -> nn.Module:
     """Each block's weights 512 KiB: a snapshot's shards (of 3 members) large enough to be
     read mapped."""

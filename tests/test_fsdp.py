@@ -27,13 +27,11 @@ from phalanx.errors import (
     InvalidSettingError,
     TrainingFailed,
 )
-from phalanx.replica import StepModule
 from phalanx.sharding import innermost_first, units
 from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, rows, tag
 from phalanx.snapshot.store import MAPPED_BYTES
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.coordinator.roster import StateCopies
-from phalanx.strategies.ddp.worker.ballot import FsdpBallot
 from phalanx.strategies.ddp.worker.fsdp_engine import box_carrier
 from phalanx.validate import validate_sharding
 
@@ -119,14 +117,25 @@ def test_the_box_is_carried_by_the_last_unit_only_where_the_root_would_hold_it_a
     assert box_carrier(gpt, units(gpt)) is None
 
 
-def test_a_carried_box_whose_carrier_gave_no_gradient_is_not_counted() -> None:
-    """The carrier's output never got a gradient (a unit no forward used): counting raises,
-    naming it, rather than read a box no ballot reached."""
-    step = StepModule(h.Net(), h.step)
-    ballot = FsdpBallot(step, 0, 2, 3, torch.device("cpu"), lambda: None, carrier=step.model.out)
-    assert ballot.cast([1.0, 2.0, 3.0]) is None  # (the carrier's hook delivers it)
-    with pytest.raises(RuntimeError, match=r"the output of Linear .* took no gradient"):
-        ballot.count()
+@pytest.mark.timeout(120)
+def test_a_carrier_the_forward_does_not_use_leaves_the_vote_to_an_all_reduce(
+    single: px.FitResult,
+) -> None:
+    """The last unit among the model's modules is never called (an unused head): its
+    output takes no ballot, so each vote is summed in an all-reduce of its own; a data
+    failure is still retried, and the run ends with one device's weights."""
+    fault = px.Fault.parse("exception:1@3/data")
+    result = px.Learner(h.unused_head_net, h.adam, h.step, grad_accumulation=2).fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1", strategy="fsdp", shard=(nn.Linear, h.Block),
+        faults=[fault], **FIT,
+    )  # fmt: skip
+    reference = px.Learner(h.unused_head_net, h.adam, h.step, grad_accumulation=2).fit(
+        TRAIN, VALID, devices="cpu", **FIT
+    )
+    assert [(f.phase, f.action) for f in result.failures] == [("data", "retried")]
+    assert rel(result.model, reference.model) <= 1e-5 and result.ledger_ok is True
+    model = h.unused_head_net()
+    assert box_carrier(model, innermost_first(units(model, (nn.Linear, h.Block)))) is model.unused
 
 
 @pytest.mark.timeout(120)

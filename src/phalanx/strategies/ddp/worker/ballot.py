@@ -179,7 +179,8 @@ class FsdpBallot(nn.Module):
       collectives. The box is gathered and reduced with the carrier's parameters instead,
       and its ballot delivered by a hook on the carrier's output: that output's gradient
       comes before any gradient of the carrier's inputs, hence before FSDP2 reduces the
-      carrier (:meth:`attach`). :meth:`count` checks that it came.
+      carrier (:meth:`attach`). Where it did not come (a carrier the forward does not
+      use), :meth:`count` sums the ballots in an all-reduce of their own.
 
     ``template()`` loads one training sample on the device: the zero pass under fsdp is a
     forward and backward of it with the loss times zero (a pass that skipped a unit would
@@ -215,8 +216,7 @@ class FsdpBallot(nn.Module):
         self._grid: torch.Tensor | None = None
         self._delivered = False
         self._hooks: list[Any] = []
-        if carrier is not None:
-            self.carrier_name = type(carrier).__name__
+        self.alone = 0  # votes counted by an all-reduce of their own (see _count_alone)
 
     @property
     def box(self) -> nn.Parameter:
@@ -313,15 +313,30 @@ class FsdpBallot(nn.Module):
         """After the synchronised backward: the sum of every member's packed vote (this
         member's row of the box's reduced gradient)."""
         if self.carried and not self._delivered:
-            raise RuntimeError(
-                f"the vote's box got no ballot: the output of {self.carrier_name} (the unit "
-                "that carries it) took no gradient in this backward; pass shard= so that "
-                "a unit every forward uses comes last among your model's modules"
-            )
+            return self._count_alone()
         grad = self.box.grad
         assert grad is not None, "count() before a backward that carried the ballots"
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         counted = self._decode(local[0].detach().cpu().numpy()).tolist()
+        self.clear()
+        return counted
+
+    def _count_alone(self) -> list[float]:
+        """The carrier's output took no gradient in this backward (a unit the forward does
+        not use: the same on every member, else FSDP2's own collectives would not match):
+        the ballots are summed in an all-reduce of their own over the generation's group
+        (a peer lost there is the group's end)."""
+        from phalanx.strategies.ddp.worker.group import GroupBroken
+
+        grid = self._grid
+        assert grid is not None, "count() before cast()"
+        self.alone += 1
+        mesh = getattr(self.box, "device_mesh", None)
+        try:
+            torch.distributed.all_reduce(grid, group=mesh.get_group() if mesh else None)
+        except RuntimeError as exc:
+            raise GroupBroken(f"the vote's all-reduce: {exc}") from exc
+        counted = self._decode(grid[0].detach().cpu().numpy()).tolist()
         self.clear()
         return counted
 
