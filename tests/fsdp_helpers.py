@@ -27,11 +27,11 @@ class Block(nn.Module):
 class Net(nn.Module):
     """Odd sizes (7 inputs, 3 outputs): some dim-0 shards are uneven or empty."""
 
-    def __init__(self, depth: int = 3, width: int = 32) -> None:
+    def __init__(self, depth: int = 3, width: int = 32, outputs: int = 3) -> None:
         super().__init__()
         self.inp = nn.Linear(7, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.out = nn.Linear(width, 3)
+        self.out = nn.Linear(width, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)

@@ -807,6 +807,25 @@ def test_a_checkpoint_of_another_model_is_refused_naming_it(
     assert len(list_checkpoints(folder)) == 3
 
 
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_other_sizes_is_refused_by_every_member_reading_its_rows(
+    sharded_run: Path, tmp_path: Path
+) -> None:
+    """Resumed under fsdp(2), each member reads only its rows: a checkpoint whose output
+    layer has 3 rows, into a model whose has 6, is refused (PX122) on every member alike,
+    naming the file (a member's cut of 1 row would otherwise broadcast into its 3)."""
+    folder = copy_of(sharded_run, tmp_path / "run")
+    other = px.Learner(functools.partial(h.Net, outputs=6), h.adam, h.step)
+    with pytest.raises(TrainingFailed) as err:
+        other.fit(
+            TRAIN, devices="cpu:0,cpu:1", strategy="fsdp", run_dir=str(tmp_path / "run"),
+            resume=True, **FIT,
+        )  # fmt: skip
+    assert "ckpt-000000012.rank-0-of-3.pt does not fit" in str(err.value)
+    assert "out.weight: 3 rows in the checkpoint, 6 in the model" in str(err.value)
+    assert "PX122" in str(err.value) and len(list_checkpoints(folder)) == 3
+
+
 @pytest.mark.parametrize(
     ("writers", "failed", "kept"),
     [

@@ -28,9 +28,11 @@ from phalanx.errors import CheckpointError
 def export_dcp(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> str:
     """Write the model of checkpoint ``source`` (a checkpoint file, any rank's file of a
     sharded one, or a ``run_dir`` for its newest that verifies) as a DCP folder ``out``
-    (``.metadata`` and the data file), and return ``out``. The shards are joined in this
-    process: it holds the model's weights once. ``out`` must not exist, or be an empty
-    folder; it appears whole or not at all (written beside it, then renamed)."""
+    (``.metadata`` and the data file), and return ``out``. The checkpoint is read whole in
+    this process (a sharded one joined: the model and the optimizer's state). ``out`` must
+    not exist, or be an empty folder; it appears whole or not at all (written beside it,
+    then renamed; an export killed half-way leaves ``<out>.partial-<pid>``). Raises
+    CheckpointError (PX120) naming what could not be read or written."""
     from torch.distributed.checkpoint import FileSystemWriter, save
 
     target = os.path.abspath(os.fspath(out))
@@ -49,9 +51,9 @@ def export_dcp(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> s
         with warnings.catch_warnings():  # (one process is what is meant here)
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             save({"model": model}, storage_writer=FileSystemWriter(partial), no_dist=True)
-        if os.path.isdir(target):
-            os.rmdir(target)  # (empty: checked above)
-        os.replace(partial, target)
+        os.replace(partial, target)  # (onto an empty folder too)
+    except OSError as exc:
+        raise CheckpointError(f"{target}: could not be written: {exc}") from exc
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target

@@ -122,7 +122,25 @@ def part(states: Sequence[dict[str, Any]], world: int, rank: int) -> dict[str, A
     def cut(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
         return reshard(pieces, sum(p.shape[0] for p in pieces), world, rank)
 
-    return _joined(states, cut)
+    out = _joined(states, cut)
+    # (the whole tensors' row counts: a model of other sizes is told apart from a cut)
+    record = states[0].get("shards") or {}
+    model = {k: sum(s["model"][k].shape[0] for s in states) for k in record.get("model", [])}
+    optimizer: dict[str, dict[str, int]] = {}
+    for index, keys in record.get("optimizer", {}).items():
+        values = [_state_at(s, index) for s in states]
+        optimizer[str(index)] = {k: sum(v[k].shape[0] for v in values) for k in keys}
+    out[ROWS] = {"model": model, "optimizer": optimizer}
+    return out
+
+
+ROWS = "whole_rows"  # part()'s record: each sharded entry's rows in the whole tensor
+
+
+def _state_at(state: dict[str, Any], index: Any) -> dict[str, Any]:
+    """The optimizer state of parameter ``index`` (keyed by int or by str) in ``state``."""
+    found = state["optimizer"]["state"]
+    return found[next(i for i in found if str(i) == str(index))]
 
 
 def _joined(

@@ -216,7 +216,8 @@ class FsdpBallot(nn.Module):
         self._grid: torch.Tensor | None = None
         self._delivered = False
         self._hooks: list[Any] = []
-        self.alone = 0  # votes counted by an all-reduce of their own (see _count_alone)
+        # (a carried box:) the group's all-reduce, for a vote the carrier did not take
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     @property
     def box(self) -> nn.Parameter:
@@ -324,18 +325,12 @@ class FsdpBallot(nn.Module):
     def _count_alone(self) -> list[float]:
         """The carrier's output took no gradient in this backward (a unit the forward does
         not use: the same on every member, else FSDP2's own collectives would not match):
-        the ballots are summed in an all-reduce of their own over the generation's group
-        (a peer lost there is the group's end)."""
-        from phalanx.strategies.ddp.worker.group import GroupBroken
-
+        the ballots are summed in an all-reduce of their own, :attr:`all_reduce` (the
+        generation's group's: a peer lost there is the group's end)."""
         grid = self._grid
         assert grid is not None, "count() before cast()"
-        self.alone += 1
-        mesh = getattr(self.box, "device_mesh", None)
-        try:
-            torch.distributed.all_reduce(grid, group=mesh.get_group() if mesh else None)
-        except RuntimeError as exc:
-            raise GroupBroken(f"the vote's all-reduce: {exc}") from exc
+        assert self.all_reduce is not None, "a carried box without the group's all-reduce"
+        self.all_reduce(grid)
         counted = self._decode(grid[0].detach().cpu().numpy()).tolist()
         self.clear()
         return counted

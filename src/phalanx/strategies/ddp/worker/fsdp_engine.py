@@ -49,7 +49,7 @@ from phalanx.replica import ZERO_PASS, Cast, LocalResult, StepModule, to_device
 from phalanx.report import is_secondary
 from phalanx.sharding import innermost_first, units
 from phalanx.snapshot import Snapshotter
-from phalanx.snapshot.shards import rows
+from phalanx.snapshot.shards import ROWS, rows
 from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.worker.ballot import FsdpBallot
 from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
@@ -155,17 +155,38 @@ class ShardedTrainable(Trainable):
         return found
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """This member's shards (as :meth:`state_dict` gives them), or a whole state (a
-        checkpoint of any strategy): then this member's rows are cut out of it."""
+        """This member's shards (as :meth:`state_dict` gives them), a whole state (a
+        checkpoint of any strategy): then this member's rows are cut out of it, or a
+        checkpoint already cut to this member's rows (:func:`~phalanx.snapshot.shards.part`,
+        whose record of the whole tensors' rows is checked against this model's). A tensor
+        of another shape raises ValueError, alike on every member where the whole sizes
+        differ (a checkpoint of another model)."""
+        cut = state.get(ROWS) or {"model": {}, "optimizer": {}}
         with torch.no_grad():
             for key, value in self.model.state_dict().items():
-                local(value).copy_(_mine(state["model"][key], value))
+                saved = state["model"][key]
+                if key in cut["model"]:
+                    _same_rows(key, cut["model"][key], value)
+                else:
+                    saved = _mine(saved, value)
+                _same_shape(key, saved, local(value))
+                local(value).copy_(saved)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        saved = state["optimizer"]
-        states = {
-            i: {k: _like(_mine(v, params[int(i)]), params[int(i)]) for k, v in s.items()}
-            for i, s in saved["state"].items()
-        }
+        saved_opt = state["optimizer"]
+        states = {}
+        for i, values in saved_opt["state"].items():
+            param, rows_of = params[int(i)], cut["optimizer"].get(str(i), {})
+            here = {}
+            for k, v in values.items():
+                if k in rows_of:
+                    _same_rows(f"optimizer state {i}.{k}", rows_of[k], param)
+                else:
+                    v = _mine(v, param)
+                if _param_shaped(v, param):
+                    _same_shape(f"optimizer state {i}.{k}", v, local(param))
+                here[k] = _like(v, param)
+            states[i] = here
+        saved = saved_opt
         self.optimizer.load_state_dict({"state": states, "param_groups": saved["param_groups"]})
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -178,6 +199,17 @@ class ShardedTrainable(Trainable):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(self.model, options=options)
         return {k: v.detach().clone() for k, v in full.items() if isinstance(v, torch.Tensor)}
+
+
+def _same_rows(key: str, whole: int, live: torch.Tensor) -> None:
+    if whole != live.shape[0]:
+        raise ValueError(f"{key}: {whole} rows in the checkpoint, {live.shape[0]} in the model")
+
+
+def _same_shape(key: str, value: Any, mine: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(mine.shape):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{key}: {shape} in the checkpoint, {tuple(mine.shape)} here")
 
 
 def _param_shaped(value: Any, param: torch.Tensor) -> bool:
@@ -278,11 +310,13 @@ class FsdpEngine(DdpEngine):
                 fully_shard(grouped, mesh=self.mesh, **cast)
             if policy is not None and not isinstance(step.model, FSDPModule):
                 # (the model's own parameters in the policy too; the box stays float32 in the
-                # root: its 16-bit pieces are exact in float32 only)
-                fully_shard(step.model, mesh=self.mesh, **cast)
+                # root: its 16-bit pieces are exact in float32 only, so no unit carries it.
+                # Kept gathered from forward to backward, as FSDP2 keeps a root.)
+                fully_shard(step.model, mesh=self.mesh, reshard_after_forward=False, **cast)
             fully_shard(ballot, mesh=self.mesh)
             if carrier is not None:
                 ballot.attach(carrier)
+                ballot.all_reduce = lambda tensor: self.group.all_reduce(tensor)
             for module in ballot.modules():
                 if isinstance(module, FSDPModule):  # (neither setter reaches inner units)
                     module.set_gradient_divide_factor(1.0)
@@ -375,10 +409,10 @@ class FsdpEngine(DdpEngine):
 
     def _after_validation(self) -> None:
         """Zero passes until this member has run as many forwards as the member with the
-        most validation batches (each forward gathers shards); then the root resharded on
-        every member (FSDP2 keeps the root gathered after a forward without backward, and
-        only some members would reshard it at their next state_dict: their next forwards
-        would then gather differently)."""
+        most validation batches (each forward gathers shards); then every unit resharded on
+        every member (FSDP2 keeps the root, and a unit made with reshard_after_forward=False,
+        gathered after a forward without backward, and only some members would reshard it
+        at their next state_dict: their next forwards would then gather differently)."""
         replica = self.m.replica
         if self.valid is not None:
             counts = [self._batches(r) for r in range(self.world)]
@@ -389,7 +423,9 @@ class FsdpEngine(DdpEngine):
                         replica.forward(ZERO_PASS)
             finally:
                 replica.module.train()
-        self.fsdp_ballot.reshard()  # type: ignore[operator]
+        for module in self.fsdp_ballot.modules():  # (the root, and an mp_policy's model
+            if isinstance(module, FSDPModule):  # unit, both kept gathered after forward)
+                module.reshard()
 
     def _batches(self, rank: int) -> int:
         parts = validation_batches(self.valid_size, self.config.batch_size, rank, self.world)

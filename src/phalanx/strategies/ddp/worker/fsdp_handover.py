@@ -76,7 +76,11 @@ def restore_from_set(
     assert isinstance(engine, FsdpEngine)
     mine = assemble(states, engine, group.size, group.rank)
     del states  # (the views of the buffers: only this member's rows were read from them)
-    if not all(store.unchanged(snap) for store, snap in read):
+    # Every member's verdict on what it read (sent included), so that all go on or none.
+    seen = float(not all(store.unchanged(snap) for store, snap in read))
+    torn = torch.tensor([seen], dtype=torch.float64, device=group.device)
+    group.all_reduce(torn)
+    if float(torn.item()) > 0:
         raise NoShardSet(f"a snapshot of step {chosen.step} was rewritten while it was read")
     loop.restore(mine)
     for store in stores:
@@ -168,16 +172,21 @@ def assemble(
             pieces = [s["optimizer"]["state"][index][key] for s in states]
             here[key] = reshard(pieces, params[int(index)].shape[0], world, rank)
         opt_states[index] = here
+    rest = {k: _owned(v) for k, v in first.items() if k not in ("model", "optimizer")}
     return {
-        **first,
+        **rest,
         "model": model,
         "optimizer": {"state": opt_states, "param_groups": optimizer["param_groups"]},
     }
 
 
 def _owned(value: Any) -> Any:
-    """A tensor of a mapped read as a copy of its own (a value that is not a tensor, or a
-    small tensor, which such a read copied already, as it is)."""
-    if isinstance(value, torch.Tensor) and value.nbytes >= MAPPED_BYTES:
-        return value.clone()
+    """``value`` with each tensor of a mapped read (large ones: a small one such a read
+    copied already) copied into storage of its own, in nested dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.nbytes >= MAPPED_BYTES else value
+    if isinstance(value, dict):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_owned(v) for v in value)
     return value
