@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.replica import StepModule, backward
-from phalanx.strategies.ddp.worker.ballot import Ballot, decode, encode
+from phalanx.strategies.ddp.worker.ballot import Ballot, Decoder, decode, encode, pieces
 from phalanx.strategies.ddp.worker.group import GenerationGroup
 
 CPU = torch.device("cpu")
@@ -57,6 +57,26 @@ def test_a_ballot_sum_is_the_exact_float64_sum_in_rank_order(world: int) -> None
     assert np.array_equal(got, want, equal_nan=True)
     finite = np.isfinite(want)  # (bit for bit: -0.0 and 0.0 differ there)
     assert np.array_equal(got[finite].view(np.uint64), want[finite].view(np.uint64))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_8_bit_pieces_survive_bfloat16_exactly(world: int) -> None:
+    """fsdp's box under a bfloat16 mp_policy: each member's ballot in 8-bit pieces is cast
+    to bfloat16 (the unsharded box's dtype), accumulated with zeros in float32 and summed
+    (FSDP2's reduce); the decoded sum is the exact float64 sum in rank order. 16-bit pieces
+    would not survive the cast."""
+    rng = np.random.default_rng(world)
+    size = 9
+    votes = _hard_values(rng, world, size)
+    reduced = torch.zeros(world * size * 8)
+    for r in reversed(range(world)):
+        ballot = np.zeros((world, size * 8), dtype=np.float32)
+        ballot[r] = pieces(votes[r], 8)
+        reduced += torch.from_numpy(ballot.reshape(-1)).to(torch.bfloat16).float()
+    got = Decoder(world, size, scale=1.0, bits=8)(reduced.numpy())
+    assert np.array_equal(got, _rank_order_sum(votes), equal_nan=True)
+    wide = torch.from_numpy(pieces(votes[0], 16).astype(np.float32)).to(torch.bfloat16)
+    assert not np.array_equal(wide.float().numpy(), pieces(votes[0], 16).astype(np.float32))
 
 
 def test_a_ballot_holds_only_its_own_slot() -> None:

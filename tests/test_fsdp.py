@@ -295,10 +295,11 @@ def test_an_mp_policy_computes_in_bfloat16_keeps_float32_shards_and_recovers(
     fsdp2: px.FitResult,
 ) -> None:
     """FSDP2's MixedPrecisionPolicy on every unit and on the model's own parameters (the
-    step fails unless the output layer, in the root, computed in bfloat16); the shards, the
-    optimizer and the result stay float32. The same members retrying a step change nothing;
-    another world size (3 workers, or 1 while a killed worker is respawned) rounds its
-    partial sums in bfloat16 otherwise, far less than float32's run differs."""
+    step fails unless the output layer, in the root, computed in bfloat16), which carry the
+    vote's box in 8-bit pieces; the shards, the optimizer and the result stay float32. The
+    same members retrying a step change nothing; another world size (3 workers, or 1 while
+    a killed worker is respawned) rounds its partial sums in bfloat16 otherwise, far less
+    than float32's run differs."""
     make = functools.partial(
         px.Learner, h.net, h.adam, h.bf16_step, grad_accumulation=2, grad_clip_norm=0.5
     )
@@ -320,6 +321,14 @@ def test_an_mp_policy_computes_in_bfloat16_keeps_float32_shards_and_recovers(
     killed = make().fit(TRAIN, VALID, devices="cpu:0,cpu:1", faults=[fault], **fit)
     assert [f.action for f in killed.failures] == ["respawned"] and killed.ledger_ok is True
     assert rel(killed.model, clean.model) <= far / 4
+    # Every parameter in a unit: the box rides the last unit's bfloat16 collectives (8-bit
+    # pieces), through accumulation's zero deliveries and a failure the vote carries
+    fault = px.Fault("exception", worker=0, step=3, phase="data")
+    units_only = make().fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1", shard=(nn.Linear, h.Block), faults=[fault], **fit
+    )
+    assert [(f.phase, f.action) for f in units_only.failures] == [("data", "retried")]
+    assert rel(units_only.model, clean.model) <= far / 4 and units_only.ledger_ok is True
 
 
 # -- failures that lose no shard -----------------------------------------------------------

@@ -35,6 +35,9 @@ from phalanx.errors import NonFiniteLossError
 from phalanx.replica import Cast, StepModule, ZeroPass
 
 PIECES = 4  # 16-bit pieces of one float64 (little-endian on every member)
+# fsdp's box in a unit gathered or reduced in bfloat16 (an mp_policy): 8-bit pieces, the
+# integers bfloat16 holds exactly (a slot's sum is one member's piece plus zeros)
+BF16_BITS = 8
 
 
 class BallotBox(Protocol):
@@ -108,9 +111,13 @@ class Ballot(nn.Module):
         return self._decode.votes[:, :upto].tolist()
 
 
-def pieces(packed: np.ndarray) -> np.ndarray:
-    """The bits of each float64 of ``packed`` as 16-bit unsigned integers, low first."""
-    return np.asarray(packed, dtype="<f8").view("<u2")
+def pieces(packed: np.ndarray, bits: int = 16) -> np.ndarray:
+    """The bits of each float64 of ``packed`` as ``bits``-bit unsigned integers (16 or 8),
+    low first."""
+    return np.asarray(packed, dtype="<f8").view(_UINT[bits])
+
+
+_UINT = {16: "<u2", 8: "u1"}
 
 
 def encode(packed: np.ndarray, rank: int, world: int) -> np.ndarray:
@@ -124,12 +131,13 @@ def encode(packed: np.ndarray, rank: int, world: int) -> np.ndarray:
 class Decoder:
     """The float64 sum over members of the votes in a box's reduced gradient (as DDP left
     it: the ballots summed, divided by ``world``; ``scale``: what to multiply it back by,
-    ``world`` unless given), into buffers made once."""
+    ``world`` unless given; ``bits``: of each piece), into buffers made once."""
 
-    def __init__(self, world: int, size: int, scale: float | None = None) -> None:
+    def __init__(self, world: int, size: int, scale: float | None = None, bits: int = 16) -> None:
+        count = 64 // bits
         self.world = np.float32(world if scale is None else scale)
-        self.scaled = np.zeros(world * size * PIECES, dtype=np.float32)
-        self.pieces = np.zeros(world * size * PIECES, dtype="<u2")
+        self.scaled = np.zeros(world * size * count, dtype=np.float32)
+        self.pieces = np.zeros(world * size * count, dtype=_UINT[bits])
         self.votes = self.pieces.view("<f8").reshape(world, size)  # (a view of the pieces)
 
     def __call__(self, reduced: np.ndarray) -> np.ndarray:
@@ -150,9 +158,10 @@ class BoxHolder(nn.Module):
     a child of the root (:class:`FsdpBallot`), sharded with it, or grouped with a unit of
     the model (``fully_shard([unit, holder])``) when the root holds nothing else."""
 
-    def __init__(self, world: int, size: int, device: torch.device) -> None:
+    def __init__(self, world: int, size: int, device: torch.device, bits: int = 16) -> None:
         super().__init__()
-        self.box = nn.Parameter(torch.zeros(world, world * size * PIECES, device=device))
+        count = 64 // bits  # (pieces of one float64)
+        self.box = nn.Parameter(torch.zeros(world, world * size * count, device=device))
 
     def forward(self) -> torch.Tensor:
         return self.box  # (while its unit is gathered: the unsharded parameter)
@@ -161,7 +170,8 @@ class BoxHolder(nn.Module):
 class FsdpBallot(nn.Module):
     """The root of an fsdp member's sharded model (``fully_shard`` on it last): ``step`` (the
     replica's step module, whose forward this is, over the model's own units) and the box,
-    ``[world, world * size * PIECES]``, in :attr:`holder`.
+    ``[world, world * size * pieces]``, in :attr:`holder` (``bits``: of each piece, 16, or 8
+    where an ``mp_policy`` gathers or reduces the carrier in bfloat16).
 
     FSDP2 gives a member only its shard of a reduced gradient: the box's dim-0 shard of a
     member is one row. So each member's ballot goes into every row (its own slot filled, the
@@ -196,20 +206,21 @@ class FsdpBallot(nn.Module):
         device: torch.device,
         template: Callable[[], Any],
         carrier: nn.Module | None = None,
+        bits: int = 16,
     ) -> None:
         super().__init__()
         self.step = step
         self.rank, self.world, self.size = rank, world, size
-        self.holder = BoxHolder(world, size, device)
+        self.holder = BoxHolder(world, size, device, bits)
         self.carried = carrier is not None
         self.template = template
         self._checked = False  # the template's loss was finite once
         self.last: torch.Tensor | None = None  # the box as this forward used it (root's)
-        self._ballot = np.zeros((world, size * PIECES), dtype=np.float32)
+        self._ballot = np.zeros((world, size * (64 // bits)), dtype=np.float32)
         self._sent = torch.from_numpy(self._ballot).view(1, -1)
         self._packed = np.zeros(size, dtype="<f8")
-        self._slot, self._pieces = self._ballot[rank], pieces(self._packed)
-        self._decode = Decoder(world, size, scale=1.0)
+        self._slot, self._pieces = self._ballot[rank], pieces(self._packed, bits)
+        self._decode = Decoder(world, size, scale=1.0, bits=bits)
         # (a carried box:) the unsharded box of this forward, the ballot waiting for the
         # carrier's backward, and whether that backward took it
         self._unsharded: torch.Tensor | None = None
@@ -251,11 +262,19 @@ class FsdpBallot(nn.Module):
 
     def _deliver(self, box: torch.Tensor) -> None:
         """The carrier's output got its gradient: the ballot (when this backward carries
-        one, and not yet given) becomes the unsharded box's gradient."""
+        one, and not yet given) becomes the unsharded box's gradient; a backward before the
+        last micro-batch's gives it zeros, as every parameter of the carrier gets a
+        gradient then (FSDP2 accumulates an mp_policy's in its reduce dtype, and reduces a
+        group's gradients only when all share one dtype)."""
+        if self._delivered:
+            return
         grid = self._grid
-        if grid is not None and not self._delivered:
-            box.grad = grid
-            self._delivered = True
+        if grid is None:
+            if box.grad is None:
+                box.grad = torch.zeros_like(box)
+            return
+        box.grad = grid.to(box.dtype)  # (bfloat16 under an mp_policy: 8-bit pieces)
+        self._delivered = True
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, Any, Any]:
         if not self.carried:  # (not a view: the root's reduce-scatter carries its grad)

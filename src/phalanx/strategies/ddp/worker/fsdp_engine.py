@@ -13,8 +13,9 @@ What differs from the ddp engine (:mod:`.engine`), and why:
   rows over the global batch, as the threads strategy does: the math of one device.
 - **The vote rides a reduce-scatter of the backward** (:class:`.ballot.FsdpBallot`): the
   root's, or, where the root would hold nothing but the box, a unit's (:func:`box_carrier`).
-- **An ``mp_policy``** (FSDP2's ``MixedPrecisionPolicy``) goes to every unit and to the
-  model itself, as a unit of its own, so that the root holds only the box, in float32.
+- **An ``mp_policy``** (FSDP2's ``MixedPrecisionPolicy``) goes to every unit; the model's
+  own parameters, where it has any, are a unit of their own in the policy too, which then
+  carries the box; in bfloat16 the box's pieces are 8-bit (exact in bfloat16).
 - **Every member runs the same passes** (forward gathers shards): a member with fewer rows than
   micro-batches pads with zero passes of a template sample, validation pads the same way, and
   a failure after the first gather cannot be lined up again: the member leaves the group
@@ -51,7 +52,7 @@ from phalanx.sharding import innermost_first, units
 from phalanx.snapshot import Snapshotter
 from phalanx.snapshot.shards import ROWS, rows
 from phalanx.spec import FitConfig, TrainSpec
-from phalanx.strategies.ddp.worker.ballot import FsdpBallot
+from phalanx.strategies.ddp.worker.ballot import BF16_BITS, FsdpBallot
 from phalanx.strategies.ddp.worker.engine import DdpEngine, EngineHooks, Member
 from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup
 from phalanx.strategies.ddp.worker.group import GroupBroken
@@ -301,18 +302,19 @@ class FsdpEngine(DdpEngine):
 
         def shard(step: StepModule) -> None:
             found = innermost_first(units(step.model, self.config.shard))
-            carrier = None if policy is not None else box_carrier(step.model, found)
+            carrier = box_carrier(step.model, found)
+            if carrier is None and policy is not None and not isinstance(step.model, FSDPModule):
+                carrier = step.model  # (its own parameters in the policy, the box with them)
             ballot = FsdpBallot(
-                step, self.rank, self.world, size, self.device, self.template, carrier
-            )
+                step, self.rank, self.world, size, self.device, self.template, carrier,
+                bits=BF16_BITS if _in_bf16(policy) else 16,
+            )  # fmt: skip
             for unit in found:
                 grouped = [unit, ballot.holder] if unit is carrier else unit
                 fully_shard(grouped, mesh=self.mesh, **cast)
-            if policy is not None and not isinstance(step.model, FSDPModule):
-                # (the model's own parameters in the policy too; the box stays float32 in the
-                # root: its 16-bit pieces are exact in float32 only, so no unit carries it.
-                # Kept gathered from forward to backward, as FSDP2 keeps a root.)
-                fully_shard(step.model, mesh=self.mesh, reshard_after_forward=False, **cast)
+            if carrier is step.model:  # (kept gathered from forward to backward, as a root)
+                grouped = [step.model, ballot.holder]
+                fully_shard(grouped, mesh=self.mesh, reshard_after_forward=False, **cast)
             fully_shard(ballot, mesh=self.mesh)
             if carrier is not None:
                 ballot.attach(carrier)
@@ -450,6 +452,12 @@ class FsdpEngine(DdpEngine):
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """See :meth:`ShardedTrainable.full_model_state` (collective)."""
         return self.sharded.full_model_state()
+
+
+def _in_bf16(policy: Any) -> bool:
+    """Whether an mp_policy gathers or reduces in bfloat16 (the box's pieces are then 8-bit:
+    a bfloat16 holds integers up to 256 exactly)."""
+    return policy is not None and torch.bfloat16 in (policy.param_dtype, policy.reduce_dtype)
 
 
 def box_carrier(model: nn.Module, found: list[nn.Module]) -> nn.Module | None:
