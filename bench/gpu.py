@@ -52,8 +52,9 @@ row is measured in this run, none is written in. Rows (``--only`` takes their ke
   each matches the reference. ``fsdp-respawn``: two devices, worker 1 killed at
   ``KILL_STEP`` and respawned, both restoring the newest shard set from shared memory;
   skipped with one GPU. ``fsdp-mp``: one worker, FSDP2's bfloat16 ``MixedPrecisionPolicy``
-  (``fit(mp_policy=)``), every Linear a unit (the vote's box float32 in the root), an
-  exception in ``data`` retried; float32 weights within bfloat16's rounding of the reference.
+  (``fit(mp_policy=)``), every Linear a unit (the vote's box carried by the last, in 8-bit
+  pieces), an exception in ``data`` retried; float32 weights within bfloat16's rounding of
+  the reference.
 - ``handover``: two workers, one killed at ``KILL_STEP``, respawned; the survivor goes on
   alone, then hands its state over to the replacement over the group (steps slowed to
   ``SLOW_S`` so that the replacement joins before the end). Needs two devices:
@@ -654,8 +655,8 @@ MP_TOLERANCE = 5e-2  # bfloat16 compute against the float32 reference
 
 def fsdp_mp_row(row: Row, device: str, epochs: int, ref: dict[str, Any]) -> None:
     """fsdp with FSDP2's bfloat16 MixedPrecisionPolicy, every Linear a unit (the vote's box
-    stays float32 in the root): an exception in data is retried; the weights stay float32,
-    within bfloat16's rounding of the float32 reference."""
+    carried by the last, its ballot in 8-bit pieces): an exception in data is retried; the
+    weights stay float32, within bfloat16's rounding of the float32 reference."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_bf16_supported():
