@@ -1,7 +1,7 @@
 """strategy="fsdp" on CPU (gloo), three tables (issue 24):
 
     PYTHONPATH=src .venv/bin/python bench/fsdp.py [--only memory,steps,failures,end]
-                                                  [--rounds 3] [--steps 60] [--root-norm]
+                                                  [--rounds 3] [--steps 60] [--root-norm] [--mp]
 
 - ``memory``: bytes each worker holds of parameters and of Adam's state, counted in the
   worker after its first optimizer step (its shards' bytes, ``to_local()``), for a model of
@@ -145,8 +145,23 @@ class WithRootParameter(nn.Module):
         return self.inner(x) + (self.box * 1.0).sum() * 0.0
 
 
+def _policy(bf16: bool) -> dict[str, Any]:
+    """``fully_shard``'s and ``fit``'s keyword for ``--mp``: bfloat16 gathers and compute,
+    float32 reductions (torchtitan's default)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return {"mp_policy": policy} if bf16 else {}
+
+
 def _plain_fsdp(
-    rank: int, port: int, steps: int, out: Any, root_norm: bool, box: bool = False
+    rank: int,
+    port: int,
+    steps: int,
+    out: Any,
+    root_norm: bool,
+    box: bool = False,
+    bf16: bool = False,
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -159,9 +174,9 @@ def _plain_fsdp(
     inner = layers(width, depth, root_norm)
     for layer in inner:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **_policy(bf16))
     model = WithRootParameter(inner) if box else inner
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, **_policy(bf16))
     opt = torch.optim.Adam(inner.parameters(), lr=1e-4)
     x, y = data(width, steps * 64).tensors
     stamps = []
@@ -177,12 +192,12 @@ def _plain_fsdp(
     dist.destroy_process_group()
 
 
-def plain_fsdp(steps: int, root_norm: bool = False, box: bool = False) -> float:
+def plain_fsdp(steps: int, root_norm: bool = False, box: bool = False, bf16: bool = False) -> float:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_plain_fsdp, args=(r, store.port, steps, out, root_norm, box))
+        ctx.Process(target=_plain_fsdp, args=(r, store.port, steps, out, root_norm, box, bf16))
         for r in range(2)
     ]
     for p in procs:
@@ -206,14 +221,16 @@ class Stamps:
         pass
 
 
-def phalanx_fsdp(steps: int, snapshots: bool = True, root_norm: bool = False) -> float:
+def phalanx_fsdp(
+    steps: int, snapshots: bool = True, root_norm: bool = False, bf16: bool = False
+) -> float:
     width, depth = MEDIUM
     sink = Stamps()
     opt = functools.partial(torch.optim.Adam, lr=1e-4)
     px.Learner(functools.partial(layers, width, depth, root_norm), opt, step).fit(
         data(width, steps * 64), epochs=1, batch_size=64, devices="cpu:0,cpu:1",
         strategy="fsdp", shard=(nn.Linear,), sinks=[sink], shuffle=False, preflight=False,
-        snapshots=snapshots,
+        snapshots=snapshots, **_policy(bf16),
     )  # fmt: skip
     return interval(sink.times)
 
@@ -223,23 +240,24 @@ def interval(stamps: list[float]) -> float:
     return (warm[-1] - warm[0]) / (len(warm) - 1)
 
 
-def steps_table(rounds: int, steps: int, root_norm: bool = False) -> None:
+def steps_table(rounds: int, steps: int, root_norm: bool = False, bf16: bool = False) -> None:
     plain: list[float] = []
     ours: list[float] = []
     bare: list[float] = []
     boxed: list[float] = []
-    base = functools.partial(plain_fsdp, root_norm=root_norm)
-    snapping = functools.partial(phalanx_fsdp, root_norm=root_norm)
-    quiet = functools.partial(phalanx_fsdp, snapshots=False, root_norm=root_norm)
+    base = functools.partial(plain_fsdp, root_norm=root_norm, bf16=bf16)
+    snapping = functools.partial(phalanx_fsdp, root_norm=root_norm, bf16=bf16)
+    quiet = functools.partial(phalanx_fsdp, snapshots=False, root_norm=root_norm, bf16=bf16)
     for r in range(rounds):
         arms = [(plain, base), (ours, snapping), (bare, quiet)]
         if not root_norm:
-            arms.append((boxed, functools.partial(plain_fsdp, box=True)))
+            arms.append((boxed, functools.partial(plain_fsdp, box=True, bf16=bf16)))
         for into, run in arms if r % 2 == 0 else arms[::-1]:
             into.append(run(steps))
     p, o = statistics.median(plain), statistics.median(ours)
     width, depth = MEDIUM
     root = "a LayerNorm in the root" if root_norm else "no parameter in the root"
+    root += ", bfloat16 MixedPrecisionPolicy in both" if bf16 else ""
     setup = (
         f"{depth} x Linear({width}) ({root}), global batch 64, Adam, {rounds} rounds x "
         f"{steps} steps"
@@ -330,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--root-norm", action="store_true", help="a LayerNorm in the root")
+    parser.add_argument("--mp", action="store_true", help="steps: a bf16 MixedPrecisionPolicy")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo")
@@ -338,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     if "end" in only:
         end_table(args.rounds)
     if "steps" in only:
-        steps_table(args.rounds, args.steps, args.root_norm)
+        steps_table(args.rounds, args.steps, args.root_norm, args.mp)
     if "failures" in only:
         failures_table()
     return 0
