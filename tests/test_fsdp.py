@@ -4,6 +4,7 @@ failures that lose no shard; what it does not take yet is refused before anythin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -322,11 +323,14 @@ def test_an_mp_policy_computes_in_bfloat16_keeps_float32_shards_and_recovers(
     assert [f.action for f in killed.failures] == ["respawned"] and killed.ledger_ok is True
     assert rel(killed.model, clean.model) <= far / 4
     # Every parameter in a unit: the box rides the last unit's bfloat16 collectives (8-bit
-    # pieces), through accumulation's zero deliveries and a failure the vote carries
+    # pieces), through accumulation's zero deliveries and a failure the vote carries; the
+    # policy casts outputs to float32 (the holder's too: the box is taken as it is gathered)
     fault = px.Fault("exception", worker=0, step=3, phase="data")
-    units_only = make().fit(
-        TRAIN, VALID, devices="cpu:0,cpu:1", shard=(nn.Linear, h.Block), faults=[fault], **fit
-    )
+    policy = dataclasses.replace(h.BF16, output_dtype=torch.float32)
+    units_only = px.Learner(h.net, h.adam, h.step, grad_accumulation=2, grad_clip_norm=0.5).fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1", shard=(nn.Linear, h.Block), faults=[fault],
+        **dict(fit, mp_policy=policy),
+    )  # fmt: skip
     assert [(f.phase, f.action) for f in units_only.failures] == [("data", "retried")]
     assert rel(units_only.model, clean.model) <= far / 4 and units_only.ledger_ok is True
 
@@ -833,6 +837,21 @@ def test_a_checkpoint_of_other_sizes_is_refused_by_every_member_reading_its_rows
     assert "ckpt-000000012.rank-0-of-3.pt does not fit" in str(err.value)
     assert "out.weight: 3 rows in the checkpoint, 6 in the model" in str(err.value)
     assert "PX122" in str(err.value) and len(list_checkpoints(folder)) == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_one_file_checkpoint_of_other_sizes_is_refused_by_every_member(tmp_path: Path) -> None:
+    """A checkpoint of one device's run (the whole tensors), resumed under fsdp(2) into a
+    model whose output layer has 6 rows, not 3: refused on every member (PX122), before a
+    member could cut rows of a tensor of another size."""
+    run_dir = str(tmp_path / "run")
+    learner().fit(TRAIN, devices="cpu", run_dir=run_dir, **dict(FIT, epochs=1))
+    other = px.Learner(functools.partial(h.Net, outputs=6), h.adam, h.step)
+    with pytest.raises(TrainingFailed) as err:
+        other.fit(TRAIN, devices="cpu:0,cpu:1", strategy="fsdp", run_dir=run_dir, resume=True,
+                  **FIT)  # fmt: skip
+    assert "out.weight: (3, 32) in the checkpoint, (6, 32) here" in str(err.value)
+    assert str(err.value).count("PX122") >= 1 and "does not fit" in str(err.value)
 
 
 @pytest.mark.parametrize(

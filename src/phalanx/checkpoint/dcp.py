@@ -33,7 +33,7 @@ def export_dcp(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> s
     not exist, or be an empty folder; it appears whole or not at all (written beside it,
     then renamed; an export killed half-way leaves ``<out>.partial-<pid>``). Raises
     CheckpointError (PX120) naming what could not be read or written."""
-    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, save
 
     target = os.path.abspath(os.fspath(out))
     if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
@@ -52,7 +52,7 @@ def export_dcp(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> s
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             save({"model": model}, storage_writer=FileSystemWriter(partial), no_dist=True)
         os.replace(partial, target)  # (onto an empty folder too)
-    except OSError as exc:
+    except (OSError, CheckpointException) as exc:  # (DCP's write errors: the latter)
         raise CheckpointError(f"{target}: could not be written: {exc}") from exc
     finally:
         shutil.rmtree(partial, ignore_errors=True)

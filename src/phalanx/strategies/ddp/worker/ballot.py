@@ -243,7 +243,8 @@ class FsdpBallot(nn.Module):
 
         def before(module: nn.Module, args: Any) -> None:
             # (validation's forwards too: the group is resharded after the carrier then)
-            self._unsharded = self.holder()
+            self.holder()  # (its output may be cast to the policy's output_dtype: a copy)
+            self._unsharded = self.holder.box  # (the group's unsharded parameter now)
 
         def after(module: nn.Module, args: Any, output: Any) -> None:
             if not torch.is_grad_enabled() or self._unsharded is None:

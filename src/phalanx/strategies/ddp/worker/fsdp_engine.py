@@ -163,12 +163,17 @@ class ShardedTrainable(Trainable):
         of another shape raises ValueError, alike on every member where the whole sizes
         differ (a checkpoint of another model)."""
         cut = state.get(ROWS) or {"model": {}, "optimizer": {}}
+        # A whole state (a checkpoint of one file, or joined): its tensors the model's size
+        # (a member's shards, kept or assembled, carry their "shards" record)
+        whole = ROWS not in state and "shards" not in state
         with torch.no_grad():
             for key, value in self.model.state_dict().items():
                 saved = state["model"][key]
                 if key in cut["model"]:
                     _same_rows(key, cut["model"][key], value)
                 else:
+                    if whole:
+                        _same_shape(key, saved, value)
                     saved = _mine(saved, value)
                 _same_shape(key, saved, local(value))
                 local(value).copy_(saved)

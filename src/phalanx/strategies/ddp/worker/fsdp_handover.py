@@ -74,14 +74,17 @@ def restore_from_set(
     states = [_state_of(group, chosen, rank, found, everyone, read) for rank in range(chosen.world)]
     engine = loop.engine
     assert isinstance(engine, FsdpEngine)
-    mine = assemble(states, engine, group.size, group.rank)
-    del states  # (the views of the buffers: only this member's rows were read from them)
+    gone = [rank for rank, state in enumerate(states) if state is None]
+    whole = [state for state in states if state is not None]
+    mine = None if gone else assemble(whole, engine, group.size, group.rank)
+    del states, whole  # (the views of the buffers: only this member's rows were read)
     # Every member's verdict on what it read (sent included), so that all go on or none.
-    seen = float(not all(store.unchanged(snap) for store, snap in read))
+    seen = float(bool(gone) or not all(store.unchanged(snap) for store, snap in read))
     torn = torch.tensor([seen], dtype=torch.float64, device=group.device)
     group.all_reduce(torn)
-    if float(torn.item()) > 0:
-        raise NoShardSet(f"a snapshot of step {chosen.step} was rewritten while it was read")
+    if mine is None or float(torn.item()) > 0:
+        ranks = f" (rank {', '.join(map(str, gone))} here)" if gone else ""
+        raise NoShardSet(f"a snapshot of step {chosen.step} was rewritten while it was read{ranks}")
     loop.restore(mine)
     for store in stores:
         store.close()
@@ -126,11 +129,12 @@ def _state_of(
     found: list[tuple[Written, SnapshotStore]],
     everyone: list[list[Written]],
     read: list[tuple[SnapshotStore, Snapshot]],
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Old rank ``rank``'s snapshot of the chosen set: read from this machine's shared
     memory (mapped: its large tensors are views of the buffer, listed in ``read``), or sent
     by the first member whose machine holds it when some member's lacks it (every member
-    takes part in that broadcast)."""
+    takes part in that broadcast). None when it was rewritten before it could be read (the
+    caller tells every member, so that all give up on the set together)."""
     wanted = tag(chosen.generation, chosen.world, rank)
     holder = next((s for w, s in found if _of(w, chosen, rank)), None)
     want = functools.partial(_is, wanted, chosen.step)
@@ -142,8 +146,6 @@ def _state_of(
     if len(have) < group.size:  # (a member on another machine: sent over the group)
         sent = broadcast_state(group, state if group.rank == have[0] else None, have[0])
         state = sent if state is None or sent is None else state  # (None: none has it now)
-    if state is None:
-        raise NoShardSet(f"the snapshot of rank {rank} at step {chosen.step} was rewritten")
     return state
 
 
