@@ -226,7 +226,6 @@ class FsdpBallot(nn.Module):
         self._unsharded: torch.Tensor | None = None
         self._grid: torch.Tensor | None = None
         self._delivered = False
-        self._hooks: list[Any] = []
         # (a carried box:) the group's all-reduce, for a vote the carrier did not take
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
@@ -256,10 +255,8 @@ class FsdpBallot(nn.Module):
                     flat, lambda _grads: self._deliver(box), mode="any"
                 )
 
-        self._hooks = [
-            carrier.register_forward_pre_hook(before),
-            carrier.register_forward_hook(after, prepend=True),
-        ]
+        carrier.register_forward_pre_hook(before)
+        carrier.register_forward_hook(after, prepend=True)
 
     def _deliver(self, box: torch.Tensor) -> None:
         """The carrier's output got its gradient: the ballot (when this backward carries
@@ -334,26 +331,25 @@ class FsdpBallot(nn.Module):
         """After the synchronised backward: the sum of every member's packed vote (this
         member's row of the box's reduced gradient)."""
         if self.carried and not self._delivered:
-            return self._count_alone()
-        grad = self.box.grad
-        assert grad is not None, "count() before a backward that carried the ballots"
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        counted = self._decode(local[0].detach().cpu().numpy()).tolist()
+            row = self._summed_alone()
+        else:
+            grad = self.box.grad
+            assert grad is not None, "count() before a backward that carried the ballots"
+            row = (grad.to_local() if hasattr(grad, "to_local") else grad)[0]
+        counted = self._decode(row.detach().cpu().numpy()).tolist()
         self.clear()
         return counted
 
-    def _count_alone(self) -> list[float]:
+    def _summed_alone(self) -> torch.Tensor:
         """The carrier's output took no gradient in this backward (a unit the forward does
         not use: the same on every member, else FSDP2's own collectives would not match):
-        the ballots are summed in an all-reduce of their own, :attr:`all_reduce` (the
-        generation's group's: a peer lost there is the group's end)."""
+        the ballots summed in an all-reduce of their own, :attr:`all_reduce` (the
+        generation's group's: a peer lost there is the group's end); a row of the sum."""
         grid = self._grid
         assert grid is not None, "count() before cast()"
         assert self.all_reduce is not None, "a carried box without the group's all-reduce"
         self.all_reduce(grid)
-        counted = self._decode(grid[0].detach().cpu().numpy()).tolist()
-        self.clear()
-        return counted
+        return grid[0]
 
     def clear(self) -> None:
         """Drop the box's gradient (outside forward and backward: the sharded one), and a
