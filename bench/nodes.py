@@ -3,7 +3,7 @@ open, as a partition or a suspended host), two nodes of one CPU worker each on l
 and the head's node lost the same two ways, three nodes on a shared run_dir (node 1 takes
 over as the head, node 2 follows it).
 
-    .venv/bin/python bench/nodes.py [--trials 3] [--node-timeout 3] [--epochs 12]
+    .venv/bin/python bench/nodes.py [--trials 3] [--node-timeout 3] [--epochs 12] [--fsdp]
 
 Each node is ``tests/multinode_script.py`` (the same script the multi-node tests run: a
 linear model, 10 steps an epoch, a 40 ms step), ``Recovery(mode="shrink")``; node 1 is hit
@@ -15,6 +15,12 @@ once the head has finished epoch 2. From the head's record of the failure:
 - steps lost: committed steps computed again (0 when the ledger is exact and the run has
   its full step count: phalanx goes on from the last step every member agreed on);
 - the run ends with the model of a run that lost nothing (checked against one clean run).
+
+``--fsdp``: under ``strategy="fsdp"``, node 1 killed and frozen, its member's shards
+recovered two ways: from the copies of its shard snapshots on node 0 (the default
+snapshots, ``mode="shrink"``), and, snapshots off, from the newest sharded checkpoint
+(every 5 steps, a shared ``run_dir``, ``mode="respawn"``); steps lost is then the steps
+computed again (``replayed_steps``), trial by trial.
 
 For the head, the same from the new head's record (the failure that names the head's loss,
 its time when node 1 saw it); steps lost: the first step the new head commits minus the one
@@ -86,9 +92,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def clean_run(folder: Path, epochs: int) -> list[torch.Tensor]:
+def clean_run(folder: Path, epochs: int, extra: dict[str, str] | None = None) -> list[torch.Tensor]:
     out, log = folder / "clean.pt", folder / "clean.log"
-    proc = _start([str(out), "cpu:0,cpu:1", str(epochs), "-"], _env(None, 0, 10), log)
+    env = dict(_env(None, 0, 10), **(extra or {}))
+    proc = _start([str(out), "cpu:0,cpu:1", str(epochs), "-"], env, log)
     if proc.wait(timeout=600) != 0:
         raise RuntimeError(log.read_text()[-3000:])
     return list(torch.load(out, weights_only=True).values())
@@ -167,6 +174,78 @@ def head_trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict
     }
 
 
+# fsdp (--fsdp): how node 1's member's shards are recovered when its node is lost
+FSDP_ARMS = {
+    # a copy of each member's shard snapshots on the other node (the default snapshots)
+    "copies": ({"PHALANX_TEST_STRATEGY": "fsdp"}, "shrink", False),
+    # no snapshot in memory: the newest sharded checkpoint (every 5 steps, a shared run_dir)
+    "checkpoint": (
+        {
+            "PHALANX_TEST_STRATEGY": "fsdp",
+            "PHALANX_TEST_SNAPSHOT_STEPS": "off",
+            "PHALANX_TEST_CHECKPOINT_STEPS": "5",
+        },
+        "respawn",
+        True,
+    ),
+}
+
+
+def fsdp_trial(
+    folder: Path, how: str, epochs: int, node_timeout: float, arm: str
+) -> dict[str, float]:
+    """fsdp, one worker a node: node 1 hit once the head finished epoch 2."""
+    extra, mode, shared = FSDP_ARMS[arm]
+    port, run_dir = _free_port(), folder / f"fsdp-{arm}-{how}-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    logs = [folder / f"fsdp-{arm}-{how}-node{r}.log" for r in (0, 1)]
+    procs = []
+    for r in (0, 1):
+        out = str(folder / f"fsdp-{arm}-{how}-node{r}.pt")
+        args = [out, "cpu:0", str(epochs), str(run_dir) if shared else "-"]
+        args += ["shrink"] if mode == "shrink" else []
+        procs.append(_start(args, dict(_env(r, port, node_timeout), **extra), logs[r]))
+    try:
+        hit = _hit_after_epoch_two(procs, logs, epochs, 1, how)
+        if procs[0].wait(timeout=600) != 0:
+            raise RuntimeError(logs[0].read_text()[-3000:])
+    finally:
+        for p in procs:
+            _end(p)
+    head = _result(logs[0])
+    [failure] = head["failures"]
+    full = head["steps"] == epochs * 10 and head["ledger_ok"]
+    replayed = failure["replayed_steps"]
+    return {
+        "named": failure["time"] - hit,
+        "next_step": failure["time"] + (failure["recovery_seconds"] or float("nan")) - hit,
+        "lost": float(replayed if replayed is not None else 0) if full else float("nan"),
+        "same": float(_same(folder / f"fsdp-{arm}-{how}-node0.pt")),
+    }
+
+
+def fsdp_main(trials: int, epochs: int, node_timeout: float) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        CLEAN[:] = clean_run(folder, epochs, {"PHALANX_TEST_STRATEGY": "fsdp"})
+        rows: dict[tuple[str, str], list[dict[str, float]]] = {
+            (arm, how): [] for arm in FSDP_ARMS for how in ("killed", "frozen")
+        }
+        for t in range(trials):
+            for (arm, how), got in rows.items():
+                got.append(fsdp_trial(folder, how, epochs, node_timeout, arm))
+                print(f"trial {t + 1} fsdp {arm} node 1 {how}: {got[-1]}", file=sys.stderr)
+    print("\n| fsdp: node 1 | shards from | fault -> named | fault -> next committed step | "
+          "steps replayed | clean model |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for (arm, how), got in rows.items():
+        named = statistics.median(r["named"] for r in got)
+        nxt = statistics.median(r["next_step"] for r in got)
+        lost = ", ".join(f"{r['lost']:.0f}" for r in got)
+        same = sum(int(r["same"]) for r in got)
+        print(f"| {how} | {arm} | {named:.2f} s | {nxt:.2f} s | {lost} | {same}/{len(got)} |")
+
+
 CLEAN: list[torch.Tensor] = []
 
 
@@ -180,11 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--node-timeout", type=float, default=3.0)
     parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--fsdp", action="store_true", help="fsdp: node 1 lost, two ways")
     args = parser.parse_args(argv)
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
         f"{os.cpu_count()} cores, node_timeout {args.node_timeout:g} s, {args.trials} trials"
     )
+    if args.fsdp:
+        fsdp_main(args.trials, args.epochs, args.node_timeout)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         CLEAN[:] = clean_run(folder, args.epochs)

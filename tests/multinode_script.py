@@ -8,7 +8,7 @@ Writes the final state dict to OUT and prints one JSON line: steps, ledger, fail
 passes ``resume=True``; ``PHALANX_TEST_FAULTS`` (``kill:0@15,kill:1@15``, every node the same)
 passes ``faults=``; ``PHALANX_TEST_STRATEGY`` (default ``ddp``) the strategy;
 ``PHALANX_TEST_CHECKPOINT_STEPS`` checkpoints every that many steps,
-``PHALANX_TEST_SNAPSHOT_STEPS`` snapshots every that many; ``PHALANX_TEST_GATHER=0``
+``PHALANX_TEST_SNAPSHOT_STEPS`` snapshots every that many (``off``: none); ``PHALANX_TEST_GATHER=0``
 passes ``gather=False`` (OUT then holds the final sharded checkpoint's model, read whole);
 ``PHALANX_TEST_STEPS=1``
 adds each committed step's (global step, time) to the result (``steps_at``);
@@ -79,7 +79,7 @@ def main() -> None:
         devices=devices,
         strategy=os.environ.get("PHALANX_TEST_STRATEGY", "ddp"),
         checkpoint=px.Checkpoints(every_steps=int(every)) if every else None,
-        snapshots=px.Snapshots(every_steps=int(snaps)) if snaps else True,
+        snapshots=(snaps != "off") and (px.Snapshots(every_steps=int(snaps)) if snaps else True),
         run_dir=None if run_dir == "-" else run_dir,
         hang_timeout=timedelta(seconds=10),
         node_timeout=float(os.environ.get("PHALANX_TEST_NODE_TIMEOUT", "10")),

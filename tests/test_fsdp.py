@@ -878,10 +878,32 @@ def test_a_shard_set_counts_only_when_the_next_generation_reaches_every_writer()
     state = StateCopies(shard_writers={0: {0, 1, 2, 3}})
     members = {0: [0, 1, 2, 3]}
     node_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
-    assert state.shard_set(members, lambda slot: node_of(slot) in {0, 1})
-    assert not state.shard_set(members, lambda slot: node_of(slot) == 0)
+    assert state.shard_set(members, {0, 1}.__contains__, node_of)
+    assert not state.shard_set(members, {0}.__contains__, node_of)
     state.lost(1, [2, 3])
     assert not state.shard_set(members)
+
+
+def test_a_copy_on_another_node_keeps_a_lost_nodes_writers_in_reach() -> None:
+    """A member's snapshots copied to another node (phalanx.snapshot.copies) keep the set
+    within reach of the survivors when its node is lost; copies held on the lost node go
+    with it, and a member whose copies stopped counts only where its own snapshot is."""
+    members = {0: [0, 1, 2, 3]}
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
+    state = StateCopies(shard_writers={0: {0, 1, 2, 3}})
+    for slot, holder in ((0, 1), (1, 1), (2, 0), (3, 0)):
+        state.copy(0, slot, holder, seconds=0.01)
+    assert state.shard_set(members, {0}.__contains__, node_of)  # (2 and 3: their copies)
+    state.copies_failed(0, 3)
+    assert not state.shard_set(members, {0}.__contains__, node_of)
+    state.copy(0, 3, 0, seconds=0.01)  # (a later copy, whole)
+    state.lost(1, [2, 3])
+    assert state.shard_set(members) and state.shard_set(members, {0}.__contains__, node_of)
+    assert state.shard_copies[0] == {2: 0, 3: 0}  # (0's and 1's copies were on node 1)
+    state.lost(0, [0, 1])  # (and then node 0: nothing is left anywhere)
+    assert not state.shard_set(members)
+    state.snapshot(0, 8, nbytes=1000, seconds=0.001, writer=(0, 0))
+    assert "; 5 copied to another node" in str(state.summary(4, "worker"))
 
 
 def test_gather_false_fails_the_member_when_its_final_checkpoint_lacks_a_rank(

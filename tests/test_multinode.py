@@ -735,14 +735,14 @@ FSDP = {"PHALANX_TEST_STRATEGY": "fsdp"}
 
 
 @pytest.mark.timeout(300)
-def test_fsdp_over_two_nodes_a_killed_worker_restarts_all_from_shards_across_nodes(
+def test_fsdp_over_two_nodes_a_killed_worker_is_respawned_from_shards_and_copies(
     tmp_path: Path,
 ) -> None:
     """fsdp, one worker a node: node 1's worker is killed. Its shard snapshot is in node 1's
-    shared memory, out of reach of node 0's member alone, so every slot starts again (a
-    restart, one failure): the new generation takes the newest set of shard snapshots, half
-    of it on each node (each half sent to the other node over the group), computes the
-    steps since again, and ends with the model of one node that lost nothing."""
+    shared memory, and a copy of it on node 0 (each member copies its snapshots to a member
+    on another node), so the worker is respawned: the new generation takes the newest set
+    of shard snapshots, computes the steps since again, and ends with the model of one node
+    that lost nothing."""
     every_step = {**FSDP, "PHALANX_TEST_SNAPSHOT_STEPS": "1"}
     _, procs, logs = two_nodes(tmp_path, epochs=4, faults="kill:1@15", extra_env=every_step)
     finish_all(procs, logs)
@@ -750,24 +750,51 @@ def test_fsdp_over_two_nodes_a_killed_worker_restarts_all_from_shards_across_nod
     assert head["steps"] == node["steps"] == 40
     assert head["ledger_ok"] and node["ledger_ok"]
     [fall] = head["failures"]
-    assert (fall["worker"], fall["kind"], fall["action"]) == (1, "crash", "restarted")
+    assert (fall["worker"], fall["kind"], fall["action"]) == (1, "crash", "respawned")
     assert fall["replayed_steps"] in (0, 1)  # (a set of the step before, not step 0)
+    assert "copied to another node" in logs[0].read_text()
     clean = one_node_run(tmp_path, epochs=4, extra_env=FSDP)
     assert same(weights(tmp_path / "node0.pt"), clean)
     assert same(weights(tmp_path / "node1.pt"), clean)
 
 
 @pytest.mark.timeout(300)
+def test_fsdp_a_lost_node_goes_on_from_the_copies_of_its_shard_snapshots(
+    tmp_path: Path,
+) -> None:
+    """fsdp over two nodes, no run_dir, no checkpoint: node 1 is killed with its worker and
+    its shared memory. A copy of its member's shard snapshots is on node 0, so node 0's
+    member goes on alone from the newest set (its own snapshot and node 1's copy, cut to a
+    world of one), computes the steps since again, and ends with the model of a run that
+    lost nothing."""
+    env = {**FSDP, "PHALANX_TEST_SNAPSHOT_STEPS": "2"}
+    _, procs, logs = two_nodes(tmp_path, epochs=6, extra_env=env)
+    try:
+        wait_for("epoch 2/6 done", logs[0], procs[0])
+        kill_group(procs[1])
+        assert finish(procs[0]) == 0, logs[0].read_text()[-3000:]
+    finally:
+        for p in procs:
+            kill_group(p)
+    head = result_of(logs[0])
+    assert head["steps"] == 60 and head["ledger_ok"]
+    [failure] = head["failures"]
+    assert failure["worker"] == 1 and failure["action"] in ("shrunk", "respawned")
+    # (the set of the snapshot before; two steps apart, plus the one the copy may lag)
+    assert failure["replayed_steps"] is not None and 0 <= failure["replayed_steps"] <= 4
+    assert same(weights(tmp_path / "node0.pt"), one_node_run(tmp_path, epochs=6, extra_env=FSDP))
+
+
+@pytest.mark.timeout(300)
 def test_fsdp_a_lost_node_restarts_the_others_from_the_newest_sharded_checkpoint(
     tmp_path: Path,
 ) -> None:
-    """fsdp over two nodes sharing run_dir, a sharded checkpoint every 5 steps: node 1 is
-    killed with its worker, and its shard snapshots with its machine, so no complete set is
-    left: node 0's slot starts again from the newest checkpoint (every rank's file in the
-    shared run_dir, cut to a world of one) and ends with the model of a run that lost
-    nothing."""
+    """fsdp over two nodes sharing run_dir, a sharded checkpoint every 5 steps, snapshots
+    off: node 1 is killed with its worker, and no copy of its shards is left in memory:
+    node 0's slot starts again from the newest checkpoint (every rank's file in the shared
+    run_dir, cut to a world of one) and ends with the model of a run that lost nothing."""
     run_dir = tmp_path / "run"
-    env = {**FSDP, "PHALANX_TEST_CHECKPOINT_STEPS": "5"}
+    env = {**FSDP, "PHALANX_TEST_CHECKPOINT_STEPS": "5", "PHALANX_TEST_SNAPSHOT_STEPS": "off"}
     _, procs, logs = two_nodes(tmp_path, epochs=6, run_dir=run_dir, extra_env=env)
     try:
         wait_for("epoch 2/6 done", logs[0], procs[0])

@@ -57,6 +57,7 @@ LOCK = "writer.lock"
 OWNER = "owner.lock"  # held by the agent whose folder it is (see sweep)
 PREFIX = "phalanx-snap-"
 MAPPED_BYTES = 1 << 16  # a mapped read's views: tensors this large or larger (read())
+MAX_COPY = 1 << 46  # the largest snapshot a copy from another machine may announce
 
 
 @dataclass(frozen=True)
@@ -261,17 +262,8 @@ class SnapshotStore:
         raw = encode(skeleton)
         slots = tensor_slots(skeleton)
         offsets, data_end = layout(slots)
-        headers = self.headers()
-        newest = self.newest()
-        target = next(
-            (n for n in BUFFERS if newest is None or headers.get(n) != newest), BUFFERS[0]
-        )
-        serial = max((h.serial for h in headers.values()), default=0) + 1
-        old = headers.get(target)
-        seq = (old.seq if old is not None else 0) + 1
-        seq += seq % 2 == 0  # odd: being written
-        first = target not in self._maps or len(self._maps[target][1]) < data_end + len(raw)
-        view = self._map(target, data_end + len(raw))
+        target, seq, serial, first = self._next_buffer(data_end + len(raw))
+        view = self._maps[target][2]
         loop = state.get("loop") or {}
         header = Header(
             seq + 1,
@@ -287,6 +279,52 @@ class SnapshotStore:
         writing = Writing(self, target, header, raw, tensor_offsets, view)
         writing.first = first
         return writing
+
+    def _next_buffer(self, size: int) -> tuple[str, int, int, bool]:
+        """The buffer the next snapshot goes into (the one not holding the newest whole
+        snapshot), mapped with ``size`` bytes: its name, the odd sequence number that marks
+        it being written, the next serial, and whether this process maps it anew."""
+        headers = self.headers()
+        newest = self.newest()
+        target = next(
+            (n for n in BUFFERS if newest is None or headers.get(n) != newest), BUFFERS[0]
+        )
+        serial = max((h.serial for h in headers.values()), default=0) + 1
+        old = headers.get(target)
+        seq = (old.seq if old is not None else 0) + 1
+        seq += seq % 2 == 0  # odd: being written
+        first = target not in self._maps or len(self._maps[target][1]) < size
+        self._map(target, size)
+        return target, seq, serial, first
+
+    # -- copies between machines (phalanx.snapshot.copies) ----------------------------------
+    def payload(self, header: Header) -> tuple[str, memoryview] | None:
+        """The bytes after the header of the buffer that holds ``header``'s snapshot (its
+        tensors and skeleton), as a view of this process's mapping (the writer's: it mapped
+        the buffer to write it); None when no buffer holds it now. Release the view before
+        this store is closed or the buffer is remapped."""
+        name = next((n for n, h in self.headers().items() if h == header), None)
+        if name is None or name not in self._maps:
+            return None
+        end = header.data_end + header.skeleton_bytes
+        mapped = self._maps[name][1]
+        if len(mapped) < end:
+            return None
+        return name, memoryview(mapped)[HEADER_SIZE:end]
+
+    def begin_copy(self, header: Header) -> Copying:
+        """Start writing a snapshot that another machine's store holds (its ``header``; the
+        bytes after it come through :attr:`Copying.into`) into the buffer that does not hold
+        the newest whole snapshot here. The copy keeps the original's step, epoch and tag;
+        its serial and sequence number are this folder's."""
+        end = header.data_end + header.skeleton_bytes
+        if header.data_end < HEADER_SIZE or end > MAX_COPY:
+            raise ValueError(f"a snapshot header that does not fit a buffer: {header}")
+        target, seq, serial, _ = self._next_buffer(end)
+        self._header(target, Header(seq, -1, -1, 0, 0, serial, header.tag))
+        whole = dataclasses.replace(header, seq=seq + 1, serial=serial)
+        into = memoryview(self._maps[target][1])[HEADER_SIZE:end]
+        return Copying(self, target, whole, into)
 
     def _map(self, name: str, size: int) -> torch.Tensor:
         """The buffer ``name`` mapped in this process, at least ``size`` bytes, as a uint8
@@ -336,6 +374,23 @@ class SnapshotStore:
     def close(self) -> None:
         for name in list(self._maps):
             self._unmap(name)
+
+
+class Copying:
+    """A copy of another machine's snapshot being written (see
+    :meth:`SnapshotStore.begin_copy`): fill :attr:`into`, then :meth:`finish`."""
+
+    def __init__(self, store: SnapshotStore, name: str, header: Header, into: memoryview):
+        self.store, self.name, self.header, self.into = store, name, header, into
+
+    def finish(self) -> None:
+        """Mark it whole (the header, written after every byte it covers)."""
+        self.into.release()
+        self.store._header(self.name, self.header)
+
+    def drop(self) -> None:
+        """Give up (the buffer stays marked as being written: never read)."""
+        self.into.release()
 
 
 class Writing:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from phalanx.snapshot.config import MAX_EVERY, Snapshots
+from phalanx.snapshot.copies import Copied, CopySender
 from phalanx.snapshot.store import SnapshotStore, Writing
 
 
@@ -100,6 +101,12 @@ class Snapshotter:
         self._writing: Writing | None = None
         self._sync = 0.0
         self._copy = 0.0
+        # fsdp across machines: sends each whole snapshot to another machine (see
+        # phalanx.snapshot.copies); told of each copy whole, and of a failure that stops them
+        self.copier: CopySender | None = None
+        self.on_copied: Callable[[Copied], None] = lambda _: None
+        self.on_copy_error: Callable[[BaseException], None] = lambda _: None
+        self.committed = -1  # the last committed step (global count) it was told of
 
     # -- the loop's side -------------------------------------------------------------------
     def after_commit(self, state: Callable[[], dict[str, Any]], step: int, regroup: bool) -> None:
@@ -107,6 +114,7 @@ class Snapshotter:
         (``regroup`` with ``for_joins``: now, and whole before returning, see the module's
         docstring). ``state`` makes the loop's snapshot."""
         force = regroup and self.for_joins
+        self.committed = step
         now = time.perf_counter()
         if self._commit_at is not None:
             interval = now - self._commit_at
@@ -153,6 +161,24 @@ class Snapshotter:
         if writing is not None and not self.failed:
             self._done(writing, self._sync + self._copy)
 
+    def before_vote(self) -> None:
+        """Before this member votes on the next step: its snapshot of the last one whole
+        (:meth:`fence`), and, when that step takes the next snapshot, its copy of the last
+        one whole on another machine (see :mod:`.copies`: no member then commits a step
+        whose snapshot would leave no complete set on the machines that survive one's
+        loss). Tells what became of the copies (on the loop's thread)."""
+        self.fence()
+        copier = self.copier
+        if copier is None:
+            return
+        if copier.busy and self._due(self.committed + 1):
+            copier.wait()
+        done, error = copier.outcome()
+        if done is not None:
+            self.on_copied(done)
+        if error is not None:
+            self.on_copy_error(error)
+
     def restart_cadence(self) -> None:
         """As at the start (fsdp, a new generation: its members, new ones included, count
         from the same point, so they snapshot the same steps)."""
@@ -162,6 +188,9 @@ class Snapshotter:
 
     def close(self) -> None:
         self.fence()
+        if self.copier is not None:
+            self.copier.close()
+            self.copier = None
         if self._lock is not None:
             self.store.unlock(self._lock)
             self._lock = None
@@ -215,12 +244,17 @@ class Snapshotter:
             # snapshot into a buffer in use, so the first two come one step apart.
             budget = self.settings.budget
             every = 1 if writing.first else every_for(seconds, self.step_time, budget)
+            if self.copier is not None and self.copier.seconds is not None:
+                # (room for the copy to another machine to end beside the steps between)
+                every = max(every, min(MAX_EVERY, math.ceil(self.copier.seconds / self.step_time)))
             if self.propose_only:
                 self.proposed = None if writing.first else every
             else:
                 self.every = every
         header = writing.header
         self.on_taken(Taken(header.step, header.data_end + header.skeleton_bytes, seconds))
+        if self.copier is not None:
+            self.copier.start(self.store, header)
 
     def _fail(self, exc: BaseException) -> None:
         if not self.failed:

@@ -207,12 +207,7 @@ class Coordinator(Roster):
                 self.state.committed = max(self.state.committed, message.event.global_step)
             self.out.append(Emit(message.event))  # (as the worker stamped it)
         elif isinstance(message, Snapshotted):
-            node = self.setup.node_of(slot)
-            writer = (message.generation, slot) if self.setup.sharded else None
-            if message.failed:
-                self.state.shard_failed = True
-            else:
-                self.state.snapshot(node, message.step, message.nbytes, message.seconds, writer)
+            self._snapshotted(slot, message)
         elif isinstance(message, Progress | Joined):
             if isinstance(message, Joined):
                 self._restarted(message)
@@ -230,6 +225,22 @@ class Coordinator(Roster):
             self.book.hold(self.now.mono, message)
         elif isinstance(message, Aborted | Done):
             self._ended(slot, message)
+
+    def _snapshotted(self, slot: int, message: Snapshotted) -> None:
+        """A snapshot (fsdp: of a member's shards) is whole in shared memory, or a copy of one
+        on another node (``held_by``), or they stopped (``failed``)."""
+        node = self.setup.node_of(slot)
+        writer = (message.generation, slot) if self.setup.sharded else None
+        if message.held_by >= 0:  # (a copy on another node: phalanx.snapshot.copies)
+            if message.failed:
+                self.state.copies_failed(message.generation, slot)
+            else:
+                holder = self.setup.node_of(message.held_by)
+                self.state.copy(message.generation, slot, holder, message.seconds)
+        elif message.failed:
+            self.state.shard_failed = True
+        else:
+            self.state.snapshot(node, message.step, message.nbytes, message.seconds, writer)
 
     def _failed(self, slot: int, message: Failed) -> None:
         if message.fatal:
@@ -413,10 +424,8 @@ class Coordinator(Roster):
         if self.setup.sharded:
             nodes = {self.setup.node_of(m) for m in members}
 
-            def reach(slot: int) -> bool:
-                return self.setup.node_of(slot) in nodes
-
-            return len(members) if self.state.shard_set(self.gens.members, reach) else 0
+            found = self.state.shard_set(self.gens.members, nodes.__contains__, self.setup.node_of)
+            return len(members) if found else 0
         return sum(
             1
             for m in members

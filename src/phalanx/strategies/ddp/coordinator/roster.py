@@ -102,6 +102,11 @@ class StateCopies:
     # fsdp: generation -> the members that wrote a snapshot of their shards in it
     shard_writers: dict[int, set[int]] = field(default_factory=dict)
     shard_failed: bool = False  # a member's shard snapshots failed: no complete set after
+    # fsdp across machines: generation -> slot -> the node that keeps a copy of the
+    # snapshots that slot's member wrote in it (phalanx.snapshot.copies)
+    shard_copies: dict[int, dict[int, int]] = field(default_factory=dict)
+    copied: int = 0  # copies made whole on another node
+    copy_seconds: float = 0.0  # their wall time, summed (beside the steps)
     taken: int = 0  # snapshots written, on every node
     seconds: float = 0.0  # their time, summed (the loop's share and the background copy)
     nbytes: int = 0  # the size of the last one
@@ -119,24 +124,45 @@ class StateCopies:
         self.seconds += seconds
         self.nbytes = nbytes or self.nbytes
 
+    def copy(self, generation: int, slot: int, node: int, seconds: float) -> None:
+        """A copy of ``slot``'s snapshot in ``generation`` is whole on ``node``."""
+        self.shard_copies.setdefault(generation, {})[slot] = node
+        self.copied += 1
+        self.copy_seconds += seconds
+
+    def copies_failed(self, generation: int, slot: int) -> None:
+        """``slot``'s copies stopped in ``generation``: the one kept may be of an older
+        step than the set its peers' snapshots make now."""
+        self.shard_copies.get(generation, {}).pop(slot, None)
+
     def summary(self, writers: int, each: str = "machine") -> str | None:
         """What the snapshots cost, for the run's end (None when none was taken):
         ``writers`` wrote them, one per ``each`` (a machine; under fsdp a worker)."""
         if not self.taken:
             return None
         every = self.committed * writers / self.taken
-        return (
+        line = (
             f"snapshots in shared memory: {self.taken} taken, about every {every:.0f} "
             f"step(s) on each {each}, {self.seconds / self.taken * 1e3:.1f} ms each, "
             f"{self.nbytes / 1e6:.1f} MB each (two buffers of that size per {each})"
         )
+        if self.copied:
+            line += (
+                f"; {self.copied} copied to another node, {self.copy_seconds / self.copied:.2f}"
+                " s each beside the steps (two buffers there too)"
+            )
+        return line
 
     def lost(self, node: int, slots: list[int]) -> None:
         """A node is gone with its machine: its shared memory too (fsdp: the shard
         snapshots of its ``slots``, so no set they belong to is complete any more)."""
         self.snapshots.pop(node, None)
-        for writers in self.shard_writers.values():
-            writers.difference_update(slots)
+        for generation, writers in self.shard_writers.items():
+            copies = self.shard_copies.get(generation, {})
+            writers.difference_update(s for s in slots if copies.get(s, node) == node)
+        for copies in self.shard_copies.values():
+            for slot in [s for s, held in copies.items() if held == node]:
+                del copies[slot]
 
     @property
     def kept(self) -> bool:
@@ -144,15 +170,25 @@ class StateCopies:
         return bool(self.snapshots)
 
     def shard_set(
-        self, members: dict[int, list[int]], reach: Callable[[int], bool] = lambda _: True
+        self,
+        members: dict[int, list[int]],
+        reach: Callable[[int], bool] = lambda _: True,
+        node_of: Callable[[int], int] = lambda _: 0,
     ) -> bool:
         """fsdp: whether every member of some generation (``members``: each one's) wrote a
         snapshot of its shards in it; with every member writing the same steps, a complete
         set of one step is then in shared memory (the workers find which). ``reach``: the
-        writer slots whose snapshots the next generation can read (on the machine of one of
-        its members: across nodes a set travels from the members that hold it)."""
+        nodes whose shared memory the next generation can read (where one of its members
+        runs: across nodes a set travels from the members that hold it); a slot's snapshot
+        is on its node (``node_of``), and a copy of it where one was made."""
+
+        def held(generation: int, slot: int) -> bool:
+            copy = self.shard_copies.get(generation, {}).get(slot)
+            return reach(node_of(slot)) or (copy is not None and reach(copy))
+
         return not self.shard_failed and any(
-            set(wrote := members.get(generation, [-1])) <= writers and all(map(reach, wrote))
+            set(wrote := members.get(generation, [-1])) <= writers
+            and all(held(generation, slot) for slot in wrote)
             for generation, writers in self.shard_writers.items()
         )
 

@@ -382,6 +382,9 @@ class Snapshotted:
     seconds: float = 0.0
     generation: int = -1  # the writer's (fsdp: each member writes its own shards)
     failed: bool = False  # fsdp: this member's snapshots failed and stopped (no sets after)
+    # fsdp across machines: a copy of the snapshot, whole on the machine of worker slot
+    # ``held_by`` (failed: those copies stopped); -1: the writer's own snapshot
+    held_by: int = -1
 
 
 @dataclass

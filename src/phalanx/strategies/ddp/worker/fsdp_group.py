@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -97,6 +98,8 @@ class FsdpGroup(GenerationGroup):
         self.sockets = sockets
         self.store_port = store_port
         self.destroyed = False
+        # Also ended by abort (a copy of a snapshot to another machine under way)
+        self.also_abort: list[Callable[[], None]] = []
 
     @classmethod
     def form_default(
@@ -142,6 +145,8 @@ class FsdpGroup(GenerationGroup):
         super().abort()
         if self.device.type != "cuda":
             self.sockets.shut(self.store_port)
+        for also in list(self.also_abort):
+            also()
 
     def leave(self) -> bool:
         """Abort, then destroy the default group (the next generation makes its own). The

@@ -7,7 +7,9 @@ for the new world, takes the loop's state of that step (ledger, metric sums, RNG
 steps since are computed again (the run's steps are a pure function of their number, so the
 weights end as a run without the failure).
 
-Every member tells the others which snapshots its machine holds (two small all-reduces;
+A machine holds its members' snapshots (``slot-<n>``) and the copies it keeps of other
+machines' members' (``copy-<n>``, :mod:`phalanx.snapshot.copies`): a set may be made of
+both. Every member tells the others which snapshots its machine holds (two small all-reduces;
 the old generation's writers are dead or fenced), so every member chooses the same set. An
 old rank's snapshot that some member's machine lacks (across nodes) is sent by the first
 member whose machine holds it, over the new group (:func:`.handover.broadcast_state`); on
@@ -54,7 +56,9 @@ def restore_from_set(
     Each member then forgets the other snapshots in its own slot's folder (``slot``): its
     next snapshot goes into a buffer that holds none of the set, so the set it started from
     stays whole until a newer one is."""
-    stores = [SnapshotStore(str(p)) for p in sorted(Path(folder).glob("slot-*"))]
+    # (each slot's own snapshots, and the copies of other machines' members': copies.py)
+    places = [*sorted(Path(folder).glob("slot-*")), *sorted(Path(folder).glob("copy-*"))]
+    stores = [SnapshotStore(str(p)) for p in places]
     found: list[tuple[Written, SnapshotStore]] = []
     for store in stores:
         for header in store.headers().values():

@@ -16,9 +16,13 @@ Exit codes: 0 done or stopped by the step policy (an :class:`Aborted` was sent),
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import functools
 import gc
+import hashlib
+import hmac
+import json
 import multiprocessing
 import os
 import pickle
@@ -48,6 +52,14 @@ from phalanx.plan import Plan
 from phalanx.report import is_secondary
 from phalanx.runner import build_loop, checkpoint_dir, make_checkpointer, start_run
 from phalanx.snapshot import SnapshotStore, Snapshotter, Taken, stable_tensors
+from phalanx.snapshot.copies import (
+    Copied,
+    CopyListener,
+    CopySender,
+    Endpoint,
+    buddies,
+    local_address,
+)
 from phalanx.snapshot.shards import tag as shard_tag
 from phalanx.snapshot.store import Header
 from phalanx.spec import FitConfig, TrainSpec
@@ -229,6 +241,9 @@ class WorkerArgs:
         return SignedStore(store, Signer(self.token), report)
 
 
+COPY_KEY = b"px-copies/1"  # the copies' key: HMAC(the run's key, this)
+
+
 class Watcher:
     """The watch thread: exits the process when the parent is gone, the store unreachable
     or the run aborted; keeps the stop reason and the newest generation announced; aborts the
@@ -356,6 +371,9 @@ class Worker:
         self.snapshotter: Snapshotter | None = None
         self.took_local = False  # its last hand-over's state came from shared memory
         self.final_model: dict[str, torch.Tensor] | None = None  # fsdp: the gathered weights
+        # fsdp across machines: where this process receives copies of its buddies' shard
+        # snapshots (made with its first generation; see phalanx.snapshot.copies)
+        self.copies: CopyListener | None = None
 
     # -- messages ----------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -550,6 +568,9 @@ class Worker:
         (peers still blocked on them error out) and DDP's autograd hooks go."""
         if self.loop is not None and isinstance(self.loop.engine, FsdpEngine):
             if self.snapshotter is not None:
+                if self.snapshotter.copier is not None:  # (the generation's connection)
+                    self.snapshotter.copier.close()
+                    self.snapshotter.copier = None
                 self.snapshotter.fence()  # (its snapshot whole before anyone reads the set)
             self.loop.engine.keep()  # (its shards, for the next generation: before the group)
         if self.loop is not None and isinstance(self.loop.engine, DdpEngine):
@@ -572,7 +593,11 @@ class Worker:
         announce(gen.members, self.a.here, self.label, self.a.slot, gen.number, store_at)
         self.on_phase(self.step, "regroup")
         member.trainable.discard()  # gradients of a step the old group never committed
-        arrive(store, gen, rank, self.watcher, timing.forming, timing.store_poll)
+        listener = self.copy_listener()
+        said = json.dumps(dataclasses.asdict(listener.endpoint)) if listener else "1"
+        arrived = arrive(store, gen, rank, self.watcher, timing.forming, timing.store_poll, said)
+        if listener is not None:  # (an earlier generation's copies stop before any set is read)
+            listener.begin(gen.number)
         rendezvous = self.a.connect(timing.forming)
         group = self.form(rendezvous, gen, rank)
         self.watcher.group = group
@@ -591,7 +616,8 @@ class Worker:
             loop.checkpointer = make_checkpointer(cfg, self.emit)
         loop.snapshots = self.snapshot_writer(member, gen)
         if isinstance(loop.engine, FsdpEngine) and self.snapshotter is not None:
-            loop.engine.fence = self.snapshotter.fence
+            self.copy_sender(self.snapshotter, group, gen, arrived, loop.state.global_step)
+            loop.engine.fence = self.snapshotter.before_vote
             if self.snapshotter.propose_only:
                 loop.engine.cadence = self.snapshotter
         local, self.took_local = self.took_local, False
@@ -733,6 +759,75 @@ class Worker:
         taker.own_folder = True
         taker.restart_cadence()  # (every member of the generation counts from here)
         return taker
+
+    def copy_listener(self) -> CopyListener | None:
+        """fsdp with snapshots, across machines: this process's end for copies of other
+        machines' members' snapshots (made once, kept to the process's end)."""
+        a = self.a
+        if not (a.sharded and a.spans_nodes and a.snapshot_dir and a.config.snapshots):
+            return None
+        if self.copies is None:
+            host = local_address(a.store_host)
+            self.copies = CopyListener(a.snapshot_dir, self.token_key, host, self.copy_timeout)
+        return self.copies
+
+    @property
+    def token_key(self) -> bytes:
+        return hmac.new(self.a.token, COPY_KEY, hashlib.sha256).digest()
+
+    @property
+    def copy_timeout(self) -> float:
+        return self.a.timing.collective.total_seconds()
+
+    def copy_sender(
+        self,
+        taker: Snapshotter,
+        group: GenerationGroup,
+        gen: Generation,
+        said: list[str],
+        start: int,
+    ) -> None:
+        """fsdp across machines: this member's copies go to its buddy in ``gen`` (the next
+        member on another machine, from what each said at its arrival: ``said``), from
+        committed step ``start`` on. None where every member is on one machine."""
+        if self.copies is None or not isinstance(group, FsdpGroup):
+            return
+        ends = [_endpoint(text) for text in said]
+        if any(end is None for end in ends):
+            return
+        places = [end.place for end in ends if end is not None]
+        rank = gen.rank_of(self.a.slot)
+        buddy = buddies(places)[rank]
+        to = ends[buddy] if buddy is not None else None
+        if to is None or buddy is None:
+            return
+        sender = CopySender(to, self.token_key, gen.number, self.a.slot, start, self.copy_timeout)
+        holder = gen.members[buddy]
+        generation = gen.number
+
+        def copied(done: Copied) -> None:
+            self.send(
+                Snapshotted(
+                    self.a.slot, done.step, done.nbytes, done.seconds, generation, held_by=holder
+                )
+            )
+
+        def failed(exc: BaseException) -> None:
+            self.send(
+                Snapshotted(self.a.slot, -1, generation=generation, failed=True, held_by=holder)
+            )
+            self.emit(
+                Notice(
+                    f"worker {self.a.slot}: the copies of its shard snapshots to worker "
+                    f"{holder}'s machine failed ({type(exc).__name__}: {exc}) and stop in "
+                    "this generation; the loss of this worker's machine now restarts from "
+                    "the newest checkpoint",
+                    level="warning",
+                )
+            )
+
+        taker.copier, taker.on_copied, taker.on_copy_error = sender, copied, failed
+        group.also_abort.append(sender.abort)
 
     def snapshot_taken(self, taken: Taken) -> None:
         generation = self.watcher.generation
@@ -899,13 +994,15 @@ def arrive(
     watcher: Watcher,
     timeout: timedelta,
     poll: timedelta = DEFAULT.store_poll,
-) -> None:
+    said: str = "1",
+) -> list[str]:
     """Wait until every member of ``gen`` has arrived (reading the keys every ``poll``),
     before any of them starts the group's rendezvous (which cannot be interrupted). If a
     newer generation is announced meanwhile (a member fell before arriving), this one is
-    dropped: Superseded."""
+    dropped: Superseded. Each member says ``said`` as it arrives (where it receives copies
+    of snapshots, fsdp across machines); returns what each said, in rank order."""
     keys = [f"{ARRIVED_PREFIX}g{gen.number}/{r}" for r in range(len(gen.members))]
-    store.set(keys[rank], "1", seq=gen.number)  # (signed: a forged arrival is not one)
+    store.set(keys[rank], said, seq=gen.number)  # (signed: a forged arrival is not one)
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.all_present(keys):
         if watcher.latest > gen.number and not store.all_present(keys):
@@ -914,6 +1011,16 @@ def arrive(
         if time.monotonic() > deadline:
             raise GroupBroken(f"generation {gen.number} did not form in time")
         time.sleep(poll.total_seconds())
+    return [store.get(key) or "" for key in keys]
+
+
+def _endpoint(said: str) -> Endpoint | None:
+    """Where a member receives copies, from what it said at its arrival (None: nowhere)."""
+    try:
+        doc = json.loads(said)
+        return Endpoint(str(doc["host"]), int(doc["port"]), str(doc["place"]))
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def listen_for_stack_dumps(path: str) -> None:

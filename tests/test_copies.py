@@ -1,0 +1,254 @@
+"""Copies of fsdp members' shard snapshots on another machine (phalanx.snapshot.copies):
+the buddy each member sends to, the authenticated transport into the other machine's
+snapshot store, the two buffers there, and the gate before a vote. In-process, over
+loopback sockets; the multi-node runs that lose a node are in test_multinode.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx.snapshot import SnapshotStore, Snapshotter
+from phalanx.snapshot.copies import (
+    Copied,
+    CopyListener,
+    CopySender,
+    buddies,
+    copy_folder,
+    local_address,
+)
+from phalanx.snapshot.store import Header
+
+KEY = b"k" * 32
+TIMEOUT = 20.0
+
+
+def state(step: int, rows: int = 300) -> dict[str, Any]:
+    torch.manual_seed(step)
+    return {
+        "model": {"w": torch.randn(rows, 70), "b": torch.arange(5.0)},
+        "optimizer": {"state": {0: {"exp_avg": torch.randn(rows, 70)}}, "param_groups": []},
+        "loop": {"global_step": step, "epoch": 1, "ledger": [[0.0, 1.0]]},
+    }
+
+
+def written(store: SnapshotStore, step: int, tag: int = 7) -> Header:
+    writing = store.begin(state(step), tag)
+    writing.finish()
+    return writing.header
+
+
+@pytest.fixture
+def ends(tmp_path: Path) -> Any:
+    """A member's own store (the sender's machine) and a listener (the buddy's machine)."""
+    own = SnapshotStore(str(tmp_path / "own"))
+    (tmp_path / "own").mkdir()
+    (tmp_path / "there").mkdir()
+    listener = CopyListener(str(tmp_path / "there"), KEY, "127.0.0.1", TIMEOUT)
+    listener.begin(3)
+    yield own, listener, tmp_path / "there"
+    listener.close()
+    own.close()
+
+
+def sender(listener: CopyListener, key: bytes = KEY, start: int = 0, slot: int = 5) -> CopySender:
+    return CopySender(listener.endpoint, key, 3, slot, start, TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    ("places", "expected"),
+    [
+        (["a", "b"], [1, 0]),
+        (["a", "a", "b", "b"], [2, 2, 0, 0]),
+        (["a", "a", "b"], [2, 2, 0]),
+        (["a", "b", "a", "b"], [1, 2, 3, 0]),
+        (["a", "a"], [None, None]),  # (one machine: no copy would survive its loss)
+        (["a"], [None]),
+    ],
+)
+def test_each_member_copies_to_the_next_member_on_another_machine(
+    places: list[str], expected: list[int | None]
+) -> None:
+    assert buddies(places) == expected
+
+
+def test_a_copy_arrives_whole_and_reads_back_as_the_original(ends: Any) -> None:
+    own, listener, there = ends
+    header = written(own, 12)
+    out = sender(listener)
+    out.start(own, header)
+    out.wait()
+    done, error = out.outcome()
+    assert error is None and isinstance(done, Copied) and done.step == 12
+    assert done.nbytes == header.data_end + header.skeleton_bytes
+    copy = SnapshotStore(copy_folder(str(there), 5))
+    snap, mine = copy.read(), own.read()
+    assert snap is not None and mine is not None
+    assert (snap.step, snap.epoch, snap.tag) == (12, 1, 7)
+    for key in ("w", "b"):
+        assert torch.equal(snap.state["model"][key], mine.state["model"][key])
+    assert torch.equal(
+        snap.state["optimizer"]["state"][0]["exp_avg"],
+        mine.state["optimizer"]["state"][0]["exp_avg"],
+    )
+    assert out.outcome() == (None, None)  # (each told once)
+    out.close()
+
+
+def test_copies_alternate_buffers_and_a_copy_cut_half_way_hides_nothing(ends: Any) -> None:
+    """The buddy keeps two buffers as any store: a sender lost in the middle of a copy
+    leaves the last whole copy readable."""
+    own, listener, there = ends
+    out = sender(listener)
+    for step in (2, 4, 6):
+        out.start(own, written(own, step))
+        out.wait()
+        assert out.outcome()[1] is None
+    copy = SnapshotStore(copy_folder(str(there), 5))
+    assert sorted(h.step for h in copy.headers().values() if h.whole) == [4, 6]
+    out.close()
+    # A second connection (its sender authenticated) that dies after half of a copy
+    header = written(own, 8)
+    cut = sender(listener, start=6)
+    sock = cut._connect()
+    found = own.payload(header)
+    assert found is not None
+    sock.sendall(header.pack())
+    sock.sendall(found[1][: len(found[1]) // 2])
+    found[1].release()
+    sock.close()
+    listener.close()  # (its threads end: the half copy is given up)
+    for _ in range(200):  # (until the receiver's thread has let the folder go)
+        if (fd := copy.lock()) is not None:
+            SnapshotStore.unlock(fd)
+            break
+        threading.Event().wait(0.05)
+    snap = copy.read()
+    assert snap is not None and snap.step == 6
+    assert sorted(h.step for h in copy.headers().values() if h.whole) == [6]
+
+
+def test_a_new_generations_copies_forget_steps_past_its_start(ends: Any) -> None:
+    """A sender of a generation that started from step 4 (a set restored after a loss):
+    the copies of steps past it, of the run that fell, are forgotten before its first copy,
+    so that copy goes into the buffer they held and the copy of step 4 stays."""
+    own, listener, there = ends
+    out = sender(listener)
+    for step in (4, 6):
+        out.start(own, written(own, step))
+        out.wait()
+    out.close()
+    again = sender(listener, start=4)
+    again.start(own, written(own, 5))
+    again.wait()
+    assert again.outcome()[1] is None
+    copy = SnapshotStore(copy_folder(str(there), 5))
+    assert sorted(h.step for h in copy.headers().values() if h.whole) == [4, 5]
+    again.close()
+
+
+def test_a_sender_without_the_runs_key_writes_nothing(ends: Any) -> None:
+    own, listener, there = ends
+    out = sender(listener, key=b"x" * 32)
+    out.start(own, written(own, 3))
+    out.wait()
+    done, error = out.outcome()
+    assert done is None and isinstance(error, ConnectionError)
+    assert not Path(copy_folder(str(there), 5)).exists()
+    out.start(own, written(own, 4))  # (stopped: no copy after a failure)
+    assert not out.busy and out.outcome() == (None, None)
+
+
+def test_a_receiver_without_the_runs_key_gets_no_byte(tmp_path: Path) -> None:
+    """A rogue that listens where the buddy said it would: the sender wants its proof of
+    the key before it sends anything."""
+    own = SnapshotStore(str(tmp_path))
+    header = written(own, 3)
+    rogue = CopyListener(str(tmp_path / "rogue"), b"r" * 32, "127.0.0.1", TIMEOUT)
+    out = CopySender(rogue.endpoint, KEY, 3, 5, 0, TIMEOUT)
+    out.start(own, header)
+    out.wait()
+    done, error = out.outcome()
+    assert done is None and error is not None
+    assert not (tmp_path / "rogue").exists()
+    rogue.close()
+    own.close()
+
+
+def test_abort_frees_a_member_waiting_for_its_copy(ends: Any) -> None:
+    """A buddy that never answers (here: its folder's lock held by another writer): the
+    group's abort ends the copy, so a member waiting for it before its vote is freed."""
+    own, listener, there = ends
+    folder = Path(copy_folder(str(there), 5))
+    folder.mkdir()
+    held = SnapshotStore(str(folder)).lock()
+    assert held is not None
+    out = sender(listener)
+    out.start(own, written(own, 3))
+    assert out.busy
+    threading.Timer(0.5, out.abort).start()
+    out.wait()
+    assert not out.busy and out.outcome() == (None, None)  # (aborted: not a failure)
+    SnapshotStore.unlock(held)
+
+
+class FakeCopier:
+    """Records the gate's waits; busy until waited on."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.waited = 0
+        self.seconds = None
+        self.started: list[int] = []
+
+    def start(self, store: SnapshotStore, header: Header) -> None:
+        self.started.append(header.step)
+        self.busy = True
+
+    def wait(self) -> None:
+        self.waited += 1
+        self.busy = False
+
+    def outcome(self) -> tuple[Any, Any]:
+        return None, None
+
+    def close(self) -> None:
+        self.busy = False
+
+
+def test_a_member_waits_for_its_copy_only_before_the_vote_that_takes_the_next(
+    tmp_path: Path,
+) -> None:
+    """Every 3 steps: the copy of step 3's snapshot may run beside steps 4 and 5; the vote
+    on step 6 (whose commit takes the next snapshot) waits for it."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    taken: list[Any] = []
+    taker = Snapshotter(
+        SnapshotStore(str(tmp_path)), px.Snapshots(every_steps=3), set, taken.append, taken.append
+    )
+    fake = FakeCopier()
+    taker.copier = fake  # type: ignore[assignment]
+    waits = []
+    for step in range(1, 10):
+        taker.before_vote()  # (the vote on `step`)
+        waits.append(fake.waited)
+        loop = {"global_step": step, "epoch": 0}
+        snap = {"model": model.state_dict(), "optimizer": opt.state_dict(), "loop": loop}
+        taker.after_commit(lambda s=snap: s, step, regroup=False)
+    assert fake.started == [3, 6, 9] and [t.step for t in taken] == [3, 6, 9]
+    # (the waits before the votes on steps 1..9: one before 6, one before 9)
+    assert waits == [0, 0, 0, 0, 0, 1, 1, 1, 2]
+    taker.close()
+
+
+def test_the_copy_address_is_on_the_interface_that_reaches_the_head() -> None:
+    assert local_address("127.0.0.1") == "127.0.0.1"
+    with socket.create_server((local_address("127.0.0.1"), 0)) as server:
+        assert server.getsockname()[1] > 0
