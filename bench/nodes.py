@@ -116,13 +116,24 @@ def _hit_after_epoch_two(
     return hit
 
 
-def trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict[str, float]:
-    port = _free_port()
-    logs = [folder / f"{how}-node{r}.log" for r in (0, 1)]
-    args = ["cpu:0", str(epochs), "-", "shrink"]
+def trial(
+    folder: Path,
+    how: str,
+    epochs: int,
+    node_timeout: float,
+    name: str = "",
+    extra: dict[str, str] | None = None,
+    run_dir: Path | None = None,
+    shrink: bool = True,
+) -> dict[str, float]:
+    """Two nodes of one worker; node 1 hit once the head finished epoch 2. ``name`` prefixes
+    the files, ``extra`` the nodes' environment; ``run_dir``: a shared one."""
+    port, tag = _free_port(), f"{name}{how}"
+    logs = [folder / f"{tag}-node{r}.log" for r in (0, 1)]
+    args = [str(epochs), str(run_dir) if run_dir else "-", *(["shrink"] if shrink else [])]
+    env = [dict(_env(r, port, node_timeout), **(extra or {})) for r in (0, 1)]
     procs = [
-        _start([str(folder / f"{how}-node{r}.pt"), *args], _env(r, port, node_timeout), logs[r])
-        for r in (0, 1)
+        _start([str(folder / f"{tag}-node{r}.pt"), "cpu:0", *args], env[r], logs[r]) for r in (0, 1)
     ]
     try:
         hit = _hit_after_epoch_two(procs, logs, epochs, 1, how)
@@ -134,11 +145,12 @@ def trial(folder: Path, how: str, epochs: int, node_timeout: float) -> dict[str,
     head = _result(logs[0])
     [failure] = head["failures"]
     full = head["steps"] == epochs * 10 and head["ledger_ok"]
+    replayed = failure.get("replayed_steps") or 0  # (computed again: fsdp's sets)
     return {
         "named": failure["time"] - hit,
         "next_step": failure["time"] + (failure["recovery_seconds"] or float("nan")) - hit,
-        "lost": 0.0 if full else float("nan"),
-        "same": float(_same(folder / f"{how}-node0.pt")),
+        "lost": float(replayed) if full else float("nan"),
+        "same": float(_same(folder / f"{tag}-node0.pt")),
     }
 
 
@@ -191,39 +203,6 @@ FSDP_ARMS = {
 }
 
 
-def fsdp_trial(
-    folder: Path, how: str, epochs: int, node_timeout: float, arm: str
-) -> dict[str, float]:
-    """fsdp, one worker a node: node 1 hit once the head finished epoch 2."""
-    extra, mode, shared = FSDP_ARMS[arm]
-    port, run_dir = _free_port(), folder / f"fsdp-{arm}-{how}-run"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    logs = [folder / f"fsdp-{arm}-{how}-node{r}.log" for r in (0, 1)]
-    procs = []
-    for r in (0, 1):
-        out = str(folder / f"fsdp-{arm}-{how}-node{r}.pt")
-        args = [out, "cpu:0", str(epochs), str(run_dir) if shared else "-"]
-        args += ["shrink"] if mode == "shrink" else []
-        procs.append(_start(args, dict(_env(r, port, node_timeout), **extra), logs[r]))
-    try:
-        hit = _hit_after_epoch_two(procs, logs, epochs, 1, how)
-        if procs[0].wait(timeout=600) != 0:
-            raise RuntimeError(logs[0].read_text()[-3000:])
-    finally:
-        for p in procs:
-            _end(p)
-    head = _result(logs[0])
-    [failure] = head["failures"]
-    full = head["steps"] == epochs * 10 and head["ledger_ok"]
-    replayed = failure["replayed_steps"]
-    return {
-        "named": failure["time"] - hit,
-        "next_step": failure["time"] + (failure["recovery_seconds"] or float("nan")) - hit,
-        "lost": float(replayed if replayed is not None else 0) if full else float("nan"),
-        "same": float(_same(folder / f"fsdp-{arm}-{how}-node0.pt")),
-    }
-
-
 def fsdp_main(trials: int, epochs: int, node_timeout: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -233,7 +212,10 @@ def fsdp_main(trials: int, epochs: int, node_timeout: float) -> None:
         }
         for t in range(trials):
             for (arm, how), got in rows.items():
-                got.append(fsdp_trial(folder, how, epochs, node_timeout, arm))
+                extra, mode, shared = FSDP_ARMS[arm]
+                run_dir = folder / f"fsdp-{arm}-{how}-run{t}" if shared else None
+                name, shrink = f"fsdp-{arm}-", mode == "shrink"
+                got.append(trial(folder, how, epochs, node_timeout, name, extra, run_dir, shrink))
                 print(f"trial {t + 1} fsdp {arm} node 1 {how}: {got[-1]}", file=sys.stderr)
     print("\n| fsdp: node 1 | shards from | fault -> named | fault -> next committed step | "
           "steps replayed | clean model |")  # fmt: skip
