@@ -104,9 +104,10 @@ def start_in(
     ifname: bool = True,
     node_timeout: float | None = None,
     nnodes: int = 2,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     ns, dev, _ = node
-    env = dict(os.environ)
+    env = dict(os.environ, **(extra_env or {}))
     env.pop("GLOO_SOCKET_IFNAME", None)
     env.update(
         PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS_DIR)]),
@@ -219,6 +220,47 @@ def test_a_non_head_host_that_dies_is_named_and_the_run_ends_as_if_nothing_was_l
     assert 2.0 <= failure["time"] - died < 3.0 + 3.0  # node_timeout after its last word
     assert failure["recovery_seconds"] < 5.0
     assert same(weights(tmp_path / "n0.pt"), one_node_run(tmp_path, epochs=12))
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_a_host_that_dies_leaves_the_copies_of_its_shards_on_the_other(
+    tmp_path: Path, namespaces: list[tuple[str, str, str]]
+) -> None:
+    """fsdp, one worker a host, no run_dir: node 1's host dies (its link down, its processes
+    killed, its namespace deleted). Its member's shard snapshots were copied to node 0 over
+    the hosts' own addresses, so node 0's member goes on alone from the newest set (its own
+    snapshot and the copy, cut to a world of one) and ends with the model of a run that
+    lost nothing. A copy to the dead host under way is ended by the group's abort."""
+    head = f"{namespaces[0][2]}:29613"
+    logs = [tmp_path / "n0.log", tmp_path / "n1.log"]
+    args = ["cpu:0", "12", "-", "shrink"]
+    env = {"PHALANX_TEST_STRATEGY": "fsdp", "PHALANX_TEST_SNAPSHOT_STEPS": "2"}
+    procs = [
+        start_in(
+            namespaces[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], node_timeout=3,
+            extra_env=env,
+        )
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        wait_for("epoch 2/12 done", logs[0], procs[0])
+        ip("-n", namespaces[1][0], "link", "set", namespaces[1][1], "down")
+        kill_group(procs[1])
+        subprocess.run(["ip", "netns", "del", namespaces[1][0]], check=True)
+        head_code = finish(procs[0], timeout=120)
+    finally:
+        for p in procs:
+            kill_group(p)
+    head_text = logs[0].read_text()
+    assert head_code == 0, head_text[-3000:]
+    result = result_of(logs[0])
+    assert result["steps"] == 120 and result["ledger_ok"]
+    [failure] = result["failures"]
+    assert failure["action"] == "shrunk" and failure["message"].startswith("node 1 (")
+    assert 0 <= failure["replayed_steps"] <= 4  # (snapshots every 2 steps)
+    assert "copied to another node" in head_text
+    clean = one_node_run(tmp_path, epochs=12, extra_env={"PHALANX_TEST_STRATEGY": "fsdp"})
+    assert same(weights(tmp_path / "n0.pt"), clean)
 
 
 @pytest.mark.timeout(120)

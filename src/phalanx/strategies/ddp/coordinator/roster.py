@@ -148,8 +148,9 @@ class StateCopies:
         )
         if self.copied:
             line += (
-                f"; {self.copied} copied to another node, {self.copy_seconds / self.copied:.2f}"
-                " s each beside the steps (two buffers there too)"
+                f"; {self.copied} copied to another node, "
+                f"{self.copy_seconds / self.copied * 1e3:.1f} ms each beside the steps (two "
+                "buffers there too)"
             )
         return line
 
