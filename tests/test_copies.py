@@ -16,13 +16,16 @@ import torch
 import phalanx as px
 from phalanx.snapshot import SnapshotStore, Snapshotter
 from phalanx.snapshot.copies import (
+    MAGIC,
     Copied,
     CopyListener,
     CopySender,
+    Endpoint,
     buddies,
     copy_folder,
     local_address,
 )
+from phalanx.snapshot.shards import ShardSet, Written, newest_set, tag
 from phalanx.snapshot.store import Header
 
 KEY = b"k" * 32
@@ -50,7 +53,7 @@ def ends(tmp_path: Path) -> Any:
     own = SnapshotStore(str(tmp_path / "own"))
     (tmp_path / "own").mkdir()
     (tmp_path / "there").mkdir()
-    listener = CopyListener(str(tmp_path / "there"), KEY, "127.0.0.1", TIMEOUT)
+    listener = CopyListener(str(tmp_path / "there"), KEY, "127.0.0.1", TIMEOUT, TIMEOUT)
     listener.begin(3)
     yield own, listener, tmp_path / "there"
     listener.close()
@@ -160,33 +163,55 @@ def test_a_sender_without_the_runs_key_writes_nothing(ends: Any) -> None:
     out.wait()
     done, error = out.outcome()
     assert done is None and isinstance(error, ConnectionError)
+    for _ in range(50):  # (time for a receiver that took it to make its folder)
+        threading.Event().wait(0.02)
     assert not Path(copy_folder(str(there), 5)).exists()
     out.start(own, written(own, 4))  # (stopped: no copy after a failure)
     assert not out.busy and out.outcome() == (None, None)
 
 
 def test_a_receiver_without_the_runs_key_gets_no_byte(tmp_path: Path) -> None:
-    """A rogue that listens where the buddy said it would: the sender wants its proof of
-    the key before it sends anything."""
+    """A rogue that listens where the buddy said it would, and answers the sender's claim
+    with a proof it cannot make: the sender sends nothing more."""
     own = SnapshotStore(str(tmp_path))
     header = written(own, 3)
-    rogue = CopyListener(str(tmp_path / "rogue"), b"r" * 32, "127.0.0.1", TIMEOUT)
-    out = CopySender(rogue.endpoint, KEY, 3, 5, 0, TIMEOUT)
+    server = socket.create_server(("127.0.0.1", 0))
+    after: list[bytes] = []
+
+    def rogue() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(MAGIC + b"n" * 16)
+            conn.recv(4096)  # (the claim)
+            conn.sendall(b"p" * 32)  # (not a proof of the key)
+            conn.settimeout(TIMEOUT)
+            while chunk := conn.recv(1 << 16):
+                after.append(chunk)
+
+    thread = threading.Thread(target=rogue)
+    thread.start()
+    to = Endpoint("127.0.0.1", server.getsockname()[1], "rogue")
+    out = CopySender(to, KEY, 3, 5, 0, TIMEOUT)
     out.start(own, header)
     out.wait()
+    thread.join()
     done, error = out.outcome()
-    assert done is None and error is not None
-    assert not (tmp_path / "rogue").exists()
-    rogue.close()
+    assert done is None and isinstance(error, ConnectionError) and "key" in str(error)
+    assert after == []
+    server.close()
     own.close()
 
 
-def test_abort_frees_a_member_waiting_for_its_copy(ends: Any) -> None:
-    """A buddy that never answers (here: its folder's lock held by another writer): the
-    group's abort ends the copy, so a member waiting for it before its vote is freed."""
-    own, listener, there = ends
-    folder = Path(copy_folder(str(there), 5))
-    folder.mkdir()
+@pytest.mark.timeout(120)
+def test_abort_frees_a_member_waiting_for_its_copy(tmp_path: Path) -> None:
+    """A buddy that never answers (here: its folder's lock held by another writer, which
+    it would wait for ten minutes): the group's abort ends the copy, so a member waiting
+    for it before its vote is freed (this test's own timeout is far shorter)."""
+    own = SnapshotStore(str(tmp_path / "own"))
+    (tmp_path / "own").mkdir()
+    folder = Path(copy_folder(str(tmp_path / "there"), 5))
+    folder.mkdir(parents=True)
+    listener = CopyListener(str(tmp_path / "there"), KEY, "127.0.0.1", 600.0, TIMEOUT)
     held = SnapshotStore(str(folder)).lock()
     assert held is not None
     out = sender(listener)
@@ -196,6 +221,23 @@ def test_abort_frees_a_member_waiting_for_its_copy(ends: Any) -> None:
     out.wait()
     assert not out.busy and out.outcome() == (None, None)  # (aborted: not a failure)
     SnapshotStore.unlock(held)
+    listener.close()
+
+
+@pytest.mark.timeout(120)
+def test_abort_frees_a_sender_whose_buddy_never_answers_the_connection(tmp_path: Path) -> None:
+    """A buddy whose kernel takes the connection but whose process never says hello (a
+    frozen machine): the abort ends the wait in the handshake too."""
+    own = SnapshotStore(str(tmp_path))
+    server = socket.create_server(("127.0.0.1", 0))  # (listens, never accepts)
+    to = Endpoint("127.0.0.1", server.getsockname()[1], "frozen")
+    out = CopySender(to, KEY, 3, 5, 0, 600.0)
+    out.start(own, written(own, 3))
+    threading.Timer(0.5, out.abort).start()
+    out.wait()
+    assert not out.busy and out.outcome() == (None, None)
+    server.close()
+    own.close()
 
 
 class FakeCopier:
@@ -206,6 +248,7 @@ class FakeCopier:
         self.waited = 0
         self.seconds = None
         self.started: list[int] = []
+        self.sent = 1  # (past the generation's first copy)
 
     def start(self, store: SnapshotStore, header: Header) -> None:
         self.started.append(header.step)
@@ -252,3 +295,141 @@ def test_the_copy_address_is_on_the_interface_that_reaches_the_head() -> None:
     assert local_address("127.0.0.1") == "127.0.0.1"
     with socket.create_server((local_address("127.0.0.1"), 0)) as server:
         assert server.getsockname()[1] > 0
+
+
+def test_a_generations_first_copy_is_waited_for_before_its_first_vote(tmp_path: Path) -> None:
+    """A generation across machines starts with a snapshot of its first step, copied at
+    once: the first vote waits for that copy (the set it started from may be the only
+    one until then)."""
+    taken: list[Any] = []
+    taker = Snapshotter(
+        SnapshotStore(str(tmp_path)), px.Snapshots(every_steps=3), set, taken.append, taken.append
+    )
+    taker.tag = 5
+    fake = FakeCopier()
+    fake.sent = 0
+    snap = {"model": {"w": torch.ones(3)}, "optimizer": {}, "loop": {"global_step": 7}}
+    taker.start_copies(fake, lambda: snap, 7)  # type: ignore[arg-type]
+    assert fake.started == [7] and [t.step for t in taken] == [7] and not taker.for_joins
+    taker.before_vote()  # (the vote on step 8: not a snapshot's, but the first copy's)
+    assert fake.waited == 1
+    taker.close()
+
+
+# -- a set on the machines that survive, through a generation's change ----------------------
+class Machines:
+    """Two machines, each a snapshot folder with a copy listener; one member on each
+    (slot 0 on m0, slot 1 on m1), each sending its copies to the other machine."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.folders = {m: root / m for m in ("m0", "m1")}
+        self.listeners = {}
+        for m, folder in self.folders.items():
+            (folder / f"slot-{m[1]}").mkdir(parents=True)
+            self.listeners[m] = CopyListener(str(folder), KEY, "127.0.0.1", TIMEOUT, TIMEOUT)
+        self.takers: dict[int, Snapshotter] = {}
+        self.sender: type[CopySender] = CopySender
+
+    def generation(self, number: int, start: int, state: Any) -> None:
+        """Both members in ``number`` (shard tags of a world of 2), from committed step
+        ``start``: a taker each (kept across generations, as a worker keeps its own),
+        copies to the other machine."""
+        for slot in (0, 1):
+            if slot not in self.takers:
+                store = SnapshotStore(str(self.folders[f"m{slot}"] / f"slot-{slot}"))
+                every = px.Snapshots(every_steps=4)
+                self.takers[slot] = Snapshotter(store, every, set, lambda _: None, print)
+                self.takers[slot].own_folder = self.takers[slot].for_joins = True
+            taker = self.takers[slot]
+            taker.tag = tag(number, 2, slot)
+            taker.restart_cadence()
+            other = self.listeners[f"m{1 - slot}"]
+            other.begin(number)
+            copier = self.sender(other.endpoint, KEY, number, slot, start, TIMEOUT)
+            taker.start_copies(copier, lambda s=slot: state(start, s), start)
+
+    def sets_left(self) -> list[ShardSet | None]:
+        """The newest complete set on the machine that is left, for each one lost."""
+        left = []
+        for lost in self.folders:
+            found = [
+                w
+                for m, folder in self.folders.items()
+                if m != lost
+                for place in [*folder.glob("slot-*"), *folder.glob("copy-*")]
+                for h in SnapshotStore(str(place)).headers().values()
+                if h.whole and (w := Written.of(h.tag, h.step, h.epoch)) is not None
+            ]
+            left.append(newest_set(found))
+        return left
+
+    def close(self) -> None:
+        for taker in self.takers.values():
+            taker.close()
+        for listener in self.listeners.values():
+            listener.close()
+
+
+def shard_state(step: int, slot: int) -> dict[str, Any]:
+    torch.manual_seed(step * 2 + slot)
+    return {"model": {"w": torch.randn(20_000, 8)}, "loop": {"global_step": step, "epoch": 0}}
+
+
+def test_a_set_survives_either_machines_loss_through_a_regroup(tmp_path: Path) -> None:
+    """Snapshots every 4 steps, copied to the other machine; a regroup at step 9 forces a
+    snapshot, the members leave (settling their copies), the next generation restores the
+    newest set and forgets the rest in its own folders, then trains on. After each commit,
+    and at each point of the change, the machine left after either one's loss holds a
+    complete set."""
+    machines = Machines(tmp_path)
+    regrouped = threading.Event()
+
+    class Slow(CopySender):
+        """The copies of the snapshot the regroup forces are still on the way when the
+        members leave (they go once the leaving began)."""
+
+        def _send(self, store: SnapshotStore, header: Header) -> None:
+            if header.step == 9:
+                regrouped.wait()
+            super()._send(store, header)
+
+    machines.sender = Slow
+    machines.generation(0, 0, shard_state)
+    seen: list[list[ShardSet | None]] = []
+    for step in range(1, 10):
+        for taker in machines.takers.values():
+            taker.before_vote()
+        for taker in machines.takers.values():
+            taker.after_commit(lambda s=step, t=taker: shard_state(s, t.tag & 1), step, step == 9)
+        seen.append(machines.sets_left())
+    threading.Timer(0.2, regrouped.set).start()
+    for taker in machines.takers.values():  # (leave_group)
+        taker.settle_copies()
+        assert taker.copier is not None
+        taker.copier.close()
+        taker.copier = None
+    seen.append(machines.sets_left())
+    chosen = newest_set(
+        w
+        for slot, taker in machines.takers.items()
+        for h in taker.store.headers().values()
+        if h.whole and (w := Written.of(h.tag, h.step, h.epoch)) is not None
+    )
+    assert chosen is not None and (chosen.generation, chosen.step) == (0, 9)
+    for slot, taker in machines.takers.items():  # (restore_from_set's forget)
+        wanted = tag(0, 2, slot)
+        taker.store.forget(lambda h, t=wanted: not (h.tag == t and h.step == 9))
+    seen.append(machines.sets_left())
+    machines.generation(1, 9, shard_state)  # (its first copies under way: not waited for)
+    seen.append(machines.sets_left())
+    for step in range(10, 18):
+        for taker in machines.takers.values():
+            taker.before_vote()
+        for taker in machines.takers.values():
+            taker.after_commit(lambda s=step, t=taker: shard_state(s, t.tag & 1), step, False)
+        seen.append(machines.sets_left())
+    machines.close()
+    # (the first copies are whole before the vote on step 2: from then on, always a set)
+    assert all(left[0] is not None and left[1] is not None for left in seen[1:]), seen
+    assert seen[-1][0] is not None and seen[-1][0].generation == 1

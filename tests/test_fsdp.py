@@ -854,6 +854,15 @@ def test_a_one_file_checkpoint_of_other_sizes_is_refused_by_every_member(tmp_pat
     assert str(err.value).count("PX122") >= 1 and "does not fit" in str(err.value)
 
 
+def wrote(state: StateCopies, writers: dict[int, set[int]], times: int = 1) -> StateCopies:
+    """Each slot of ``writers[g]`` wrote ``times`` shard snapshots in generation g."""
+    for generation, slots in writers.items():
+        for slot in slots:
+            for _ in range(times):
+                state.snapshot(0, 1, writer=(generation, slot))
+    return state
+
+
 @pytest.mark.parametrize(
     ("writers", "failed", "kept"),
     [
@@ -867,7 +876,7 @@ def test_a_one_file_checkpoint_of_other_sizes_is_refused_by_every_member(tmp_pat
 def test_the_coordinator_counts_on_a_shard_set_only_when_one_is_complete(
     writers: dict[int, set[int]], failed: bool, kept: bool
 ) -> None:
-    state = StateCopies(shard_writers=writers, shard_failed=failed)
+    state = wrote(StateCopies(shard_failed=failed), writers)
     assert state.shard_set({0: [0, 1, 2], 1: [0, 1]}) is kept
 
 
@@ -875,7 +884,7 @@ def test_a_shard_set_counts_only_when_the_next_generation_reaches_every_writer()
     """Across nodes the survivors read the snapshots on their own machines (and send them
     to each other): a set whose writer is on a node none of them runs on is out of reach;
     a lost node takes its slots' snapshots with it."""
-    state = StateCopies(shard_writers={0: {0, 1, 2, 3}})
+    state = wrote(StateCopies(), {0: {0, 1, 2, 3}})
     members = {0: [0, 1, 2, 3]}
     node_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
     assert state.shard_set(members, {0, 1}.__contains__, node_of)
@@ -884,13 +893,25 @@ def test_a_shard_set_counts_only_when_the_next_generation_reaches_every_writer()
     assert not state.shard_set(members)
 
 
+def test_two_snapshots_of_a_later_generation_replace_a_members_older_ones() -> None:
+    """A member's folder keeps its last two snapshots: once it wrote two in generation 1,
+    generation 0's set no longer counts on it (its peers' of generation 0 alone are no
+    set)."""
+    state = wrote(StateCopies(), {0: {0, 1}})
+    members = {0: [0, 1], 1: [0, 1]}
+    wrote(state, {1: {0}}, times=1)
+    assert state.shard_set(members)  # (slot 0's folder: one of each generation)
+    wrote(state, {1: {0}}, times=1)
+    assert not state.shard_set(members)  # (generation 1 lacks slot 1, 0 lacks slot 0)
+
+
 def test_a_copy_on_another_node_keeps_a_lost_nodes_writers_in_reach() -> None:
     """A member's snapshots copied to another node (phalanx.snapshot.copies) keep the set
     within reach of the survivors when its node is lost; copies held on the lost node go
     with it, and a member whose copies stopped counts only where its own snapshot is."""
     members = {0: [0, 1, 2, 3]}
     node_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
-    state = StateCopies(shard_writers={0: {0, 1, 2, 3}})
+    state = wrote(StateCopies(), {0: {0, 1, 2, 3}})
     for slot, holder in ((0, 1), (1, 1), (2, 0), (3, 0)):
         state.copy(0, slot, holder, seconds=0.01)
     assert state.shard_set(members, {0}.__contains__, node_of)  # (2 and 3: their copies)
@@ -899,11 +920,27 @@ def test_a_copy_on_another_node_keeps_a_lost_nodes_writers_in_reach() -> None:
     state.copy(0, 3, 0, seconds=0.01)  # (a later copy, whole)
     state.lost(1, [2, 3])
     assert state.shard_set(members) and state.shard_set(members, {0}.__contains__, node_of)
-    assert state.shard_copies[0] == {2: 0, 3: 0}  # (0's and 1's copies were on node 1)
+    assert [state.shards[0][s].nodes for s in range(4)] == [set(), set(), {0}, {0}]
     state.lost(0, [0, 1])  # (and then node 0: nothing is left anywhere)
     assert not state.shard_set(members)
-    state.snapshot(0, 8, nbytes=1000, seconds=0.001, writer=(0, 0))
     assert "; 5 copied to another node" in str(state.summary(4, "worker"))
+
+
+def test_copies_that_stopped_in_a_later_generation_leave_no_stale_set() -> None:
+    """Generation 0's copies were whole; in generation 1 slot 0's copies stop, then its
+    node is lost. Slot 1 has written two snapshots in generation 1 since (its folder no
+    longer holds generation 0's), so no set is counted: the run restarts from a
+    checkpoint instead of looking for a set that is gone."""
+    node_of = {0: 0, 1: 1}.__getitem__
+    members = {0: [0, 1], 1: [0, 1]}
+    state = wrote(StateCopies(), {0: {0, 1}})
+    state.copy(0, 0, 1, seconds=0.01)
+    state.copy(0, 1, 0, seconds=0.01)
+    wrote(state, {1: {0, 1}}, times=2)
+    state.copy(1, 1, 0, seconds=0.01)
+    state.copies_failed(1, 0)
+    state.lost(0, [0])
+    assert not state.shard_set(members, {1}.__contains__, node_of)
 
 
 def test_gather_false_fails_the_member_when_its_final_checkpoint_lacks_a_rank(

@@ -47,6 +47,7 @@ _HELLO = struct.Struct("<8s16s")  # magic, the receiver's nonce
 _CLAIM = struct.Struct("<qqq16s32s")  # generation, slot, start step, sender's nonce, its MAC
 _PROOF = struct.Struct("<32s")  # the receiver's MAC of the sender's nonce
 ACK = b"\x01"
+MAX_PROVING = 16  # connections in their handshake at once, on one receiving end
 
 
 def copy_folder(folder: str, slot: int) -> str:
@@ -116,8 +117,13 @@ class CopyListener:
     is, each on a thread of its own, and writes their copies under ``folder`` (its machine's
     snapshot folder). ``timeout``: the longest a copy, once begun, may take."""
 
-    def __init__(self, folder: str, key: bytes, host: str, timeout: float) -> None:
-        self.folder, self.key, self.timeout = folder, key, timeout
+    def __init__(
+        self, folder: str, key: bytes, host: str, timeout: float, handshake: float
+    ) -> None:
+        self.folder, self.key, self.timeout, self.handshake = folder, key, timeout, handshake
+        # (connections not proven yet: a few at a time, each for ``handshake`` at most, so
+        # a process without the key cannot hold this end's threads or descriptors)
+        self._proving = threading.BoundedSemaphore(MAX_PROVING)
         self.server = socket.create_server((host, 0))
         self.endpoint = Endpoint(host, self.server.getsockname()[1], folder)
         self.generation = -1
@@ -154,11 +160,15 @@ class CopyListener:
 
     def _serve(self, conn: socket.socket) -> None:
         with contextlib.closing(conn):
+            if not self._proving.acquire(blocking=False):
+                return  # (too many unproven connections at once)
             try:
-                conn.settimeout(self.timeout)
+                conn.settimeout(self.handshake)
                 claim = self._handshake(conn)
-            except (OSError, ValueError):
+            except (OSError, ValueError, struct.error):
                 return  # (not a member of this run, or gone: nothing was written)
+            finally:
+                self._proving.release()
             generation, slot, start = claim
             with self._lock:
                 if generation < self.generation or self._closed:
@@ -226,6 +236,10 @@ def _lock_within(store: SnapshotStore, timeout: float) -> int:
     return fd
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _shut(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
@@ -257,6 +271,7 @@ class CopySender:
         self.done: Copied | None = None  # the last whole copy, not yet told
         self.error: BaseException | None = None  # the first failure; no copy after it
         self.seconds: float | None = None  # the last whole copy's wall time
+        self.sent = 0  # whole copies (the first of a generation is waited for: Snapshotter)
         self._closed = False
         self._told = False
 
@@ -307,8 +322,14 @@ class CopySender:
             self.sock.close()
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.to.host, self.to.port), timeout=self.timeout)
+        # (the socket is this sender's before it connects: abort() shuts it even while the
+        # connect or the handshake waits on a buddy that does not answer)
+        sock = self.sock = socket.socket(_family(self.to.host), socket.SOCK_STREAM)
+        if self._closed:
+            _shut(sock)
         try:
+            sock.settimeout(self.timeout)
+            sock.connect((self.to.host, self.to.port))
             magic, theirs = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
             if magic != MAGIC:
                 raise ConnectionError("not a phalanx copy receiver")
@@ -319,6 +340,7 @@ class CopySender:
             if not hmac.compare_digest(proof, _mac(self.key, b"recv", mine, theirs)):
                 raise ConnectionError("a receiver that does not hold the run's key")
         except BaseException:
+            self.sock = None
             sock.close()
             raise
         return sock
@@ -327,10 +349,8 @@ class CopySender:
         started = time.perf_counter()
         try:
             if self.sock is None:
-                self.sock = self._connect()
-                self.sock.settimeout(None)  # (a large copy may take long: abort() ends it)
-                if self._closed:
-                    _shut(self.sock)
+                self._connect().settimeout(None)  # (a large copy may take long: abort ends it)
+            assert self.sock is not None
             found = store.payload(header)
             if found is None:
                 raise RuntimeError(f"the snapshot of step {header.step} was rewritten unsent")
@@ -350,3 +370,4 @@ class CopySender:
             return
         self.seconds = time.perf_counter() - started
         self.done = Copied(header.step, nbytes, self.seconds)
+        self.sent += 1

@@ -171,8 +171,42 @@ class Snapshotter:
         copier = self.copier
         if copier is None:
             return
-        if copier.busy and self._due(self.committed + 1):
+        # (and the generation's first copy, of the snapshot it starts from: see
+        # start_copies; until it is whole the set it was restored from is the only one)
+        if copier.busy and (copier.sent == 0 or self._due(self.committed + 1)):
             copier.wait()
+        self._tell_copies()
+
+    def start_copies(
+        self, copier: CopySender, state: Callable[[], dict[str, Any]], step: int
+    ) -> None:
+        """A generation across machines starts: its copies go through ``copier``, the first
+        of a snapshot taken now, of committed step ``step`` where the generation starts
+        (whole before this member's first vote: :meth:`before_vote`). Every member does this
+        at the same step, so those snapshots are a set, and once its copies are whole it
+        stands on two machines, whichever buddies the new generation chose."""
+        self.copier = copier
+        if self.failed:
+            return
+        for_joins, self.for_joins = self.for_joins, True
+        try:
+            self.after_commit(state, step, regroup=True)
+        finally:
+            self.for_joins = for_joins
+
+    def settle_copies(self) -> None:
+        """Leaving a generation: wait for the copy under way (the group's abort ends it
+        where a member was lost) and tell what became of it. Where every member lives, the
+        copy of the snapshot a regroup forced is then whole, and the set the next generation
+        starts from stands on two machines."""
+        self.fence()
+        if self.copier is not None:
+            self.copier.wait()
+            self._tell_copies()
+
+    def _tell_copies(self) -> None:
+        copier = self.copier
+        assert copier is not None
         done, error = copier.outcome()
         if done is not None:
             self.on_copied(done)

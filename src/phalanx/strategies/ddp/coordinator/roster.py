@@ -89,6 +89,18 @@ class Setup:
 
 
 @dataclass
+class Held:
+    """Where the shard snapshots that one member wrote in one generation still are (fsdp):
+    in its own folder on its node (``local``), and copies on other ``nodes``. Its folder, and
+    each copy folder, keeps the last two: two written in a later generation replace them."""
+
+    local: bool = False
+    nodes: set[int] = field(default_factory=set)
+    written: int = 0  # snapshots it wrote in that generation
+    copied: dict[int, int] = field(default_factory=dict)  # node -> copies made whole there
+
+
+@dataclass
 class StateCopies:
     """Where the run's committed state lives outside the members: the furthest step
     committed, each node's newest snapshot in shared memory, and a restart under way (every
@@ -99,13 +111,10 @@ class StateCopies:
     restart: Restart | None = None
     timeline: int = -1  # the generation of the latest restart (see Announcement)
 
-    # fsdp: generation -> the members that wrote a snapshot of their shards in it
-    shard_writers: dict[int, set[int]] = field(default_factory=dict)
+    # fsdp: generation -> slot -> where the snapshots of its shards it wrote then still are
+    shards: dict[int, dict[int, Held]] = field(default_factory=dict)
     shard_failed: bool = False  # a member's shard snapshots failed: no complete set after
-    # fsdp across machines: generation -> slot -> the node that keeps a copy of the
-    # snapshots that slot's member wrote in it (phalanx.snapshot.copies)
-    shard_copies: dict[int, dict[int, int]] = field(default_factory=dict)
-    copied: int = 0  # copies made whole on another node
+    copied: int = 0  # copies made whole on another node (fsdp across machines)
     copy_seconds: float = 0.0  # their wall time, summed (beside the steps)
     taken: int = 0  # snapshots written, on every node
     seconds: float = 0.0  # their time, summed (the loop's share and the background copy)
@@ -119,21 +128,36 @@ class StateCopies:
         self.snapshots[node] = max(step, self.snapshots.get(node, -1))
         if writer is not None:
             generation, slot = writer
-            self.shard_writers.setdefault(generation, set()).add(slot)
+            held = self._held(generation, slot)
+            held.local, held.written = True, held.written + 1
+            if held.written == 2:  # (its folder's two buffers: this generation's now)
+                for older in self._before(generation, slot):
+                    older.local = False
         self.taken += 1
         self.seconds += seconds
         self.nbytes = nbytes or self.nbytes
 
     def copy(self, generation: int, slot: int, node: int, seconds: float) -> None:
         """A copy of ``slot``'s snapshot in ``generation`` is whole on ``node``."""
-        self.shard_copies.setdefault(generation, {})[slot] = node
+        held = self._held(generation, slot)
+        held.nodes.add(node)
+        held.copied[node] = held.copied.get(node, 0) + 1
+        if held.copied[node] == 2:  # (that node's copy folder of the slot: this generation's)
+            for older in self._before(generation, slot):
+                older.nodes.discard(node)
         self.copied += 1
         self.copy_seconds += seconds
 
     def copies_failed(self, generation: int, slot: int) -> None:
-        """``slot``'s copies stopped in ``generation``: the one kept may be of an older
-        step than the set its peers' snapshots make now."""
-        self.shard_copies.get(generation, {}).pop(slot, None)
+        """``slot``'s copies stopped in ``generation``: those kept may be of an older step
+        than the set its peers' snapshots make from now on."""
+        self._held(generation, slot).nodes.clear()
+
+    def _held(self, generation: int, slot: int) -> Held:
+        return self.shards.setdefault(generation, {}).setdefault(slot, Held())
+
+    def _before(self, generation: int, slot: int) -> list[Held]:
+        return [by[slot] for g, by in self.shards.items() if g < generation and slot in by]
 
     def summary(self, writers: int, each: str = "machine") -> str | None:
         """What the snapshots cost, for the run's end (None when none was taken):
@@ -156,14 +180,12 @@ class StateCopies:
 
     def lost(self, node: int, slots: list[int]) -> None:
         """A node is gone with its machine: its shared memory too (fsdp: the shard
-        snapshots of its ``slots``, so no set they belong to is complete any more)."""
+        snapshots of its ``slots``, and the copies it kept of other nodes' members')."""
         self.snapshots.pop(node, None)
-        for generation, writers in self.shard_writers.items():
-            copies = self.shard_copies.get(generation, {})
-            writers.difference_update(s for s in slots if copies.get(s, node) == node)
-        for copies in self.shard_copies.values():
-            for slot in [s for s, held in copies.items() if held == node]:
-                del copies[slot]
+        for by_slot in self.shards.values():
+            for slot, held in by_slot.items():
+                held.local = held.local and slot not in slots
+                held.nodes.discard(node)
 
     @property
     def kept(self) -> bool:
@@ -177,20 +199,21 @@ class StateCopies:
         node_of: Callable[[int], int] = lambda _: 0,
     ) -> bool:
         """fsdp: whether every member of some generation (``members``: each one's) wrote a
-        snapshot of its shards in it; with every member writing the same steps, a complete
-        set of one step is then in shared memory (the workers find which). ``reach``: the
-        nodes whose shared memory the next generation can read (where one of its members
-        runs: across nodes a set travels from the members that hold it); a slot's snapshot
-        is on its node (``node_of``), and a copy of it where one was made."""
+        snapshot of its shards in it that is still kept; with every member writing the same
+        steps, a complete set of one step is then in shared memory (the workers find
+        which). ``reach``: the nodes whose shared memory the next generation can read
+        (where one of its members runs: across nodes a set travels from the members that
+        hold it); a slot's own snapshot is on its node (``node_of``), a copy where it was
+        made."""
 
-        def held(generation: int, slot: int) -> bool:
-            copy = self.shard_copies.get(generation, {}).get(slot)
-            return reach(node_of(slot)) or (copy is not None and reach(copy))
+        def kept(held: Held | None, slot: int) -> bool:
+            if held is None:
+                return False
+            return (held.local and reach(node_of(slot))) or any(map(reach, held.nodes))
 
         return not self.shard_failed and any(
-            set(wrote := members.get(generation, [-1])) <= writers
-            and all(held(generation, slot) for slot in wrote)
-            for generation, writers in self.shard_writers.items()
+            all(kept(by_slot.get(slot), slot) for slot in members.get(generation, [-1]))
+            for generation, by_slot in self.shards.items()
         )
 
 

@@ -98,7 +98,7 @@ class FsdpGroup(GenerationGroup):
         self.sockets = sockets
         self.store_port = store_port
         self.destroyed = False
-        # Also ended by abort (a copy of a snapshot to another machine under way)
+        # Also ended by an abort where a member is lost (a copy to another machine under way)
         self.also_abort: list[Callable[[], None]] = []
 
     @classmethod
@@ -138,15 +138,19 @@ class FsdpGroup(GenerationGroup):
         assert isinstance(pg, dist.ProcessGroup)
         return cls(pg, rank, size, device, mesh, Sockets.since(before), store_port)
 
-    def abort(self) -> None:
+    def abort(self, lost: bool = True) -> None:
         """Every collective of this group fails at once, here and at each peer: NCCL's
         communicator is aborted, gloo's connections of this process are shut (see the
-        module's docstring). Safe from another thread."""
-        super().abort()
+        module's docstring). Safe from another thread. ``lost``: a member is lost, so a
+        copy to another machine under way ends too (it may wait on that member's
+        machine); in a rebuild by the same members it goes on (see
+        :meth:`~phalanx.snapshot.taker.Snapshotter.settle_copies`)."""
+        super().abort(lost)
         if self.device.type != "cuda":
             self.sockets.shut(self.store_port)
-        for also in list(self.also_abort):
-            also()
+        if lost:
+            for also in list(self.also_abort):
+                also()
 
     def leave(self) -> bool:
         """Abort, then destroy the default group (the next generation makes its own). The

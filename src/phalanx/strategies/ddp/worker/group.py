@@ -287,10 +287,10 @@ class GenerationGroup:
         times out). Safe from another thread."""
         self.waits.abandon()
 
-    def abort(self) -> None:
+    def abort(self, lost: bool = True) -> None:
         """Make a collective blocked on a peer that fell, froze or was cut off return with
         an error: :meth:`abandon`, and for NCCL the communicator's abort. Safe from another
-        thread."""
+        thread. ``lost``: a member is lost (not only a rebuild by the same members)."""
         self.abandon()
         pg = self.pg
         if pg is not None and self.device.type == "cuda":

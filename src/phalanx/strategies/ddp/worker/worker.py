@@ -343,9 +343,10 @@ class Watcher:
         doc = announcement(store, self.latest)
         if doc is None:
             return
-        if doc.rebuild or set(members) - set(doc.members):
+        dropped = set(members) - set(doc.members)
+        if doc.rebuild or dropped:
             self.aborted_for = self.latest
-            group.abort()
+            group.abort(lost=bool(dropped))
 
     def regroup_requested(self) -> bool:
         return self.latest > self.generation
@@ -568,10 +569,10 @@ class Worker:
         (peers still blocked on them error out) and DDP's autograd hooks go."""
         if self.loop is not None and isinstance(self.loop.engine, FsdpEngine):
             if self.snapshotter is not None:
+                self.snapshotter.settle_copies()  # (its snapshot whole, and its copy)
                 if self.snapshotter.copier is not None:  # (the generation's connection)
                     self.snapshotter.copier.close()
                     self.snapshotter.copier = None
-                self.snapshotter.fence()  # (its snapshot whole before anyone reads the set)
             self.loop.engine.keep()  # (its shards, for the next generation: before the group)
         if self.loop is not None and isinstance(self.loop.engine, DdpEngine):
             self.loop.engine.ddp = None
@@ -616,7 +617,7 @@ class Worker:
             loop.checkpointer = make_checkpointer(cfg, self.emit)
         loop.snapshots = self.snapshot_writer(member, gen)
         if isinstance(loop.engine, FsdpEngine) and self.snapshotter is not None:
-            self.copy_sender(self.snapshotter, group, gen, arrived, loop.state.global_step)
+            self.copy_sender(self.snapshotter, group, gen, arrived, loop)
             loop.engine.fence = self.snapshotter.before_vote
             if self.snapshotter.propose_only:
                 loop.engine.cadence = self.snapshotter
@@ -768,7 +769,10 @@ class Worker:
             return None
         if self.copies is None:
             host = local_address(a.store_host)
-            self.copies = CopyListener(a.snapshot_dir, self.token_key, host, self.copy_timeout)
+            handshake = a.timing.handshake.total_seconds()
+            self.copies = CopyListener(
+                a.snapshot_dir, self.token_key, host, self.copy_timeout, handshake
+            )
         return self.copies
 
     @property
@@ -785,11 +789,14 @@ class Worker:
         group: GenerationGroup,
         gen: Generation,
         said: list[str],
-        start: int,
+        loop: TrainLoop,
     ) -> None:
         """fsdp across machines: this member's copies go to its buddy in ``gen`` (the next
-        member on another machine, from what each said at its arrival: ``said``), from
-        committed step ``start`` on. None where every member is on one machine."""
+        member on another machine, from what each said at its arrival: ``said``), the first
+        of a snapshot of the step the generation starts from (see
+        :meth:`~phalanx.snapshot.taker.Snapshotter.start_copies`). None where every member
+        is on one machine."""
+        start = loop.state.global_step
         if self.copies is None or not isinstance(group, FsdpGroup):
             return
         ends = [_endpoint(text) for text in said]
@@ -826,8 +833,9 @@ class Worker:
                 )
             )
 
-        taker.copier, taker.on_copied, taker.on_copy_error = sender, copied, failed
+        taker.on_copied, taker.on_copy_error = copied, failed
         group.also_abort.append(sender.abort)
+        taker.start_copies(sender, loop.snapshot, start)
 
     def snapshot_taken(self, taken: Taken) -> None:
         generation = self.watcher.generation
@@ -1019,7 +1027,7 @@ def _endpoint(said: str) -> Endpoint | None:
     try:
         doc = json.loads(said)
         return Endpoint(str(doc["host"]), int(doc["port"]), str(doc["place"]))
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError):
         return None
 
 
