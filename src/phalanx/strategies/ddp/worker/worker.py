@@ -375,6 +375,7 @@ class Worker:
         # fsdp across machines: where this process receives copies of its buddies' shard
         # snapshots (made with its first generation; see phalanx.snapshot.copies)
         self.copies: CopyListener | None = None
+        self.no_copies = False  # (its listener could not be made: told once)
 
     # -- messages ----------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -767,12 +768,23 @@ class Worker:
         a = self.a
         if not (a.sharded and a.spans_nodes and a.snapshot_dir and a.config.snapshots):
             return None
-        if self.copies is None:
+        if self.copies is None and not self.no_copies:
             host = local_address(a.store_host)
             handshake = a.timing.handshake.total_seconds()
-            self.copies = CopyListener(
-                a.snapshot_dir, self.token_key, host, self.copy_timeout, handshake
-            )
+            try:
+                self.copies = CopyListener(
+                    a.snapshot_dir, self.token_key, host, self.copy_timeout, handshake
+                )
+            except OSError as exc:  # (the run goes on: this machine keeps no copies)
+                self.no_copies = True
+                self.emit(
+                    Notice(
+                        f"worker {a.slot}: cannot receive copies of shard snapshots on {host} "
+                        f"({type(exc).__name__}: {exc}); a node's loss restarts from the "
+                        "newest checkpoint where no other machine keeps the copies",
+                        level="warning",
+                    )
+                )
         return self.copies
 
     @property
