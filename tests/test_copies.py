@@ -6,6 +6,7 @@ loopback sockets; the multi-node runs that lose a node are in test_multinode.py.
 from __future__ import annotations
 
 import socket
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import phalanx as px
 from phalanx.snapshot import SnapshotStore, Snapshotter
 from phalanx.snapshot.copies import (
     MAGIC,
+    MAX_PROVING,
     Copied,
     CopyListener,
     CopySender,
@@ -125,8 +127,11 @@ def test_copies_alternate_buffers_and_a_copy_cut_half_way_hides_nothing(ends: An
     sock.sendall(header.pack())
     sock.sendall(found[1][: len(found[1]) // 2])
     found[1].release()
-    sock.close()
-    listener.close()  # (its threads end: the half copy is given up)
+    for _ in range(200):  # (until the receiver began it: step 4's buffer is being written)
+        if sorted(h.step for h in copy.headers().values() if h.whole) == [6]:
+            break
+        threading.Event().wait(0.05)
+    sock.close()  # (the sender dies half-way: the receiver gives the copy up)
     for _ in range(200):  # (until the receiver's thread has let the folder go)
         if (fd := copy.lock()) is not None:
             SnapshotStore.unlock(fd)
@@ -433,3 +438,93 @@ def test_a_set_survives_either_machines_loss_through_a_regroup(tmp_path: Path) -
     # (the first copies are whole before the vote on step 2: from then on, always a set)
     assert all(left[0] is not None and left[1] is not None for left in seen[1:]), seen
     assert seen[-1][0] is not None and seen[-1][0].generation == 1
+
+
+def test_a_copy_that_outlasts_the_wait_is_given_up_as_a_failure(tmp_path: Path) -> None:
+    """A member leaving a generation waits for its copy a bounded time (the next
+    generation forms within its own bound): then the copy is aborted and counted as
+    failed, so the coordinator no longer counts on this member's copies."""
+    own = SnapshotStore(str(tmp_path / "own"))
+    (tmp_path / "own").mkdir()
+    folder = Path(copy_folder(str(tmp_path / "there"), 5))
+    folder.mkdir(parents=True)
+    listener = CopyListener(str(tmp_path / "there"), KEY, "127.0.0.1", 600.0, TIMEOUT)
+    held = SnapshotStore(str(folder)).lock()  # (the buddy cannot write: it never answers)
+    out = sender(listener)
+    out.start(own, written(own, 3))
+    out.wait(0.3)
+    done, error = out.outcome()
+    assert done is None and isinstance(error, TimeoutError)
+    assert held is not None
+    SnapshotStore.unlock(held)
+    listener.close()
+
+
+def test_a_connection_that_trickles_its_claim_is_shut_by_the_deadline() -> None:
+    """The handshake has one deadline in all: a peer sending a byte at a time gains no
+    time (it is shut before its claim is whole)."""
+    with tempfile.TemporaryDirectory() as there:
+        listener = CopyListener(there, KEY, "127.0.0.1", TIMEOUT, 0.5)
+        with socket.create_connection((listener.endpoint.host, listener.endpoint.port)) as conn:
+            conn.recv(64)  # (the hello)
+            sent = 0
+            try:
+                for _ in range(200):
+                    conn.sendall(b"x")
+                    sent += 1
+                    threading.Event().wait(0.05)
+                    if conn.recv(1, socket.MSG_DONTWAIT) == b"":
+                        break
+            except BlockingIOError:
+                pass
+            except OSError:
+                pass
+        listener.close()
+    assert sent < 88  # (a claim is 88 bytes: it was shut before it could be whole)
+
+
+def test_unproven_connections_cannot_keep_a_member_out(ends: Any) -> None:
+    """More idle connections than may prove themselves at once: the oldest are shut, and a
+    member's copy still goes through."""
+    own, listener, _ = ends
+    idle = [
+        socket.create_connection((listener.endpoint.host, listener.endpoint.port))
+        for _ in range(MAX_PROVING + 4)
+    ]
+    for _ in range(100):  # (until the listener has taken them all)
+        if len(listener._proving) >= MAX_PROVING:
+            break
+        threading.Event().wait(0.02)
+    out = sender(listener)
+    out.start(own, written(own, 3))
+    out.wait()
+    done, error = out.outcome()
+    assert error is None and done is not None and done.step == 3
+    for conn in idle:
+        conn.close()
+    out.close()
+
+
+def test_a_rebuilds_abort_lets_the_copy_end_a_lost_members_ends_it() -> None:
+    """The watcher aborts a group for a rebuild by the same members (no slot lost) and for
+    lost members (their slots): the group tells its hooks which, and a copy ends only when
+    its buddy may be among them (the worker's hook); after a rebuild's abort, the leaving
+    member waits for its copy."""
+    from phalanx.strategies.ddp.worker.fsdp_group import FsdpGroup, Sockets
+    from phalanx.strategies.ddp.worker.group import Waits
+
+    ended: list[str] = []
+    group = FsdpGroup.__new__(FsdpGroup)
+    group.waits, group.pg, group.device = Waits(), None, torch.device("cpu")
+    group.sockets, group.store_port = Sockets(), 0
+    group.also_abort = [lambda lost: ended.append(lost)]
+    group.abort(lost=set())
+    group.abort(lost={3})
+    group.abort()
+    assert ended == [set(), {3}, None]
+    to = Endpoint("127.0.0.1", 9, "m1")
+    copies = {lost: CopySender(to, KEY, 0, 0, 0, TIMEOUT) for lost in ("none", "other", "it")}
+    for lost, found in (("none", set()), ("other", {3}), ("it", {3, 4})):
+        copies[lost].holder = 4
+        copies[lost].abort_for(found)
+    assert [c._closed for c in copies.values()] == [False, False, True]

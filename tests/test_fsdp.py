@@ -938,6 +938,8 @@ def test_copies_that_stopped_in_a_later_generation_leave_no_stale_set() -> None:
     state.copy(0, 1, 0, seconds=0.01)
     wrote(state, {1: {0, 1}}, times=2)
     state.copy(1, 1, 0, seconds=0.01)
+    state.copy(1, 0, 1, seconds=0.01)
+    assert state.shard_set(members, {1}.__contains__, node_of)  # (0's copy on node 1)
     state.copies_failed(1, 0)
     state.lost(0, [0])
     assert not state.shard_set(members, {1}.__contains__, node_of)

@@ -35,7 +35,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,9 +82,14 @@ def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"|".join((label, *parts)), hashlib.sha256).digest()
 
 
-def _recv_exact(conn: socket.socket, size: int) -> bytes:
+def _recv_exact(conn: socket.socket, size: int, deadline: float | None = None) -> bytes:
     chunks, left = [], size
     while left:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the peer took too long")
+            conn.settimeout(remaining)
         chunk = conn.recv(left)
         if not chunk:
             raise ConnectionError("the peer closed the connection")
@@ -123,7 +128,7 @@ class CopyListener:
         self.folder, self.key, self.timeout, self.handshake = folder, key, timeout, handshake
         # (connections not proven yet: a few at a time, each for ``handshake`` at most, so
         # a process without the key cannot hold this end's threads or descriptors)
-        self._proving = threading.BoundedSemaphore(MAX_PROVING)
+        self._proving: dict[socket.socket, float] = {}  # unproven -> when it came
         self.server = socket.create_server((host, 0))
         self.endpoint = Endpoint(host, self.server.getsockname()[1], folder)
         self.generation = -1
@@ -160,15 +165,14 @@ class CopyListener:
 
     def _serve(self, conn: socket.socket) -> None:
         with contextlib.closing(conn):
-            if not self._proving.acquire(blocking=False):
-                return  # (too many unproven connections at once)
+            self._prove_from(conn)
             try:
-                conn.settimeout(self.handshake)
-                claim = self._handshake(conn)
+                claim = self._handshake(conn, time.monotonic() + self.handshake)
             except (OSError, ValueError, struct.error):
                 return  # (not a member of this run, or gone: nothing was written)
             finally:
-                self._proving.release()
+                with self._lock:
+                    self._proving.pop(conn, None)
             generation, slot, start = claim
             with self._lock:
                 if generation < self.generation or self._closed:
@@ -182,12 +186,29 @@ class CopyListener:
                 with self._lock:
                     self._open.pop(conn, None)
 
-    def _handshake(self, conn: socket.socket) -> tuple[int, int, int]:
-        """(generation, slot, start step) of a sender that proved it holds the run's key,
-        after proving this end holds it too. Raises ValueError otherwise."""
+    def _prove_from(self, conn: socket.socket) -> None:
+        """``conn`` is to prove itself; with :data:`MAX_PROVING` unproven already, the
+        oldest is shut (a member's connection proves itself at once: only one that does not
+        would wait that long)."""
+        with self._lock:
+            oldest = None
+            if len(self._proving) >= MAX_PROVING:
+                oldest = min(self._proving, key=self._proving.__getitem__)
+                del self._proving[oldest]
+            self._proving[conn] = time.monotonic()
+        if oldest is not None:
+            _shut(oldest)
+
+    def _handshake(self, conn: socket.socket, deadline: float) -> tuple[int, int, int]:
+        """(generation, slot, start step) of a sender that proved it holds the run's key
+        by ``deadline`` (all of it: a sender that trickles bytes gains no time), after
+        proving this end holds it too. Raises ValueError otherwise."""
         mine = os.urandom(NONCE)
+        conn.settimeout(max(0.0, deadline - time.monotonic()))
         conn.sendall(_HELLO.pack(MAGIC, mine))
-        generation, slot, start, theirs, mac = _CLAIM.unpack(_recv_exact(conn, _CLAIM.size))
+        generation, slot, start, theirs, mac = _CLAIM.unpack(
+            _recv_exact(conn, _CLAIM.size, deadline)
+        )
         said = struct.pack("<qqq", generation, slot, start)
         if not hmac.compare_digest(mac, _mac(self.key, b"send", mine, said, theirs)):
             raise ValueError("a sender that does not hold the run's key")
@@ -261,9 +282,18 @@ class CopySender:
     (:meth:`outcome`); the thread never reports."""
 
     def __init__(
-        self, to: Endpoint, key: bytes, generation: int, slot: int, start: int, timeout: float
+        self,
+        to: Endpoint,
+        key: bytes,
+        generation: int,
+        slot: int,
+        start: int,
+        timeout: float,
+        handshake: float | None = None,
     ) -> None:
         self.to, self.key, self.timeout = to, key, timeout
+        self.handshake = timeout if handshake is None else handshake  # (connect and prove)
+        self.holder = -1  # the buddy's slot, where the worker knows it (see abort_for)
         self.claim = struct.pack("<qqq", generation, slot, start)
         self.sock: socket.socket | None = None
         self.thread: threading.Thread | None = None
@@ -290,11 +320,17 @@ class CopySender:
         )
         self.thread.start()
 
-    def wait(self) -> None:
-        """Until the copy under way is whole on the buddy's machine, or failed."""
-        if self.thread is not None:
+    def wait(self, most: float | None = None) -> None:
+        """Until the copy under way is whole on the buddy's machine, or failed; ``most``
+        seconds at most, then it is aborted (a failure: no copy after it)."""
+        if self.thread is None:
+            return
+        self.thread.join(most)
+        if self.thread.is_alive():
+            self.error = self.error or TimeoutError(f"a copy took more than {most:g}s")
+            self.abort()
             self.thread.join()
-            self.thread = None
+        self.thread = None
 
     def outcome(self) -> tuple[Copied | None, BaseException | None]:
         """The copy that became whole since the last call, and the failure that stopped the
@@ -311,8 +347,16 @@ class CopySender:
         group's abort calls it, so a member waiting for its copy is freed as from a
         collective)."""
         self._closed = True
-        if self.sock is not None:
-            _shut(self.sock)
+        sock = self.sock
+        if sock is not None:
+            _shut(sock)
+
+    def abort_for(self, lost: Collection[int] | None) -> None:
+        """The group was aborted with the slots of the members ``lost`` (None: not known):
+        :meth:`abort` when the buddy (slot :attr:`holder`) may be among them, where the
+        copy may wait on it; else the copy goes on (a rebuild by the same members)."""
+        if lost is None or self.holder in lost:
+            self.abort()
 
     def close(self) -> None:
         """The generation ended: :meth:`abort`, and wait for the thread."""
@@ -325,18 +369,19 @@ class CopySender:
         # (the socket is this sender's before it connects: abort() shuts it even while the
         # connect or the handshake waits on a buddy that does not answer)
         sock = self.sock = socket.socket(_family(self.to.host), socket.SOCK_STREAM)
-        if self._closed:
-            _shut(sock)
         try:
-            sock.settimeout(self.timeout)
+            if self._closed:
+                raise ConnectionError("aborted")
+            sock.settimeout(self.handshake)  # (a dead host: given up after it)
             sock.connect((self.to.host, self.to.port))
-            magic, theirs = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            deadline = time.monotonic() + self.handshake
+            magic, theirs = _HELLO.unpack(_recv_exact(sock, _HELLO.size, deadline))
             if magic != MAGIC:
                 raise ConnectionError("not a phalanx copy receiver")
             mine = os.urandom(NONCE)
             mac = _mac(self.key, b"send", theirs, self.claim, mine)
             sock.sendall(self.claim + mine + mac)
-            (proof,) = _PROOF.unpack(_recv_exact(sock, _PROOF.size))
+            (proof,) = _PROOF.unpack(_recv_exact(sock, _PROOF.size, deadline))
             if not hmac.compare_digest(proof, _mac(self.key, b"recv", mine, theirs)):
                 raise ConnectionError("a receiver that does not hold the run's key")
         except BaseException:

@@ -107,6 +107,9 @@ class Snapshotter:
         self.on_copied: Callable[[Copied], None] = lambda _: None
         self.on_copy_error: Callable[[BaseException], None] = lambda _: None
         self.committed = -1  # the last committed step (global count) it was told of
+        # The longest a member leaving a generation waits for its copy under way (then it is
+        # given up: the next generation forms within its own bound)
+        self.settle_within: float | None = None
 
     # -- the loop's side -------------------------------------------------------------------
     def after_commit(self, state: Callable[[], dict[str, Any]], step: int, regroup: bool) -> None:
@@ -175,6 +178,8 @@ class Snapshotter:
         # start_copies; until it is whole the set it was restored from is the only one)
         if copier.busy and (copier.sent == 0 or self._due(self.committed + 1)):
             copier.wait()
+            if self._commit_at is not None:  # (the wait is no step's time: the cadence is
+                self._commit_at = time.perf_counter()  # measured on the steps alone)
         self._tell_copies()
 
     def start_copies(
@@ -201,7 +206,7 @@ class Snapshotter:
         starts from stands on two machines."""
         self.fence()
         if self.copier is not None:
-            self.copier.wait()
+            self.copier.wait(self.settle_within)
             self._tell_copies()
 
     def _tell_copies(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -98,8 +98,8 @@ class FsdpGroup(GenerationGroup):
         self.sockets = sockets
         self.store_port = store_port
         self.destroyed = False
-        # Also ended by an abort where a member is lost (a copy to another machine under way)
-        self.also_abort: list[Callable[[], None]] = []
+        # Told of each abort, with the slots lost (a copy to another machine under way)
+        self.also_abort: list[Callable[[Collection[int] | None], None]] = []
 
     @classmethod
     def form_default(
@@ -138,19 +138,18 @@ class FsdpGroup(GenerationGroup):
         assert isinstance(pg, dist.ProcessGroup)
         return cls(pg, rank, size, device, mesh, Sockets.since(before), store_port)
 
-    def abort(self, lost: bool = True) -> None:
+    def abort(self, lost: Collection[int] | None = None) -> None:
         """Every collective of this group fails at once, here and at each peer: NCCL's
         communicator is aborted, gloo's connections of this process are shut (see the
-        module's docstring). Safe from another thread. ``lost``: a member is lost, so a
-        copy to another machine under way ends too (it may wait on that member's
-        machine); in a rebuild by the same members it goes on (see
-        :meth:`~phalanx.snapshot.taker.Snapshotter.settle_copies`)."""
+        module's docstring). Safe from another thread. ``lost``: the slots of the members
+        lost (None: not known), told to :attr:`also_abort` (a copy to another machine
+        under way ends where it may wait on a lost member's machine, and goes on
+        otherwise: see :meth:`~phalanx.snapshot.taker.Snapshotter.settle_copies`)."""
         super().abort(lost)
         if self.device.type != "cuda":
             self.sockets.shut(self.store_port)
-        if lost:
-            for also in list(self.also_abort):
-                also()
+        for also in list(self.also_abort):
+            also(lost)
 
     def leave(self) -> bool:
         """Abort, then destroy the default group (the next generation makes its own). The

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -287,10 +287,11 @@ class GenerationGroup:
         times out). Safe from another thread."""
         self.waits.abandon()
 
-    def abort(self, lost: bool = True) -> None:
+    def abort(self, lost: Collection[int] | None = None) -> None:
         """Make a collective blocked on a peer that fell, froze or was cut off return with
         an error: :meth:`abandon`, and for NCCL the communicator's abort. Safe from another
-        thread. ``lost``: a member is lost (not only a rebuild by the same members)."""
+        thread. ``lost``: the slots of the members lost (none: a rebuild by the same
+        members), None when not known."""
         self.abandon()
         pg = self.pg
         if pg is not None and self.device.type == "cuda":

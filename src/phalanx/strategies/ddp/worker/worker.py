@@ -346,7 +346,7 @@ class Watcher:
         dropped = set(members) - set(doc.members)
         if doc.rebuild or dropped:
             self.aborted_for = self.latest
-            group.abort(lost=bool(dropped))
+            group.abort(lost=dropped)
 
     def regroup_requested(self) -> bool:
         return self.latest > self.generation
@@ -820,7 +820,12 @@ class Worker:
         to = ends[buddy] if buddy is not None else None
         if to is None or buddy is None:
             return
-        sender = CopySender(to, self.token_key, gen.number, self.a.slot, start, self.copy_timeout)
+        timing = self.a.timing
+        handshake = timing.handshake.total_seconds()
+        sender = CopySender(
+            to, self.token_key, gen.number, self.a.slot, start, self.copy_timeout, handshake
+        )
+        taker.settle_within = timing.forming.total_seconds() / 2  # (then the next one forms)
         holder = gen.members[buddy]
         generation = gen.number
 
@@ -846,7 +851,9 @@ class Worker:
             )
 
         taker.on_copied, taker.on_copy_error = copied, failed
-        group.also_abort.append(sender.abort)
+
+        sender.holder = holder
+        group.also_abort.append(sender.abort_for)
         taker.start_copies(sender, loop.snapshot, start)
 
     def snapshot_taken(self, taken: Taken) -> None:
