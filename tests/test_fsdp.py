@@ -854,12 +854,15 @@ def test_a_one_file_checkpoint_of_other_sizes_is_refused_by_every_member(tmp_pat
     assert str(err.value).count("PX122") >= 1 and "does not fit" in str(err.value)
 
 
-def wrote(state: StateCopies, writers: dict[int, set[int]], times: int = 1) -> StateCopies:
-    """Each slot of ``writers[g]`` wrote ``times`` shard snapshots in generation g."""
+def wrote(
+    state: StateCopies, writers: dict[int, set[int]], steps: tuple[int, ...] = (1,)
+) -> StateCopies:
+    """Each slot of ``writers[g]`` wrote a shard snapshot of each of ``steps`` in
+    generation g."""
     for generation, slots in writers.items():
         for slot in slots:
-            for _ in range(times):
-                state.snapshot(0, 1, writer=(generation, slot))
+            for step in steps:
+                state.snapshot(0, step, writer=(generation, slot))
     return state
 
 
@@ -893,37 +896,64 @@ def test_a_shard_set_counts_only_when_the_next_generation_reaches_every_writer()
     assert not state.shard_set(members)
 
 
-def test_two_snapshots_of_a_later_generation_replace_a_members_older_ones() -> None:
-    """A member's folder keeps its last two snapshots: once it wrote two in generation 1,
-    generation 0's set no longer counts on it (its peers' of generation 0 alone are no
-    set)."""
-    state = wrote(StateCopies(), {0: {0, 1}})
+def test_a_set_is_one_step_that_every_member_still_keeps() -> None:
+    """A member's folder keeps its last two snapshots: a set is a step every member of a
+    generation keeps. Members one snapshot apart (the last one's still being written
+    elsewhere) share the one before; two more of a later generation replace a folder's."""
+    state = StateCopies()
     members = {0: [0, 1], 1: [0, 1]}
-    wrote(state, {1: {0}}, times=1)
-    assert state.shard_set(members)  # (slot 0's folder: one of each generation)
-    wrote(state, {1: {0}}, times=1)
+    wrote(state, {0: {0, 1}}, steps=(4, 8))
+    wrote(state, {0: {0}}, steps=(12,))
+    assert state.shard_set(members)  # (step 8: slot 0 keeps 8 and 12, slot 1 4 and 8)
+    wrote(state, {0: {0}}, steps=(16,))
+    assert not state.shard_set(members)  # (slot 0 keeps 12 and 16 only)
+    state = wrote(StateCopies(), {0: {0, 1}})
+    wrote(state, {1: {0}}, steps=(2, 3))
     assert not state.shard_set(members)  # (generation 1 lacks slot 1, 0 lacks slot 0)
+
+
+def test_a_restored_member_keeps_only_the_set_it_started_from() -> None:
+    """A new generation's member forgets, in its own folder, every snapshot but the set it
+    restored (its Joined says which): an older set no longer counts on it."""
+    state = wrote(StateCopies(), {0: {0, 1}}, steps=(4, 8))
+    members = {0: [0, 1]}
+    state.joined(0, 1, 8, restored=(0, 8))
+    assert state.local[0] == [(0, 8)] and state.shard_set(members)
+    state.joined(1, 1, 8, restored=(0, 12))  # (a set its folder did not keep: none left)
+    assert state.local[1] == [] and not state.shard_set(members)
 
 
 def test_a_copy_on_another_node_keeps_a_lost_nodes_writers_in_reach() -> None:
     """A member's snapshots copied to another node (phalanx.snapshot.copies) keep the set
     within reach of the survivors when its node is lost; copies held on the lost node go
-    with it, and a member whose copies stopped counts only where its own snapshot is."""
+    with it."""
     members = {0: [0, 1, 2, 3]}
     node_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
-    state = wrote(StateCopies(), {0: {0, 1, 2, 3}})
+    state = wrote(StateCopies(), {0: {0, 1, 2, 3}}, steps=(4,))
     for slot, holder in ((0, 1), (1, 1), (2, 0), (3, 0)):
-        state.copy(0, slot, holder, seconds=0.01)
+        state.copy(0, slot, holder, 4, seconds=0.01)
     assert state.shard_set(members, {0}.__contains__, node_of)  # (2 and 3: their copies)
-    state.copies_failed(0, 3)
-    assert not state.shard_set(members, {0}.__contains__, node_of)
-    state.copy(0, 3, 0, seconds=0.01)  # (a later copy, whole)
     state.lost(1, [2, 3])
     assert state.shard_set(members) and state.shard_set(members, {0}.__contains__, node_of)
-    assert [state.shards[0][s].nodes for s in range(4)] == [set(), set(), {0}, {0}]
+    assert sorted(state.copies) == [(2, 0), (3, 0)]  # (0's and 1's copies were on node 1)
     state.lost(0, [0, 1])  # (and then node 0: nothing is left anywhere)
     assert not state.shard_set(members)
-    assert "; 5 copied to another node" in str(state.summary(4, "worker"))
+    state.snapshot(0, 8, nbytes=1000, seconds=0.001)
+    assert "; 4 copied to another node" in str(state.summary(4, "worker"))
+
+
+def test_a_copy_of_another_step_than_the_survivors_keep_is_no_set() -> None:
+    """Slot 1's copies stopped at step 4 (failed) while slot 0 went on to 8 and 12: after
+    node 1's loss, slot 0 keeps 8 and 12, slot 1's copy is of 4: no set."""
+    node_of = {0: 0, 1: 1}.__getitem__
+    members = {0: [0, 1]}
+    state = wrote(StateCopies(), {0: {0, 1}}, steps=(4,))
+    state.copy(0, 1, 0, 4, seconds=0.01)
+    assert state.shard_set(members, {0}.__contains__, node_of)
+    wrote(state, {0: {0, 1}}, steps=(8, 12))
+    state.copies_failed(0, 1)
+    state.lost(1, [1])
+    assert not state.shard_set(members, {0}.__contains__, node_of)
 
 
 def test_copies_that_stopped_in_a_later_generation_leave_no_stale_set() -> None:
@@ -933,16 +963,35 @@ def test_copies_that_stopped_in_a_later_generation_leave_no_stale_set() -> None:
     checkpoint instead of looking for a set that is gone."""
     node_of = {0: 0, 1: 1}.__getitem__
     members = {0: [0, 1], 1: [0, 1]}
-    state = wrote(StateCopies(), {0: {0, 1}})
-    state.copy(0, 0, 1, seconds=0.01)
-    state.copy(0, 1, 0, seconds=0.01)
-    wrote(state, {1: {0, 1}}, times=2)
-    state.copy(1, 1, 0, seconds=0.01)
-    state.copy(1, 0, 1, seconds=0.01)
-    assert state.shard_set(members, {1}.__contains__, node_of)  # (0's copy on node 1)
-    state.copies_failed(1, 0)
+    state = wrote(StateCopies(), {0: {0, 1}}, steps=(4,))
+    state.copy(0, 0, 1, 4, seconds=0.01)
+    state.copy(0, 1, 0, 4, seconds=0.01)
+    state.joined(0, 1, 6, None)
+    state.joined(1, 1, 6, None)
+    wrote(state, {1: {0, 1}}, steps=(6, 8))
+    state.copy(1, 1, 0, 6, seconds=0.01)
+    state.copy(1, 0, 1, 6, seconds=0.01)
+    assert state.shard_set(members, {1}.__contains__, node_of)  # (step 6: 0's copy on 1)
+    wrote(state, {1: {0, 1}}, steps=(10,))
+    state.copy(1, 1, 0, 8, seconds=0.01)
+    state.copy(1, 0, 1, 8, seconds=0.01)
+    state.copies_failed(1, 0)  # (its copy of step 10, written over 6's on node 1)
     state.lost(0, [0])
+    # (slot 1 keeps 8 and 10 on node 1; slot 0's copy there is of 8 only: the set of 8)
+    assert state.shard_set(members, {1}.__contains__, node_of)
+    wrote(state, {1: {1}}, steps=(12,))  # (slot 1 goes on alone: 10 and 12)
     assert not state.shard_set(members, {1}.__contains__, node_of)
+
+
+def test_a_new_generations_first_copy_drops_the_copies_past_its_start() -> None:
+    """The receiver forgets the copies of steps past the one a new generation started
+    from (they are of a run that fell): the coordinator does likewise."""
+    state = StateCopies()
+    for step in (8, 12):
+        state.copy(0, 0, 1, step, seconds=0.01)
+    state.joined(0, 1, 9, (0, 8))
+    state.copy(1, 0, 1, 9, seconds=0.01)
+    assert state.copies[(0, 1)] == [(0, 8), (1, 9)]
 
 
 def test_gather_false_fails_the_member_when_its_final_checkpoint_lacks_a_rank(

@@ -211,6 +211,9 @@ class Coordinator(Roster):
         elif isinstance(message, Progress | Joined):
             if isinstance(message, Joined):
                 self._restarted(message)
+                kept = message.restored
+                restored = (int(kept[0]), int(kept[1])) if kept and len(kept) == 2 else None
+                self.state.joined(slot, message.generation, message.step, restored)
             self.slots[slot].progress(message, self.now.mono)
             if isinstance(message, Joined):
                 self.joined(message.generation)
@@ -236,7 +239,8 @@ class Coordinator(Roster):
                 self.state.copies_failed(message.generation, slot)
             else:
                 holder = self.setup.node_of(message.held_by)
-                self.state.copy(message.generation, slot, holder, message.seconds)
+                step = message.step
+                self.state.copy(message.generation, slot, holder, step, message.seconds)
         elif message.failed:
             self.state.shard_failed = True
         else:

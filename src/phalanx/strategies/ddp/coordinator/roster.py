@@ -88,31 +88,30 @@ class Setup:
         return self.nodes[slot] if self.nodes else 0
 
 
-@dataclass
-class Held:
-    """Where the shard snapshots that one member wrote in one generation still are (fsdp):
-    in its own folder on its node (``local``), and copies on other ``nodes``. Its folder, and
-    each copy folder, keeps the last two: two written in a later generation replace them."""
-
-    local: bool = False
-    nodes: set[int] = field(default_factory=set)
-    written: int = 0  # snapshots it wrote in that generation
-    copied: dict[int, int] = field(default_factory=dict)  # node -> copies made whole there
+Kept = tuple[int, int]  # a shard snapshot kept in a folder: (generation, step)
 
 
 @dataclass
 class StateCopies:
     """Where the run's committed state lives outside the members: the furthest step
     committed, each node's newest snapshot in shared memory, and a restart under way (every
-    member fell: the step it fell at, to count the steps computed again)."""
+    member fell: the step it fell at, to count the steps computed again).
+
+    Under fsdp it follows what each member's folder keeps (``local``: the last two shard
+    snapshots its slot wrote, on its node) and each copy folder (``copies``: per slot and
+    node, the last two copies made whole there), as (generation, step), so that a set is
+    counted only where one step of every member of a generation is kept."""
 
     committed: int = 0  # committed steps, from the main worker's step events
     snapshots: dict[int, int] = field(default_factory=dict)  # node -> step of its newest
     restart: Restart | None = None
     timeline: int = -1  # the generation of the latest restart (see Announcement)
 
-    # fsdp: generation -> slot -> where the snapshots of its shards it wrote then still are
-    shards: dict[int, dict[int, Held]] = field(default_factory=dict)
+    # fsdp: slot -> the shard snapshots its folder keeps (the last two written)
+    local: dict[int, list[Kept]] = field(default_factory=dict)
+    # fsdp across machines: (slot, node) -> the copies of its snapshots kept on that node
+    copies: dict[tuple[int, int], list[Kept]] = field(default_factory=dict)
+    starts: dict[int, int] = field(default_factory=dict)  # generation -> its first step
     shard_failed: bool = False  # a member's shard snapshots failed: no complete set after
     copied: int = 0  # copies made whole on another node (fsdp across machines)
     copy_seconds: float = 0.0  # their wall time, summed (beside the steps)
@@ -128,36 +127,36 @@ class StateCopies:
         self.snapshots[node] = max(step, self.snapshots.get(node, -1))
         if writer is not None:
             generation, slot = writer
-            held = self._held(generation, slot)
-            held.local, held.written = True, held.written + 1
-            if held.written == 2:  # (its folder's two buffers: this generation's now)
-                for older in self._before(generation, slot):
-                    older.local = False
+            _keep(self.local.setdefault(slot, []), (generation, step))
         self.taken += 1
         self.seconds += seconds
         self.nbytes = nbytes or self.nbytes
 
-    def copy(self, generation: int, slot: int, node: int, seconds: float) -> None:
-        """A copy of ``slot``'s snapshot in ``generation`` is whole on ``node``."""
-        held = self._held(generation, slot)
-        held.nodes.add(node)
-        held.copied[node] = held.copied.get(node, 0) + 1
-        if held.copied[node] == 2:  # (that node's copy folder of the slot: this generation's)
-            for older in self._before(generation, slot):
-                older.nodes.discard(node)
+    def joined(self, slot: int, generation: int, step: int, restored: Kept | None) -> None:
+        """``slot``'s member formed ``generation`` at committed ``step``; ``restored``: the
+        set it started from, the only snapshot its folder then keeps (it forgot the rest)."""
+        self.starts.setdefault(generation, step)
+        if restored is not None and slot in self.local:
+            self.local[slot] = [k for k in self.local[slot] if k == restored]
+
+    def copy(self, generation: int, slot: int, node: int, step: int, seconds: float) -> None:
+        """A copy of ``slot``'s snapshot of ``step`` in ``generation`` is whole on ``node``
+        (the first of a generation there: the receiver forgot the copies past the step that
+        generation started from)."""
+        kept = self.copies.setdefault((slot, node), [])
+        if kept and kept[-1][0] < generation:
+            start = self.starts.get(generation, step)
+            kept[:] = [k for k in kept if k[1] <= start]
+        _keep(kept, (generation, step))
         self.copied += 1
         self.copy_seconds += seconds
 
     def copies_failed(self, generation: int, slot: int) -> None:
-        """``slot``'s copies stopped in ``generation``: those kept may be of an older step
-        than the set its peers' snapshots make from now on."""
-        self._held(generation, slot).nodes.clear()
-
-    def _held(self, generation: int, slot: int) -> Held:
-        return self.shards.setdefault(generation, {}).setdefault(slot, Held())
-
-    def _before(self, generation: int, slot: int) -> list[Held]:
-        return [by[slot] for g, by in self.shards.items() if g < generation and slot in by]
+        """``slot``'s copies stopped in ``generation``: the one under way was written over
+        the older copy on its node (each node keeps only its newest of the slot's)."""
+        for (copied, _), kept in self.copies.items():
+            if copied == slot:
+                del kept[:-1]
 
     def summary(self, writers: int, each: str = "machine") -> str | None:
         """What the snapshots cost, for the run's end (None when none was taken):
@@ -182,10 +181,11 @@ class StateCopies:
         """A node is gone with its machine: its shared memory too (fsdp: the shard
         snapshots of its ``slots``, and the copies it kept of other nodes' members')."""
         self.snapshots.pop(node, None)
-        for by_slot in self.shards.values():
-            for slot, held in by_slot.items():
-                held.local = held.local and slot not in slots
-                held.nodes.discard(node)
+        for slot in slots:
+            self.local.pop(slot, None)
+        for slot, held in list(self.copies):
+            if held == node:
+                del self.copies[(slot, held)]
 
     @property
     def kept(self) -> bool:
@@ -198,23 +198,37 @@ class StateCopies:
         reach: Callable[[int], bool] = lambda _: True,
         node_of: Callable[[int], int] = lambda _: 0,
     ) -> bool:
-        """fsdp: whether every member of some generation (``members``: each one's) wrote a
-        snapshot of its shards in it that is still kept; with every member writing the same
-        steps, a complete set of one step is then in shared memory (the workers find
-        which). ``reach``: the nodes whose shared memory the next generation can read
-        (where one of its members runs: across nodes a set travels from the members that
-        hold it); a slot's own snapshot is on its node (``node_of``), a copy where it was
-        made."""
+        """fsdp: whether some generation (``members``: each one's) has a step of which
+        every member's shard snapshot is still kept, in its folder or as a copy, where the
+        next generation can read it: ``reach``, the nodes where one of its members runs
+        (across nodes a set travels from the members that hold it); a slot's folder is on
+        its node (``node_of``)."""
+        if self.shard_failed:
+            return False
 
-        def kept(held: Held | None, slot: int) -> bool:
-            if held is None:
-                return False
-            return (held.local and reach(node_of(slot))) or any(map(reach, held.nodes))
+        def steps(generation: int, slot: int) -> set[int]:
+            found = {s for g, s in self.local.get(slot, []) if g == generation}
+            if not reach(node_of(slot)):
+                found = set()
+            for (copied, node), kept in self.copies.items():
+                if copied == slot and reach(node):
+                    found |= {s for g, s in kept if g == generation}
+            return found
 
-        return not self.shard_failed and any(
-            all(kept(by_slot.get(slot), slot) for slot in members.get(generation, [-1]))
-            for generation, by_slot in self.shards.items()
-        )
+        for generation, slots in members.items():
+            common: set[int] | None = None
+            for slot in slots:
+                have = steps(generation, slot)
+                common = have if common is None else common & have
+            if common:
+                return True
+        return False
+
+
+def _keep(kept: list[Kept], new: Kept) -> None:
+    """A folder's two buffers: the newest two kept."""
+    kept.append(new)
+    del kept[:-2]
 
 
 @dataclass

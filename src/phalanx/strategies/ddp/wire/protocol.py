@@ -369,6 +369,9 @@ class Joined:
     generation: int
     step: int
     local: bool = False
+    # fsdp: [generation, step] of the set of shard snapshots it started from (its folder
+    # keeps only that one of its own then), or None
+    restored: list[int] | None = None
 
 
 @dataclass

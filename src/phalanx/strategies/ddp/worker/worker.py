@@ -376,6 +376,7 @@ class Worker:
         # snapshots (made with its first generation; see phalanx.snapshot.copies)
         self.copies: CopyListener | None = None
         self.no_copies = False  # (its listener could not be made: told once)
+        self.restored: list[int] | None = None  # fsdp: the set this generation started from
 
     # -- messages ----------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -623,7 +624,8 @@ class Worker:
             if self.snapshotter.propose_only:
                 loop.engine.cadence = self.snapshotter
         local, self.took_local = self.took_local, False
-        self.send(Joined(self.a.slot, gen.number, loop.state.global_step, local))
+        restored, self.restored = self.restored, None
+        self.send(Joined(self.a.slot, gen.number, loop.state.global_step, local, restored))
         self.interrupted = loop.run().interrupted
         if isinstance(loop.engine, FsdpEngine):
             if self.a.config.gather:  # (gathered by every member, kept by rank 0)
@@ -652,6 +654,7 @@ class Worker:
         the engine): they only check they stand at one step. Any other later generation
         starts from the newest complete set of shard snapshots (re-sharded, the steps since
         computed again)."""
+        self.restored = None
         if gen.number == 0:
             return
         engine = loop.engine
@@ -666,7 +669,9 @@ class Worker:
         if folder is not None and self.a.config.snapshots is not None:
             # (a restart without a run_dir resumed nothing: it needs a set, as any regroup)
             past = loop.state.global_step if restart and self.a.config.run_dir else None
-            restore_from_set(loop, group, folder, self.a.slot, past)
+            chosen = restore_from_set(loop, group, folder, self.a.slot, past)
+            if chosen is not None:
+                self.restored = [chosen.generation, chosen.step]
         elif not restart:
             raise NoShardSet(
                 "snapshots are off (fit(snapshots=False)): no copy of the shards to start "
