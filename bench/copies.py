@@ -32,6 +32,7 @@ import torch
 from phalanx.snapshot import SnapshotStore
 from phalanx.snapshot.copies import CopyListener, CopySender
 
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # (where snapshots live)
 PARAMS = 48 * (1024 * 1024 + 1024)  # bench/fsdp.py's BIG model (48 x Linear(1024))
 
 
@@ -47,17 +48,17 @@ def member_state(params: int, step: int) -> dict[str, object]:
     }
 
 
-def trial(workers: int, rounds: int) -> tuple[int, list[float]]:
+def trial(workers: int, rounds: int, params: int = PARAMS) -> tuple[int, list[float]]:
     key = os.urandom(32)
     with (
-        tempfile.TemporaryDirectory(dir="/dev/shm") as here,
-        tempfile.TemporaryDirectory(dir="/dev/shm") as there,
+        tempfile.TemporaryDirectory(dir=SHM) as here,
+        tempfile.TemporaryDirectory(dir=SHM) as there,
     ):
         own = SnapshotStore(here)
-        listener = CopyListener(there, key, "127.0.0.1", 120.0)
+        listener = CopyListener(there, key, "127.0.0.1", 120.0, 10.0)
         listener.begin(0)
         sender = CopySender(listener.endpoint, key, 0, 0, 0, 120.0)
-        state = member_state(PARAMS // workers, 0)
+        state = member_state(params // workers, 0)
         times, nbytes = [], 0
         for r in range(rounds + 1):  # (the first into fresh buffers on both ends)
             state["loop"] = {"global_step": r, "epoch": 0}
@@ -79,13 +80,14 @@ def trial(workers: int, rounds: int) -> tuple[int, list[float]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--params", type=int, default=PARAMS, help="the model's parameters")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, loopback, {args.rounds} rounds")
     print("\n| members | snapshot per member | copy (s, median) | first copy (s) | rate | "
           "memory on the receiving machine |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     for workers in (2, 4):
-        nbytes, times = trial(workers, args.rounds)
+        nbytes, times = trial(workers, args.rounds, args.params)
         median = statistics.median(times[1:])
         mib = nbytes / 2**20
         print(
