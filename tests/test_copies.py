@@ -461,36 +461,37 @@ def test_a_copy_that_outlasts_the_wait_is_given_up_as_a_failure(tmp_path: Path) 
 
 
 def test_a_connection_that_trickles_its_claim_is_shut_by_the_deadline() -> None:
-    """The handshake has one deadline in all: a peer sending a byte at a time gains no
-    time (it is shut before its claim is whole)."""
+    """The handshake has one deadline in all: a peer sending a byte at a time (each well
+    within the deadline of the one before) gains no time: it is shut before its claim is
+    whole."""
     with tempfile.TemporaryDirectory() as there:
-        listener = CopyListener(there, KEY, "127.0.0.1", TIMEOUT, 0.5)
+        listener = CopyListener(there, KEY, "127.0.0.1", TIMEOUT, 1.0)
         with socket.create_connection((listener.endpoint.host, listener.endpoint.port)) as conn:
             conn.recv(64)  # (the hello)
-            sent = 0
-            try:
-                for _ in range(200):
+            sent, shut = 0, False
+            while sent < 200 and not shut:
+                try:
                     conn.sendall(b"x")
                     sent += 1
                     threading.Event().wait(0.05)
-                    if conn.recv(1, socket.MSG_DONTWAIT) == b"":
-                        break
-            except BlockingIOError:
-                pass
-            except OSError:
-                pass
+                    shut = conn.recv(1, socket.MSG_DONTWAIT) == b""
+                except BlockingIOError:
+                    continue  # (open, nothing to read)
+                except OSError:
+                    shut = True
         listener.close()
-    assert sent < 88  # (a claim is 88 bytes: it was shut before it could be whole)
+    assert shut and sent < 88  # (a claim is 88 bytes: it was shut before it was whole)
 
 
-def test_unproven_connections_cannot_keep_a_member_out(ends: Any) -> None:
-    """More idle connections than may prove themselves at once: the oldest are shut, and a
-    member's copy still goes through."""
-    own, listener, _ = ends
-    idle = [
-        socket.create_connection((listener.endpoint.host, listener.endpoint.port))
-        for _ in range(MAX_PROVING + 4)
-    ]
+def test_unproven_connections_cannot_keep_a_member_out(tmp_path: Path) -> None:
+    """More idle connections than may prove themselves at once: the oldest are shut at
+    once (they cannot pile up threads until their deadline), and a member's copy still
+    goes through."""
+    own = SnapshotStore(str(tmp_path / "own"))
+    (tmp_path / "own").mkdir()
+    listener = CopyListener(str(tmp_path / "there"), KEY, "127.0.0.1", TIMEOUT, 600.0)
+    at = (listener.endpoint.host, listener.endpoint.port)
+    idle = [socket.create_connection(at) for _ in range(MAX_PROVING + 4)]
     for _ in range(100):  # (until the listener has taken them all)
         if len(listener._proving) >= MAX_PROVING:
             break
@@ -500,9 +501,21 @@ def test_unproven_connections_cannot_keep_a_member_out(ends: Any) -> None:
     out.wait()
     done, error = out.outcome()
     assert error is None and done is not None and done.step == 3
+    shut = 0
     for conn in idle:
+        conn.settimeout(0.3)  # (an evicted one is closed already; the others wait 600 s)
+        try:
+            conn.recv(64)  # (the hello)
+            shut += conn.recv(1) == b""
+        except TimeoutError:
+            pass
+        except OSError:
+            shut += 1
         conn.close()
+    assert shut == 5  # (4 over the limit, and one more for the member's connection)
     out.close()
+    listener.close()
+    own.close()
 
 
 def test_a_rebuilds_abort_lets_the_copy_end_a_lost_members_ends_it() -> None:
