@@ -263,7 +263,8 @@ def config(hang: float, node: float) -> FitConfig:
 
 
 # hang_timeout, node_timeout -> forming (max(10 s, hang)), collective (2 hang + 30 s),
-# verdict (node + 5 s), takeover (node + 10 s), follow (save_wait 60 s + node + 20 s)
+# verdict (node + 5 s), takeover (node + 10 s), follow (save_wait 60 s + node + 20 s);
+# settle_copy is forming / 2
 DERIVED = [
     (60, 10, 60, 150, 15, 20, 90),  # fit's defaults
     (5, 3, 10, 40, 8, 13, 83),  # a short hang_timeout: forming never under 10 s
@@ -294,7 +295,9 @@ def test_timing_of_a_configuration_derives_its_bounds(
     assert timing.takeover == timedelta(seconds=takeover)
     assert timing.follow == timedelta(seconds=follow)
     assert timing.follow > timing.save_wait + timing.takeover  # (the leader saves, then waits)
+    assert timing.settle_copy == timedelta(seconds=forming) / 2  # (within forming)
     derived = {"hang", "node", "forming", "collective", "verdict", "takeover", "follow"}
+    derived.add("settle_copy")
     for f in dataclasses.fields(Timing):  # every other bound is the configuration's own
         if f.name not in derived:
             assert getattr(timing, f.name) == getattr(DEFAULT, f.name), f.name

@@ -41,6 +41,10 @@ class Timing:
     # node + 10 s: the head lost, its successor waits this long for the other survivors to
     # reach it (from when it listens as the new head), then goes on with those that came
     takeover: timedelta = timedelta(seconds=20)
+    # forming / 2 (fsdp across machines): a member leaving a generation waits this long for
+    # its snapshot's copy under way to another machine, then gives it up (the next
+    # generation forms within ``forming``)
+    settle_copy: timedelta = timedelta(seconds=30)
 
     # -- the coordinator ------------------------------------------------------------------
     grace: timedelta = timedelta(seconds=2)  # to exit by themselves once the run is decided
@@ -120,6 +124,7 @@ class Timing:
             collective=hang * 2 + timedelta(seconds=30),
             verdict=node + timedelta(seconds=5),
             takeover=node + timedelta(seconds=10),
+            settle_copy=max(timedelta(seconds=10), hang) / 2,
             follow=cls.save_wait + node + timedelta(seconds=20),
         )
 

@@ -830,7 +830,7 @@ class Worker:
         sender = CopySender(
             to, self.token_key, gen.number, self.a.slot, start, self.copy_timeout, handshake
         )
-        taker.settle_within = timing.forming.total_seconds() / 2  # (then the next one forms)
+        taker.settle_within = timing.settle_copy.total_seconds()  # (then the next one forms)
         holder = gen.members[buddy]
         generation = gen.number
 
