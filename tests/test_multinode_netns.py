@@ -183,23 +183,24 @@ def test_a_cut_link_is_named_on_both_sides_and_the_head_goes_on(
     assert failure["action"] == "shrunk" and failure["recovery_seconds"] < 5.0
 
 
-@pytest.mark.timeout(300)
-def test_a_non_head_host_that_dies_is_named_and_the_run_ends_as_if_nothing_was_lost(
-    tmp_path: Path, namespaces: list[tuple[str, str, str]]
-) -> None:
-    """Node 1's host dies: its interface goes down, then its processes are killed (their
-    sockets close with no packet leaving) and its namespace is deleted. The head hears
-    nothing more, names the node lost after node_timeout (3 s here) by its silence, goes
-    on without it, and ends with the model of a run that lost nothing."""
-    head = f"{namespaces[0][2]}:29612"
+def host_one_dies(
+    tmp_path: Path,
+    namespaces: list[tuple[str, str, str]],
+    head: str,
+    extra_env: dict[str, str] | None = None,
+) -> tuple[float, str]:
+    """Two nodes of one worker, 12 epochs, shrink, node_timeout 3 s; once the head finished
+    epoch 2, node 1's host dies: its link down, its processes killed, its namespace
+    deleted. When it died, and the head's log once it ended (it must end well)."""
     logs = [tmp_path / "n0.log", tmp_path / "n1.log"]
     args = ["cpu:0", "12", "-", "shrink"]
     procs = [
         start_in(
-            namespaces[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], node_timeout=3
+            namespaces[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], node_timeout=3,
+            extra_env=extra_env,
         )
         for r in (0, 1)
-    ]
+    ]  # fmt: skip
     try:
         wait_for("epoch 2/12 done", logs[0], procs[0])
         ip("-n", namespaces[1][0], "link", "set", namespaces[1][1], "down")
@@ -212,7 +213,20 @@ def test_a_non_head_host_that_dies_is_named_and_the_run_ends_as_if_nothing_was_l
             kill_group(p)
     head_text = logs[0].read_text()
     assert head_code == 0, head_text[-3000:]
-    result = result_of(logs[0])
+    return died, head_text
+
+
+@pytest.mark.timeout(300)
+def test_a_non_head_host_that_dies_is_named_and_the_run_ends_as_if_nothing_was_lost(
+    tmp_path: Path, namespaces: list[tuple[str, str, str]]
+) -> None:
+    """Node 1's host dies: its interface goes down, then its processes are killed (their
+    sockets close with no packet leaving) and its namespace is deleted. The head hears
+    nothing more, names the node lost after node_timeout (3 s here) by its silence, goes
+    on without it, and ends with the model of a run that lost nothing."""
+    head = f"{namespaces[0][2]}:29612"
+    died, _ = host_one_dies(tmp_path, namespaces, head)
+    result = result_of(tmp_path / "n0.log")
     assert result["steps"] == 120 and result["ledger_ok"]
     [failure] = result["failures"]
     assert failure["action"] == "shrunk" and "no word for" in failure["message"]
@@ -232,28 +246,9 @@ def test_fsdp_a_host_that_dies_leaves_the_copies_of_its_shards_on_the_other(
     snapshot and the copy, cut to a world of one) and ends with the model of a run that
     lost nothing. A copy to the dead host under way is ended by the group's abort."""
     head = f"{namespaces[0][2]}:29613"
-    logs = [tmp_path / "n0.log", tmp_path / "n1.log"]
-    args = ["cpu:0", "12", "-", "shrink"]
     env = {"PHALANX_TEST_STRATEGY": "fsdp", "PHALANX_TEST_SNAPSHOT_STEPS": "2"}
-    procs = [
-        start_in(
-            namespaces[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], node_timeout=3,
-            extra_env=env,
-        )
-        for r in (0, 1)
-    ]  # fmt: skip
-    try:
-        wait_for("epoch 2/12 done", logs[0], procs[0])
-        ip("-n", namespaces[1][0], "link", "set", namespaces[1][1], "down")
-        kill_group(procs[1])
-        subprocess.run(["ip", "netns", "del", namespaces[1][0]], check=True)
-        head_code = finish(procs[0], timeout=120)
-    finally:
-        for p in procs:
-            kill_group(p)
-    head_text = logs[0].read_text()
-    assert head_code == 0, head_text[-3000:]
-    result = result_of(logs[0])
+    _, head_text = host_one_dies(tmp_path, namespaces, head, env)
+    result = result_of(tmp_path / "n0.log")
     assert result["steps"] == 120 and result["ledger_ok"]
     [failure] = result["failures"]
     assert failure["action"] == "shrunk" and failure["message"].startswith("node 1 (")
