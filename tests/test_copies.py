@@ -25,7 +25,6 @@ from phalanx.snapshot.copies import (
     Endpoint,
     buddies,
     copy_folder,
-    local_address,
 )
 from phalanx.snapshot.shards import ShardSet, Written, newest_set, tag
 from phalanx.snapshot.store import Header
@@ -297,8 +296,10 @@ def test_a_member_waits_for_its_copy_only_before_the_vote_that_takes_the_next(
 
 
 def test_the_copy_address_is_on_the_interface_that_reaches_the_head() -> None:
-    assert local_address("127.0.0.1") == "127.0.0.1"
-    with socket.create_server((local_address("127.0.0.1"), 0)) as server:
+    from phalanx.strategies.ddp.wire.link import address_towards
+
+    assert address_towards("127.0.0.1", 9) == "127.0.0.1"
+    with socket.create_server((address_towards("127.0.0.1", 9), 0)) as server:
         assert server.getsockname()[1] > 0
 
 
@@ -410,10 +411,8 @@ def test_a_set_survives_either_machines_loss_through_a_regroup(tmp_path: Path) -
         seen.append(machines.sets_left())
     threading.Timer(0.2, regrouped.set).start()
     for taker in machines.takers.values():  # (leave_group)
-        taker.settle_copies()
-        assert taker.copier is not None
-        taker.copier.close()
-        taker.copier = None
+        taker.end_copies()
+        assert taker.copier is None  # (the generation's connection closed)
     seen.append(machines.sets_left())
     chosen = newest_set(
         w

@@ -67,17 +67,6 @@ def buddies(places: Sequence[str]) -> list[int | None]:
     return found
 
 
-def local_address(toward: str) -> str:
-    """This machine's address on the interface that reaches ``toward`` (the head's: the
-    interface the nodes share). No packet is sent."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((toward, 9))
-            return str(probe.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
-
-
 def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"|".join((label, *parts)), hashlib.sha256).digest()
 

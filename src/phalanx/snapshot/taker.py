@@ -199,15 +199,17 @@ class Snapshotter:
         finally:
             self.for_joins = for_joins
 
-    def settle_copies(self) -> None:
+    def end_copies(self) -> None:
         """Leaving a generation: wait for the copy under way (the group's abort ends it
-        where a member was lost) and tell what became of it. Where every member lives, the
-        copy of the snapshot a regroup forced is then whole, and the set the next generation
-        starts from stands on two machines."""
+        where a member was lost), tell what became of it, and close the generation's
+        connection. Where every member lives, the copy of the snapshot a regroup forced is
+        then whole, and the set the next generation starts from stands on two machines."""
         self.fence()
         if self.copier is not None:
             self.copier.wait(self.settle_within)
             self._tell_copies()
+            self.copier.close()
+            self.copier = None
 
     def _tell_copies(self) -> None:
         copier = self.copier
@@ -227,7 +229,7 @@ class Snapshotter:
 
     def close(self) -> None:
         self.fence()
-        if self.copier is not None:
+        if self.copier is not None:  # (the run's end: a copy under way no longer matters)
             self.copier.close()
             self.copier = None
         if self._lock is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,18 +33,9 @@ from phalanx.strategies.ddp.coordinator.nodeplan import Follow, TakeOver, majori
 from phalanx.strategies.ddp.nodes.headloss import head_lost, kept_line
 from phalanx.strategies.ddp.nodes.shared import tell
 from phalanx.strategies.ddp.timing import Timing
-from phalanx.strategies.ddp.wire.link import Frame, Link, LinkError, Listener
+from phalanx.strategies.ddp.wire.link import Frame, Link, LinkError, Listener, address_towards
 from phalanx.strategies.ddp.wire.messages import BadMessage, Heir, Hello, Refused, decode
 from phalanx.strategies.ddp.wire.protocol import Saved
-
-
-def address_towards(host: str, port: int) -> str:
-    """This machine's address on the route to ``host`` (the interface the other nodes
-    reach it on; no packet is sent)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))
-        return str(probe.getsockname()[0])
 
 
 @dataclass

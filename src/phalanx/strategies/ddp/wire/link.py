@@ -399,3 +399,12 @@ class Listener:
             except queue.Empty:
                 return
             link.close()
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (the interface the other nodes
+    reach it on; no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])

@@ -144,7 +144,7 @@ class FsdpGroup(GenerationGroup):
         module's docstring). Safe from another thread. ``lost``: the slots of the members
         lost (None: not known), told to :attr:`also_abort` (a copy to another machine
         under way ends where it may wait on a lost member's machine, and goes on
-        otherwise: see :meth:`~phalanx.snapshot.taker.Snapshotter.settle_copies`)."""
+        otherwise: see :meth:`~phalanx.snapshot.taker.Snapshotter.end_copies`)."""
         super().abort(lost)
         if self.device.type != "cuda":
             self.sockets.shut(self.store_port)

@@ -58,7 +58,6 @@ from phalanx.snapshot.copies import (
     CopySender,
     Endpoint,
     buddies,
-    local_address,
 )
 from phalanx.snapshot.shards import tag as shard_tag
 from phalanx.snapshot.store import Header
@@ -66,6 +65,7 @@ from phalanx.spec import FitConfig, TrainSpec
 from phalanx.strategies.ddp.process import Lifeline
 from phalanx.strategies.ddp.timing import DEFAULT, Timing
 from phalanx.strategies.ddp.wire.control import SignedStore, Signer, latest_generation
+from phalanx.strategies.ddp.wire.link import address_towards
 from phalanx.strategies.ddp.wire.protocol import (
     ABORT_KEY,
     ARRIVED_PREFIX,
@@ -571,10 +571,7 @@ class Worker:
         (peers still blocked on them error out) and DDP's autograd hooks go."""
         if self.loop is not None and isinstance(self.loop.engine, FsdpEngine):
             if self.snapshotter is not None:
-                self.snapshotter.settle_copies()  # (its snapshot whole, and its copy)
-                if self.snapshotter.copier is not None:  # (the generation's connection)
-                    self.snapshotter.copier.close()
-                    self.snapshotter.copier = None
+                self.snapshotter.end_copies()  # (its snapshot whole, and its copy)
             self.loop.engine.keep()  # (its shards, for the next generation: before the group)
         if self.loop is not None and isinstance(self.loop.engine, DdpEngine):
             self.loop.engine.ddp = None
@@ -774,9 +771,10 @@ class Worker:
         if not (a.sharded and a.spans_nodes and a.snapshot_dir and a.config.snapshots):
             return None
         if self.copies is None and not self.no_copies:
-            host = local_address(a.store_host)
+            host = "?"
             handshake = a.timing.handshake.total_seconds()
-            try:
+            try:  # (on the interface that reaches the head's store: the nodes share it)
+                host = address_towards(a.store_host, a.store_port)
                 self.copies = CopyListener(
                     a.snapshot_dir, self.token_key, host, self.copy_timeout, handshake
                 )
