@@ -916,11 +916,49 @@ def test_a_restored_member_keeps_only_the_set_it_started_from() -> None:
     """A new generation's member forgets, in its own folder, every snapshot but the set it
     restored (its Joined says which): an older set no longer counts on it."""
     state = wrote(StateCopies(), {0: {0, 1}}, steps=(4, 8))
-    members = {0: [0, 1]}
+    members = {0: [0, 1], 1: [0, 1]}
     state.joined(0, 1, 8, restored=(0, 8))
     assert state.local[0] == [(0, 8)] and state.shard_set(members)
-    state.joined(1, 1, 8, restored=(0, 12))  # (a set its folder did not keep: none left)
-    assert state.local[1] == [] and not state.shard_set(members)
+    wrote(state, {1: {0}}, steps=(9, 10))  # (slot 0 goes on alone: its set of 8 is gone)
+    assert state.local[0] == [(1, 9), (1, 10)] and not state.shard_set(members)
+
+
+def test_a_restored_set_counts_the_snapshots_the_coordinator_did_not_hear_of() -> None:
+    """Worker 1 wrote its snapshot of step 4 and was killed before its word left: the
+    coordinator heard of 2 and 3 only. The survivors found the set of 4 whole and restored
+    it (their Joined says so), then slot 0 wrote 5 and slot 2 was killed before its word of
+    5 left: the set of 4 is still whole (slot 1's folder and the survivors' kept it), and
+    the second loss must count on it (a real run under load: see the next test)."""
+    members = {0: [0, 1, 2], 1: [0, 2]}
+    state = wrote(StateCopies(), {0: {0, 1, 2}}, steps=(2, 3))
+    wrote(state, {0: {0, 2}}, steps=(4,))
+    for slot in (0, 2):
+        state.joined(slot, 1, 4, (0, 4), members[0])
+    wrote(state, {1: {0}}, steps=(5,))
+    assert state.local[1] == [(0, 3), (0, 4)]
+    assert state.shard_set(members)
+    state = wrote(StateCopies(), {0: {0, 1, 2}}, steps=(2, 3))  # (the same, heard of 3 only)
+    for slot in (0, 2):
+        state.joined(slot, 1, 4, (0, 4), members[0])
+    assert state.local == {0: [(0, 4)], 1: [(0, 3), (0, 4)], 2: [(0, 4)]}
+
+
+def test_a_restored_set_from_a_lost_nodes_copies_is_counted_on_its_buddys_node() -> None:
+    """Node 1 (slots 2 and 3) is lost; the survivors restored the set of step 8 from the
+    copies of 2's and 3's snapshots on node 0, though the coordinator heard of copies of 4
+    only (each sender was killed with its node before its word left): the copies of 8 are
+    counted on node 0, the buddy's, not in the lost folders."""
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}.__getitem__
+    members = {0: [0, 1, 2, 3], 1: [0, 1]}
+    state = wrote(StateCopies(), {0: {0, 1, 2, 3}}, steps=(4, 8))
+    for slot in (2, 3):
+        state.copy(0, slot, 0, 4, seconds=0.01)
+    state.lost(1, [2, 3])
+    for slot in (0, 1):
+        state.joined(slot, 1, 8, (0, 8), members[0], node_of)
+    assert state.copies == {(2, 0): [(0, 4), (0, 8)], (3, 0): [(0, 4), (0, 8)]}
+    assert 2 not in state.local and 3 not in state.local
+    assert state.shard_set(members, {0}.__contains__, node_of)
 
 
 def test_a_copy_on_another_node_keeps_a_lost_nodes_writers_in_reach() -> None:

@@ -213,7 +213,10 @@ class Coordinator(Roster):
                 self._restarted(message)
                 kept = message.restored
                 restored = (int(kept[0]), int(kept[1])) if kept and len(kept) == 2 else None
-                self.state.joined(slot, message.generation, message.step, restored)
+                writers = self.gens.members.get(restored[0], []) if restored else []
+                self.state.joined(
+                    slot, message.generation, message.step, restored, writers, self.setup.node_of
+                )
             self.slots[slot].progress(message, self.now.mono)
             if isinstance(message, Joined):
                 self.joined(message.generation)
@@ -588,6 +591,7 @@ class NodeCoordinator(Coordinator):
         if not self.admits(event.node):
             return
         fell = self.lost_nodes.pop(event.node)
+        self.state.gone.discard(event.node)  # (its folders are written again from now)
         slots = [s for s in sorted(self.slots) if self.setup.node_of(s) == event.node]
         after = -1 if fell.step is None else fell.step
         for slot in slots:

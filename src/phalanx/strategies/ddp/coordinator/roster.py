@@ -9,7 +9,7 @@ each worker's last progress is :attr:`Slot.progress_at`, set only from its own m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -18,6 +18,7 @@ from phalanx.events import Event, GenerationStarted, Notice
 from phalanx.failures import WorkerFailure
 from phalanx.plan import Plan
 from phalanx.policy import STEP_PHASES, Recovery
+from phalanx.snapshot.copies import buddies
 from phalanx.strategies.ddp.coordinator.actions import Action, Announce, Emit, Kill, Spawn
 from phalanx.strategies.ddp.coordinator.book import FailureBook
 from phalanx.strategies.ddp.coordinator.panel import Panel
@@ -118,6 +119,7 @@ class StateCopies:
     taken: int = 0  # snapshots written, on every node
     seconds: float = 0.0  # their time, summed (the loop's share and the background copy)
     nbytes: int = 0  # the size of the last one
+    gone: set[int] = field(default_factory=set)  # nodes lost (fsdp: their folders with them)
 
     def snapshot(
         self, node: int, step: int, nbytes: int = 0, seconds: float = 0.0, writer: Any = None
@@ -132,12 +134,42 @@ class StateCopies:
         self.seconds += seconds
         self.nbytes = nbytes or self.nbytes
 
-    def joined(self, slot: int, generation: int, step: int, restored: Kept | None) -> None:
+    def joined(
+        self,
+        slot: int,
+        generation: int,
+        step: int,
+        restored: Kept | None,
+        writers: Sequence[int] = (),
+        node_of: Callable[[int], int] = lambda _: 0,
+    ) -> None:
         """``slot``'s member formed ``generation`` at committed ``step``; ``restored``: the
-        set it started from, the only snapshot its folder then keeps (it forgot the rest)."""
+        set it started from, the only snapshot its folder then keeps (it forgot the rest).
+
+        That set was whole: each of its ``writers`` (the members of its generation, in rank
+        order) kept its snapshot of it, though the coordinator may not have heard of the
+        newest ones (a member killed just after it wrote one, before its word left). Each
+        one not heard of is counted now: in the writer's folder, or where its node is lost,
+        in the copy on its buddy's node (the only one that takes its copies)."""
         self.starts.setdefault(generation, step)
-        if restored is not None and slot in self.local:
+        if restored is None:
+            return
+        if slot in self.local:
             self.local[slot] = [k for k in self.local[slot] if k == restored]
+        buddy = buddies([str(node_of(w)) for w in writers])
+        for rank, writer in enumerate(writers):
+            if self._heard(writer, restored):
+                continue
+            if node_of(writer) not in self.gone:
+                _keep(self.local.setdefault(writer, []), restored)
+            elif (held := buddy[rank]) is not None:
+                _keep(self.copies.setdefault((writer, node_of(writers[held])), []), restored)
+
+    def _heard(self, slot: int, kept: Kept) -> bool:
+        """Whether the coordinator knows ``slot``'s snapshot ``kept``, in a folder or a copy."""
+        return kept in self.local.get(slot, []) or any(
+            kept in held for (copied, _), held in self.copies.items() if copied == slot
+        )
 
     def copy(self, generation: int, slot: int, node: int, step: int, seconds: float) -> None:
         """A copy of ``slot``'s snapshot of ``step`` in ``generation`` is whole on ``node``
@@ -181,6 +213,7 @@ class StateCopies:
         """A node is gone with its machine: its shared memory too (fsdp: the shard
         snapshots of its ``slots``, and the copies it kept of other nodes' members')."""
         self.snapshots.pop(node, None)
+        self.gone.add(node)
         for slot in slots:
             self.local.pop(slot, None)
         for slot, held in list(self.copies):
@@ -226,9 +259,12 @@ class StateCopies:
 
 
 def _keep(kept: list[Kept], new: Kept) -> None:
-    """A folder's two buffers: the newest two kept."""
-    kept.append(new)
-    del kept[:-2]
+    """A folder's two buffers: the newest two kept (a folder writes in (generation, step)
+    order: a restore forgets the steps past the set, and the next generation writes on)."""
+    if new not in kept:
+        kept.append(new)
+        kept.sort()
+        del kept[:-2]
 
 
 @dataclass
