@@ -242,6 +242,9 @@ def test_the_heads_writes_never_read_what_a_rogue_left_in_the_counters() -> None
             agent.announce(Announcement(0, (0, 1)))
             agent.set_stop("a user's stop")
             agent.set_abort("decided")
+            # (and the head's read back on its own connection: its sets, unanswered, are in
+            # the store before the rogue's next ones; under load they landed after them)
+            assert agent.store.get(GEN_LATEST) == b"0"
         reports: list[tuple[str, str, str]] = []
         client = dist.TCPStore("127.0.0.1", agent.store_at[1], is_master=False)
         worker = SignedStore(client, agent.signer, lambda *r: reports.append(r))
