@@ -322,6 +322,41 @@ def test_a_generations_first_copy_is_waited_for_before_its_first_vote(tmp_path: 
     taker.close()
 
 
+def test_a_copy_that_fails_is_told_once_and_the_members_own_snapshots_go_on(
+    tmp_path: Path,
+) -> None:
+    """The buddy's listener does not hold the run's key (another run's, or a rogue's): the
+    generation's first copy fails at the handshake. The member hears of it once, on its
+    own thread before its next vote (the worker then tells the coordinator its copies
+    failed, and warns), starts no copy after it, and goes on taking its own snapshots."""
+    (tmp_path / "own").mkdir()
+    (tmp_path / "there").mkdir()
+    listener = CopyListener(str(tmp_path / "there"), b"x" * 32, "127.0.0.1", TIMEOUT, TIMEOUT)
+    listener.begin(3)
+    taken: list[Any] = []
+    taker = Snapshotter(
+        SnapshotStore(str(tmp_path / "own")), px.Snapshots(every_steps=1), set, taken.append,
+        taken.append,
+    )  # fmt: skip
+    copied: list[Any] = []
+    errors: list[BaseException] = []
+    taker.on_copied, taker.on_copy_error = copied.append, errors.append
+    copier = CopySender(listener.endpoint, KEY, 3, 5, 0, TIMEOUT)
+    taker.start_copies(copier, lambda: state(0, rows=10), 0)
+    for step in range(1, 5):
+        taker.before_vote()  # (the vote on `step`: the first waits for the first copy)
+        assert not copier.busy  # (no copy after the failure)
+        taker.after_commit(lambda s=step: state(s, rows=10), step, regroup=False)
+    taker.end_copies()
+    assert [t.step for t in taken] == [0, 1, 2, 3, 4] and copied == []
+    assert copier.step == 0  # (the only copy started: of the generation's first snapshot)
+    [error] = errors
+    assert isinstance(error, ConnectionError)  # (the receiver shut it: the claim's MAC)
+    assert not list((tmp_path / "there").glob("copy-*/*"))  # (not a byte reached it)
+    taker.close()
+    listener.close()
+
+
 # -- a set on the machines that survive, through a generation's change ----------------------
 class Machines:
     """Two machines, each a snapshot folder with a copy listener; one member on each
