@@ -161,9 +161,9 @@ class StateCopies:
             if self._heard(writer, restored):
                 continue
             if node_of(writer) not in self.gone:
-                _keep(self.local.setdefault(writer, []), restored)
+                _unheard(self.local.setdefault(writer, []), restored)
             elif (held := buddy[rank]) is not None:
-                _keep(self.copies.setdefault((writer, node_of(writers[held])), []), restored)
+                _unheard(self.copies.setdefault((writer, node_of(writers[held])), []), restored)
 
     def _heard(self, slot: int, kept: Kept) -> bool:
         """Whether the coordinator knows ``slot``'s snapshot ``kept``, in a folder or a copy."""
@@ -259,12 +259,18 @@ class StateCopies:
 
 
 def _keep(kept: list[Kept], new: Kept) -> None:
-    """A folder's two buffers: the newest two kept (a folder writes in (generation, step)
-    order: a restore forgets the steps past the set, and the next generation writes on)."""
-    if new not in kept:
-        kept.append(new)
-        kept.sort()
-        del kept[:-2]
+    """A folder's two buffers: the newest two kept."""
+    kept.append(new)
+    del kept[:-2]
+
+
+def _unheard(kept: list[Kept], found: Kept) -> None:
+    """``found``, whole in a folder though its word never came: in its place among the
+    newest two (a folder writes in (generation, step) order: a restore forgets the steps
+    past the set, and the next generation writes on)."""
+    kept.append(found)
+    kept.sort()
+    del kept[:-2]
 
 
 @dataclass
