@@ -145,3 +145,31 @@ def load_dcp_sharded(rank: int, port: int, folder: str, out: str) -> None:
         torch.save(mine, f"{out}/rank-{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def losing_step(model: nn.Module, batch: Any, agent: int, marker: str) -> torch.Tensor:
+    """:func:`step`, but once in a run (``marker``: a file it makes), rank 1 of its group at
+    its process's 12th call removes its slot's shard snapshots from the shared memory folder
+    of the run's agent (the process ``agent``) and kills itself: a member lost with every
+    snapshot of its shards the coordinator heard of, so the set it counts is gone."""
+    import glob
+    import os
+    import shutil
+    import signal
+
+    import torch.distributed as dist
+
+    global _calls
+    _calls += 1
+    if _calls == 12 and dist.get_rank() == 1:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return step(model, batch)
+        for folder in glob.glob(f"/dev/shm/phalanx-snap-{agent}-*/slot-1"):
+            shutil.rmtree(folder)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return step(model, batch)
+
+
+_calls = 0  # (losing_step's, in this process)

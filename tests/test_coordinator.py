@@ -615,6 +615,41 @@ def test_fsdp_under_shrink_a_loss_without_a_set_in_reach_stops_and_says_why() ->
     assert 'mode="shrink"' in note and 'mode="respawn"' in note
 
 
+def no_set(slot: int, step: int) -> Failed:
+    """A new generation's member found no complete set of shard snapshots (fsdp)."""
+    failure = dataclasses.replace(
+        exception(slot, step, 0, []), phase="regroup", attempt=None, exception_type="NoShardSet"
+    )
+    return Failed(failure, fatal=True)
+
+
+@pytest.mark.parametrize("run_dir", [True, False])
+def test_fsdp_a_set_counted_but_not_found_is_told_once_and_leaves_no_holder(run_dir: bool) -> None:
+    """fsdp: every member's snapshot of step 4 heard of, so a lost member's survivors go
+    on (respawned). They find no set (NoShardSet): the first word is recorded, the set is
+    no longer counted, and the run restarts every slot (a run_dir) or stops with the note
+    that says why; the other survivor's word is the same news, not recorded."""
+    run = Run(world=3, run_dir=run_dir, sharded=True)
+    run.start_training()
+    for slot in range(3):
+        run.say(slot, Snapshotted(slot, 4, generation=0))
+    first = run.at(1).feed(Exited(1, SIGKILL, pid=run.c.slots[1].pid))
+    assert recorded(first) == [(1, "crash", 0, "respawned")]
+    assert announced(first) and run.c.holders([0, 2]) == 2
+    told = run.at(2).say(0, no_set(0, 4))
+    again = run.say(2, no_set(2, 4))
+    assert recorded(again) == [] and run.c.holders([0, 2]) == 0
+    if run_dir:
+        assert recorded(told) == [(0, "exception", 4, "restarted")]
+        assert sorted(a.slot for a in told if isinstance(a, Spawn)) == [0, 1, 2]
+        assert run.c.book.notes == []
+    else:
+        assert recorded(told) == [(0, "exception", 4, "aborted")]
+        assert any(isinstance(a, SetAbort) for a in told)
+        [note] = run.c.book.notes
+        assert "found no complete set of shard snapshots where the head counted one" in note
+
+
 def test_a_pid_used_again_by_a_later_process_of_the_slot_is_that_process() -> None:
     """A node that starts afresh (or pids that wrap) may give a replacement the pid of the
     process it replaces: once the new process is known by it, its exit is its own."""

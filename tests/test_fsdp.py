@@ -562,6 +562,50 @@ def test_without_snapshots_a_lost_worker_ends_the_run_with_one_report() -> None:
     assert "no copy of a lost worker's shards" in str(err.value)
 
 
+def losing(tmp_path: Path) -> px.Learner:
+    """A learner whose worker 1 is lost at step 4 (5th micro-batch pair) with its slot's shard
+    snapshots: the set the coordinator heard of is not there (fsdp_helpers.losing_step)."""
+    marker = str(tmp_path / "lost-once")
+    step = functools.partial(h.losing_step, agent=os.getpid(), marker=marker)
+    return px.Learner(h.net, h.adam, step, grad_accumulation=2, grad_clip_norm=0.5)
+
+
+@pytest.mark.timeout(120)
+def test_a_set_counted_but_not_there_restarts_every_slot_from_the_checkpoint(
+    tmp_path: Path, single: px.FitResult
+) -> None:
+    """The window of two losses close together, made for real: worker 1 is killed after
+    removing its snapshots. The survivors find no set; the first to say so is recorded once
+    and every slot starts again from the newest checkpoint: no worker is respawned for it,
+    the steps since are computed again, the weights end as one device's."""
+    result = losing(tmp_path).fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", run_dir=tmp_path / "run",
+        checkpoint=px.Checkpoints(every_steps=3), **FIT,
+    )  # fmt: skip
+    lost, found = result.failures
+    assert (lost.worker, lost.kind, lost.step) == (1, "crash", 4)  # (the 5th step: 4 committed)
+    said = (found.exception_type, found.phase, found.action)
+    assert said == ("NoShardSet", "regroup", "restarted")
+    assert found.replayed_steps == 1  # (from the checkpoint of step 3: the 4th again)
+    assert rel(result.model, single.model) <= 1e-5 and result.ledger_ok is True
+
+
+@pytest.mark.timeout(120)
+def test_a_set_counted_but_not_there_without_a_checkpoint_ends_with_the_loss_as_root_cause(
+    tmp_path: Path,
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed) as err:
+        losing(tmp_path).fit(TRAIN, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp", **FIT)
+    assert time.monotonic() - started < 40
+    root = err.value.root_cause
+    assert (root.worker, root.kind, root.step) == (1, "crash", 4)
+    assert root.action == "respawned"  # (the survivors were to go on: their set was not there)
+    names = [f.exception_type for f in err.value.failures]
+    assert names.count("NoShardSet") == 1  # (every survivor says so: recorded once)
+    assert "found no complete set of shard snapshots where the head counted one" in str(err.value)
+
+
 # -- shard sets, re-sharded (pure) ---------------------------------------------------------
 
 

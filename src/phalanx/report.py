@@ -45,7 +45,11 @@ KIND_CODES = {"exception": "PX200", "crash": "PX201", "hang": "PX202", "oom": "P
 
 
 def is_secondary(f: WorkerFailure) -> bool:
-    """A survivor's error caused by another worker's failure (not a cause of its own)."""
+    """A survivor's error caused by another worker's failure (not a cause of its own). Under
+    fsdp a new generation's member that finds no complete set of shard snapshots
+    (``NoShardSet``) says the state a lost member held is gone: the loss is the cause."""
+    if f.exception_type == "NoShardSet":
+        return True
     if f.kind != "exception" or f.phase not in ("sync", "backward", "forward", "preflight"):
         return False
     if f.exception_type in SECONDARY_TYPES:

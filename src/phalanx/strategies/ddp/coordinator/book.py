@@ -29,6 +29,7 @@ from phalanx.strategies.ddp.coordinator.actions import Action, Record
 from phalanx.strategies.ddp.wire.protocol import Broke, Done
 
 ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted", "restart": "restarted"}
+NO_SET = "NoShardSet"  # fsdp: what a new generation's members raise when they find no set
 NO_RUN_DIR = (
     "Every worker had fallen while respawns were left, and no copy of the state outlived "
     "them: with snapshots in shared memory (fit(snapshots=...), on by default) or a run_dir "
@@ -49,6 +50,14 @@ SHARDED_SHRINK = (
     "their own machines, and a lost worker's snapshot was on a machine none of them runs on "
     '(or none was complete): with mode="shrink" nothing starts the other slots again; '
     'mode="respawn" restarts every slot from the set, or from a checkpoint (docs/fsdp.md).'
+)
+MISSING_SET = (
+    'Under strategy="fsdp" the new generation\'s members found no complete set of shard '
+    "snapshots where the head counted one (two losses close together: a member's, then "
+    "another machine's, before the new generation's first copies were whole; or a snapshot "
+    "rewritten while it was read), and no checkpoint to start again from: with a run_dir "
+    '(checkpoints) and mode="respawn" every slot would have started again from the newest '
+    "checkpoint (docs/fsdp.md)."
 )
 Fall = Literal["respawn", "shrink", "restart", "preflight", "stopped"]
 
@@ -175,7 +184,9 @@ class FailureBook:
             self.recovery, failure, history, survivors, (self.run_dir or kept) and can_restart
         )
         sharded = self.sharded and not survivors and restart_was_possible(self.recovery, history)
-        if action == "abort" and sharded and failure.phase not in RUN_LEVEL_PHASES:
+        if action == "abort" and self.sharded and failure.exception_type == NO_SET:
+            self.notes.append(MISSING_SET)
+        elif action == "abort" and sharded and failure.phase not in RUN_LEVEL_PHASES:
             self.notes.append(SHARDED)
         elif (
             action == "abort" and self.sharded and not survivors and self.recovery.mode == "shrink"

@@ -30,7 +30,7 @@ from phalanx.strategies.ddp.coordinator.actions import (
     SetStop,
     Spawn,
 )
-from phalanx.strategies.ddp.coordinator.book import ACTIONS
+from phalanx.strategies.ddp.coordinator.book import ACTIONS, NO_SET
 from phalanx.strategies.ddp.coordinator.hangs import hung_among, stalled, tied_behind
 from phalanx.strategies.ddp.coordinator.panel import IDLE_PHASES, PANEL_STATES
 from phalanx.strategies.ddp.coordinator.roster import Now, Restart, Roster, Setup, Slot, SlotStatus
@@ -250,12 +250,28 @@ class Coordinator(Roster):
             self.state.snapshot(node, message.step, message.nbytes, message.seconds, writer)
 
     def _failed(self, slot: int, message: Failed) -> None:
-        if message.fatal:
+        if message.fatal and message.failure.exception_type == NO_SET:
+            self._no_set(slot, message.failure)
+        elif message.fatal:
             self.move(slot, SlotStatus.ENDED)
             self.fallen(message.failure)
         else:  # a vote carried it: the loop chose its action, counted over the run
             self.settle(before=self.slots[slot].generation)
             self.book.record_voted(message.failure, self.out)
+
+    def _no_set(self, slot: int, failure: WorkerFailure) -> None:
+        """fsdp: the members of the newest generation found no complete set of shard
+        snapshots where this record counted one (two losses close together, a torn read:
+        docs/fsdp.md). Not the member's own failure: the state it was to start from is not
+        there. The first to say so is recorded, as a fall that leaves no holder: every slot
+        starts again from the newest checkpoint (mode "respawn", a run_dir), or the run
+        ends with the first loss as its root cause; the others say the same and are not."""
+        self.move(slot, SlotStatus.ENDED)
+        if self.state.no_set_in == self.gens.latest:
+            return
+        self.state.no_set_in = self.gens.latest
+        self.state.missing()
+        self.fallen(failure)
 
     def _ended(self, slot: int, message: Aborted | Done) -> None:
         """A worker's own end. An older generation's held report is that step's earlier

@@ -120,6 +120,7 @@ class StateCopies:
     seconds: float = 0.0  # their time, summed (the loop's share and the background copy)
     nbytes: int = 0  # the size of the last one
     gone: set[int] = field(default_factory=set)  # nodes lost (fsdp: their folders with them)
+    no_set_in: int = -1  # fsdp: the last generation whose members found no complete set
 
     def snapshot(
         self, node: int, step: int, nbytes: int = 0, seconds: float = 0.0, writer: Any = None
@@ -219,6 +220,13 @@ class StateCopies:
         for slot, held in list(self.copies):
             if held == node:
                 del self.copies[(slot, held)]
+
+    def missing(self) -> None:
+        """fsdp: a new generation's members found no complete set where this record counted
+        one: none of what it heard of is counted any more (the newer snapshots of the
+        generations after a restart are heard of again)."""
+        self.local.clear()
+        self.copies.clear()
 
     @property
     def kept(self) -> bool:

@@ -71,8 +71,9 @@ def restore_from_set(
         return None
     if chosen is None:
         raise NoShardSet(
-            "no complete set of shard snapshots: a member was lost before every member "
-            "of its generation had written one, so its shards are lost with it"
+            "no complete set of shard snapshots on the new generation's machines: a member "
+            "was lost before every member of its generation had written one, or with the "
+            "snapshots of the newest set (or their copies), so its shards are lost with it"
         )
     read: list[tuple[SnapshotStore, Snapshot]] = []
     states = [_state_of(group, chosen, rank, found, everyone, read) for rank in range(chosen.world)]
