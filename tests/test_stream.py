@@ -341,6 +341,29 @@ def test_a_worker_lost_mid_stream_loses_no_sample(
     assert rel_diff(weights(result.model), clean) <= TOLERANCE
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("kind", "mode"), [("kill", "shrink"), ("kill", "respawn")])
+def test_under_fsdp_a_member_lost_mid_stream_loses_no_sample(
+    shards: list[str], clean: list[torch.Tensor], kind: str, mode: str
+) -> None:
+    """fsdp(3): worker 1 killed in the 10th step. The new generation starts from the set of
+    shard snapshots of step 8, whose loop state holds each lane's place in the stream, and
+    computes step 9 again reading the same samples: every sample once per epoch, the
+    clean model."""
+    fault = px.Fault(kind, worker=1, step=9)
+    result = learner().fit(
+        px.Stream(shards, read, lengths=LENGTHS, lanes=3), strategy="fsdp",
+        devices="cpu:0,cpu:1,cpu:2", faults=[fault], on_failure=px.Recovery(mode=mode),
+        snapshots=px.Snapshots(every_steps=4), sinks=[], **FIT,
+    )  # fmt: skip
+    [failure] = result.failures
+    assert (failure.worker, failure.step) == (1, 9)
+    assert failure.action == {"shrink": "shrunk"}.get(mode, "respawned")
+    assert failure.replayed_steps == 1  # (from the set of step 8: the 9th read again)
+    assert result.ledger_ok is True and result.ledger_problems == []
+    assert rel_diff(weights(result.model), clean) <= TOLERANCE
+
+
 @pytest.mark.timeout(120)
 def test_a_shard_that_never_opens_stops_the_run_naming_it(
     shards: list[str], tmp_path: Path
