@@ -90,6 +90,47 @@ def test_split_then_fill_gives_back_the_same_state() -> None:
     )
 
 
+def test_the_split_is_pytrees_own_skeleton_and_tensor_order() -> None:
+    """split_tensors walks the plain containers itself (a snapshot's split is on the loop's
+    thread) and gives what torch's pytree gives: the same skeleton, bytes for bytes on the
+    wire, and the same tensors in the same order; types it does not walk (a namedtuple, a
+    defaultdict, torch.Size) go through pytree."""
+    from collections import defaultdict, namedtuple
+
+    from phalanx.skeleton.tree import _keep_metadata
+    from phalanx.torchprivate import tree_map_only
+
+    def by_pytree(state: Any) -> tuple[Any, list[torch.Tensor]]:
+        tensors: list[torch.Tensor] = []
+
+        def take(t: torch.Tensor) -> TensorSlot:
+            tensors.append(t)
+            return TensorSlot(len(tensors) - 1, tuple(t.shape), t.dtype, str(t.device))
+
+        return tree_map_only(torch.Tensor, take, _keep_metadata(state)), tensors
+
+    pair = namedtuple("pair", "a b")
+    mixed = {
+        "snapshot": snapshot_like(),
+        "nested": [(torch.ones(1), {"k": [torch.zeros(2), 3]}), [torch.ones(3), 1]],
+        "size": torch.Size([2, 3]),
+        "scalars": (1, 2.5, "s", None, True, b"b"),
+        "empty": ([], (), {}),
+        0: OrderedDict([("b", torch.ones(1)), ("a", torch.zeros(1))]),
+    }
+    mine, tensors = split_tensors(mixed)
+    theirs, expected = by_pytree(mixed)
+    assert encode(mine) == encode(theirs)
+    assert all(a is b for a, b in zip(tensors, expected, strict=True))
+    model = mine["snapshot"]["engine"]["model"]
+    assert model._metadata == mixed["snapshot"]["engine"]["model"]._metadata
+    odd = [pair(torch.ones(3), (1, torch.zeros(1))), defaultdict(list, {"x": [torch.ones(1)]})]
+    (mine_odd, odd_tensors), (theirs_odd, odd_expected) = split_tensors(odd), by_pytree(odd)
+    assert mine_odd == theirs_odd  # (no wire for these: compared as they are)
+    assert type(mine_odd[0]) is pair and type(mine_odd[1]) is defaultdict
+    assert all(a is b for a, b in zip(odd_tensors, odd_expected, strict=True))
+
+
 def test_any_keys_and_leaves_travel() -> None:
     """Keys of the types a state dict uses come back with their types (an optimizer's int
     keys stay ints), and so do tuples, torch.Size, dtypes, devices and special floats."""

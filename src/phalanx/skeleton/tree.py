@@ -61,17 +61,46 @@ def _keep_metadata(state: Any) -> Any:
     return tree_map(mark, state, is_leaf=has_metadata)
 
 
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """``state`` as (skeleton, tensors): the skeleton is ``state`` with each tensor replaced
     by a :class:`TensorSlot`, so it travels as data (:func:`.wire.encode`) without any
-    tensor in it."""
+    tensor in it.
+
+    The containers a loop's state is made of (dicts, module state dicts, lists, tuples) are
+    walked here, a run of scalars copied at once (Python's RNG state is a tuple of 625
+    ints); anything else goes through torch's pytree as a whole. Each snapshot splits the
+    state on the loop's thread: through pytree alone that took 2.6 ms a snapshot for ~800
+    leaves. The skeleton and the tensors' order are pytree's (``tests/test_handover.py``)."""
     tensors: list[torch.Tensor] = []
 
     def take(tensor: torch.Tensor) -> TensorSlot:
         tensors.append(tensor)
         return TensorSlot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, str(tensor.device))
 
-    return tree_map_only(torch.Tensor, take, _keep_metadata(state)), tensors
+    def walk(node: Any) -> Any:
+        kind = type(node)
+        if kind in _SCALARS:
+            return node
+        if isinstance(node, torch.Tensor):
+            return take(node)
+        if kind is dict:
+            return {key: walk(value) for key, value in node.items()}
+        if kind is OrderedDict:
+            walked: OrderedDict[Any, Any] = OrderedDict((k, walk(v)) for k, v in node.items())
+            metadata = state_metadata(node)
+            if metadata is not None:
+                set_state_metadata(walked, metadata)
+            return walked
+        if kind is list or kind is tuple:
+            if set(map(type, node)) <= _SCALARS:
+                return kind(node)
+            return kind(walk(value) for value in node)
+        return tree_map_only(torch.Tensor, take, _keep_metadata(node))
+
+    return walk(state), tensors
 
 
 def tensor_slots(skeleton: Any) -> list[TensorSlot]:

@@ -69,6 +69,9 @@ def decode(payload: bytes) -> Any:
     return _dec(doc["value"])
 
 
+_PLAIN = frozenset({bool, str, int, type(None)})  # (JSON's own: each is itself on the wire)
+
+
 def _enc(value: Any, where: str) -> Any:
     if value is None or type(value) in (bool, str, int):  # (not an IntEnum, a str subclass)
         return value
@@ -77,11 +80,12 @@ def _enc(value: Any, where: str) -> Any:
     torch_value = _enc_torch(value)
     if torch_value is not None:
         return torch_value
-    if type(value) is list:
-        return [_enc(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if type(value) in (tuple, set):
-        items = [_enc(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return {"@": type(value).__name__, "v": items}
+    if type(value) in (list, tuple, set):
+        if set(map(type, value)) <= _PLAIN:  # (at once: Python's RNG state is 625 ints)
+            items = list(value)
+        else:
+            items = [_enc(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if type(value) is list else {"@": type(value).__name__, "v": items}
     if type(value) in (dict, Counter) or isinstance(value, OrderedDict):  # (module states)
         return _enc_dict(value, where)
     if type(value) in (bytes, bytearray):

@@ -260,7 +260,9 @@ class SnapshotStore:
         into the header (see :class:`Header`)."""
         skeleton, tensors = split_tensors(state)
         raw = encode(skeleton)
-        slots = tensor_slots(skeleton)
+        slots = [
+            TensorSlot(i, tuple(t.shape), t.dtype, str(t.device)) for i, t in enumerate(tensors)
+        ]
         offsets, data_end = layout(slots)
         target, seq, serial, first = self._next_buffer(data_end + len(raw))
         view = self._maps[target][2]

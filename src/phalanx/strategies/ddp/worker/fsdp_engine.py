@@ -119,7 +119,7 @@ class ShardedTrainable(Trainable):
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         sharded_state = {
             str(i): [k for k, v in s.items() if _param_shaped(v, params[int(i)])]
-            for i, s in self.optimizer.state_dict()["state"].items()
+            for i, s in optimizer["state"].items()
         }
         return {
             "model": model,
