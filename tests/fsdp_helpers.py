@@ -173,3 +173,30 @@ def losing_step(model: nn.Module, batch: Any, agent: int, marker: str) -> torch.
 
 
 _calls = 0  # (losing_step's, in this process)
+
+
+class Recorded(Net):
+    """:class:`Net` whose constructor appends the device it builds on to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        with open(path, "a") as out:
+            out.write(f"{self.inp.weight.device.type}\n")
+
+
+class Cached(Net):
+    """:class:`Net` with a non-persistent buffer its constructor computes (no state holds it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+class Tied(Net):
+    """:class:`Net` with a layer ``back`` whose weight is ``out``'s (one parameter, two
+    names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.back = nn.Linear(32, 3, bias=False)
+        self.back.weight = self.out.weight

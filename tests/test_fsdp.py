@@ -606,6 +606,49 @@ def test_a_set_counted_but_not_there_without_a_checkpoint_ends_with_the_loss_as_
     assert "found no complete set of shard snapshots where the head counted one" in str(err.value)
 
 
+def test_a_later_generation_builds_its_model_on_the_meta_device() -> None:
+    """A regroup's model is built on the meta device and given only each member's shards,
+    for the state it takes next; a factory that cannot build there, or a model with a
+    buffer no state holds, is built as in the first generation."""
+
+    def empty(model: Any, tied: bool = True) -> nn.Module | None:
+        return px.Learner(model, h.adam, h.step).spec.build_empty(tied)
+
+    model = empty(h.net)
+    assert model is not None and all(p.is_meta for p in model.parameters())
+    assert empty(h.Cached) is None
+    assert empty(h.Net()) is None  # (a module given: each worker copies it)
+    assert empty(h.Tied) is not None and empty(h.Tied, tied=False) is None
+
+    def reads_values() -> nn.Module:
+        net = h.Net()
+        net.inp.weight.data[0, 0] = float(net.out.weight.abs().max())  # (no value on meta)
+        return net
+
+    assert empty(reads_values) is None
+
+
+@pytest.mark.timeout(120)
+def test_survivors_rebuild_on_the_meta_device_and_end_as_one_device(
+    tmp_path: Path, single: px.FitResult
+) -> None:
+    """fsdp(3), worker 1 killed, shrink: each worker's factory built its model on the CPU
+    once (preflight), each survivor's regroup on the meta device, and the result's in this
+    process too (the gathered tensors assigned); the weights end as one device's (every
+    parameter NaN in a regroup until the set was loaded into it)."""
+    path = str(tmp_path / "built")
+    model = functools.partial(h.Recorded, path)
+    result = learner(model=model).fit(
+        TRAIN, VALID, devices="cpu:0,cpu:1,cpu:2", strategy="fsdp",
+        faults=[px.Fault("kill", worker=1, step=4)], on_failure=px.Recovery(mode="shrink"),
+        **FIT,
+    )  # fmt: skip
+    assert [f.action for f in result.failures] == ["shrunk"]
+    built = Path(path).read_text().split()
+    assert built == ["cpu"] * 3 + ["meta"] * 3, built
+    assert rel(result.model, single.model) <= 1e-5 and result.ledger_ok is True
+
+
 # -- shard sets, re-sharded (pure) ---------------------------------------------------------
 
 

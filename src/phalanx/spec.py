@@ -64,6 +64,31 @@ class TrainSpec:
             )
         return model
 
+    def build_empty(self, tied: bool = True) -> nn.Module | None:
+        """The factory's model built on the meta device, for a state loaded into it next:
+        an fsdp regroup's (sharded, then given each member's shards only: ``to_empty``),
+        the run's result (``load_state_dict(assign=True)``: ``tied=False``). So neither
+        holds the model twice, nor spends the time to initialise it. None (build it with
+        :meth:`build_model`) where the factory does not build on the meta device (it reads
+        a file, or computes with a tensor's values; a module given, not a factory), the
+        model has a buffer no state holds (a non-persistent one, which its constructor
+        computes), or, unless ``tied``, a parameter under two names (an assignment would
+        untie it)."""
+        if isinstance(self.model, nn.Module):
+            return None
+        try:
+            with torch.device("meta"):
+                model = self.build_model()
+        except Exception:
+            return None
+        held = model.state_dict().keys()
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+        if not all(t.is_meta for _, t in named) or not all(n in held for n, _ in named):
+            return None
+        if not tied and len({id(t) for _, t in named}) < len(named):
+            return None
+        return model
+
     def summed_metrics(self) -> list[Metric]:
         """Loss first, then every summed metric the user asked for (each name once)."""
         from phalanx.metrics import Loss

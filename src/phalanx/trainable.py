@@ -32,14 +32,24 @@ class Trainable:
         seed: int,
         model: nn.Module | None = None,
         wrap: Callable[[StepModule], None] | None = None,
+        empty: bool = False,
     ) -> None:
+        """``empty``: ``model`` was built on the meta device, for a state loaded into it
+        next (fsdp: see :meth:`phalanx.spec.TrainSpec.build_empty`)."""
         torch.manual_seed(seed)  # the same initial weights on every replica
-        self.model = (spec.build_model() if model is None else model).to(device)
+        model = spec.build_model() if model is None else model
+        self.model = model if empty else model.to(device)
         self.module = StepModule(
             self.model, spec.step, functools.partial(spec.precision.autocast, device)
         )
         if wrap is not None:  # (fsdp: shards the model before the optimizer sees it)
             wrap(self.module)
+        if empty:  # (fsdp: each member's shards only, NaN until a state is loaded into them)
+            self.model.to_empty(device=device)
+            with torch.no_grad():
+                for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                    if tensor.is_floating_point():
+                        tensor.fill_(float("nan"))
         self.optimizer = spec.build_optimizer(self.model)
         self.scheduler = spec.lr_scheduler(self.optimizer) if spec.lr_scheduler else None
         self.scheduler_per_epoch = spec.lr_scheduler_interval == "epoch"

@@ -373,8 +373,10 @@ class Supervisor:
     def final_model(self, path: str) -> torch.nn.Module:
         """The result's model, built (in this process) as the main member sees it."""
         with acting_as(0, len(self.config.devices)):
-            model = self.spec.build_model()
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            empty = self.spec.build_empty(tied=False)  # (then the loaded tensors are its own)
+            model = empty if empty is not None else self.spec.build_model()
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state, assign=empty is not None)
         return model
 
 

@@ -332,7 +332,10 @@ class FsdpEngine(DdpEngine):
 
         model = None if isinstance(member.trainable, ShardedTrainable) else member.trainable.model
         with acting_as(member.slot, len(self.config.devices)):  # (px.rank() in the factory)
-            trainable = ShardedTrainable(self.spec, self.device, self.config.seed, model, shard)
+            empty = self.spec.build_empty() if model is None else None
+            trainable = ShardedTrainable(
+                self.spec, self.device, self.config.seed, model or empty, shard, empty is not None
+            )
         kept, member.kept = member.kept, None
         # (a rebuild's: only shards of this very world and rank fit; else the set's)
         self.took_kept = kept is not None and kept.get("as") == [self.world, self.rank]
