@@ -152,6 +152,17 @@ def exit_on_flag_step(model: nn.Module, batch: Any) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
+def segfault_on_flag_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Reads address 0 (SIGSEGV: a crash in native code, as a broken extension's) in worker 1
+    when its share holds the flagged sample (see :func:`flagged_data`)."""
+    import ctypes
+
+    x, y, flag = batch
+    if flag.any() and multiprocessing.current_process().name.startswith("phalanx-worker-1"):
+        ctypes.string_at(0)
+    return nn.functional.mse_loss(model(x), y)
+
+
 def mlp_exiting_in_worker_1() -> nn.Module:
     """A model factory that calls ``sys.exit(0)`` in worker 1's process (outside any step)."""
     if multiprocessing.current_process().name.startswith("phalanx-worker-1"):

@@ -25,6 +25,7 @@ from ddp_helpers import (
     mlp,
     mlp_exiting_in_worker_1,
     mse_step,
+    segfault_on_flag_step,
     sgd,
 )
 from phalanx.interrupt import Interrupter
@@ -71,6 +72,25 @@ def test_sys_exit_in_a_step_is_that_workers_failure() -> None:
     assert [f.action for f in err.failures if f.worker == 1] == ["retried", "aborted"]
     first = str(err).splitlines()[0]
     assert "device cpu:1" in first and f"step {EXIT_STEP + 1} " in first and "SystemExit" in first
+
+
+@pytest.mark.timeout(90)
+def test_a_crash_in_native_code_is_reported_with_the_workers_stacks() -> None:
+    """Worker 1's step reads address 0 at step 3: its process dies of SIGSEGV. The report
+    names worker 1's crash with the Python stacks its faulthandler wrote as it died (the
+    step function's line among them)."""
+    plan = Plan(120, FIT["batch_size"], FIT["seed"])
+    flagged = split(plan.global_batch(0, EXIT_STEP), 2)[1][0]  # in worker 1's share
+    with pytest.raises(px.TrainingFailed) as info:
+        px.Learner(mlp, sgd, segfault_on_flag_step).fit(
+            flagged_data(120, flagged), devices=TWO, strategy="ddp",
+            on_failure=px.Recovery(mode="abort"), sinks=[], **FIT,
+        )  # fmt: skip
+    root = info.value.root_cause
+    assert (root.worker, root.kind, root.signal, root.step) == (1, "crash", 11, EXIT_STEP)
+    assert root.stacks is not None and "Fatal Python error: Segmentation fault" in root.stacks
+    assert "segfault_on_flag_step" in root.stacks
+    assert "Stacks of the worker when it crashed:" in str(info.value)
 
 
 @pytest.mark.timeout(90)

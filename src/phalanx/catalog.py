@@ -482,7 +482,9 @@ _ENTRIES = [
         code="PX201",
         title="a worker process crashed",
         meaning="A worker process died without raising a Python exception: killed by a "
-        "signal or exited on its own. The report gives the exit code or signal.",
+        "signal or exited on its own. The report gives the exit code or signal, and for a "
+        "crash in native code (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) the Python stacks of "
+        "every thread of the worker as it died.",
         when="During training; the supervisor notices the death within milliseconds.",
         causes=[
             "SIGKILL (-9): often the kernel OOM killer, host RAM exhausted (not GPU memory).",
@@ -494,7 +496,9 @@ _ENTRIES = [
             "For SIGKILL, check dmesg / journalctl -k for 'Out of memory: Killed process'.",
             "Lower host memory use: a smaller batch_size, fewer DataLoader workers, no "
             "whole dataset per worker.",
-            "For SIGSEGV, reproduce with strategy='single' and run python -X faulthandler.",
+            "For SIGSEGV, read the crashed worker's stacks in the report: the innermost "
+            "frame of its main thread is where native code was called; reproduce with "
+            "strategy='single' on that device.",
             "Let the run go on: max_restarts respawns a worker, min_workers lets it shrink.",
         ],
         example="# before: every worker loads the full array into RAM\n"

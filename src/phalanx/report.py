@@ -121,7 +121,8 @@ def build(
     if root.traceback:
         lines += ["", "Traceback of the failed worker:", root.traceback.rstrip()]
     if root.stacks:
-        lines += ["", "Stacks of the hung worker:", root.stacks.rstrip()]
+        whose = "hung worker" if root.kind == "hang" else "worker when it crashed"
+        lines += ["", f"Stacks of the {whose}:", root.stacks.rstrip()]
     others = [f for f in failures if f is not root]
     if others:
         lines += ["", f"{len(others)} other failure(s) in this run:"]

@@ -170,7 +170,7 @@ class Supervisor:
         """What an agent saw, this machine's or a node's."""
         if seen.exited:
             assert seen.code is not None
-            self._feed(Exited(seen.slot, seen.code, seen.oom_kills, seen.pid))
+            self._feed(Exited(seen.slot, seen.code, seen.oom_kills, seen.pid, seen.stacks))
         elif isinstance(seen.message, Rejected):
             self._rejected(seen.message)
         else:

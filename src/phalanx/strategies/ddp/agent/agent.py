@@ -46,6 +46,11 @@ from phalanx.torchprivate import LAZY_IMPORTED
 
 # What multiprocessing says of a fork server's child when the fork server is gone.
 FORK_SERVER_LOST = 255
+# The signals of a crash in native code, on which a worker's faulthandler writes its stacks
+CRASH_SIGNALS = frozenset(
+    int(s) for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT)
+)
+MAX_STACKS = 20_000  # characters of a crash's stacks kept in its report (the end of them)
 # How worker processes start: forked by multiprocessing's fork server, which imported torch
 # and the worker's code once, so a worker (a replacement, every slot of a restart) starts in
 # milliseconds instead of the seconds an import of torch takes; the fork server itself never
@@ -240,7 +245,9 @@ class Agent:
                     self._read(slot, state)
                 kills = _since(state.oom_at_start, oom_kill_count())
                 pid = state.process.pid
-                self.queue.append(Seen(slot, code=code, exited=True, oom_kills=kills, pid=pid))
+                stacks = self.crash_stacks(slot, code)
+                ended = Seen(slot, code=code, exited=True, oom_kills=kills, pid=pid, stacks=stacks)
+                self.queue.append(ended)
         beats = [Seen(slot, beat, pid=self.slots[slot].process.pid) for slot, beat in self._beats()]
         seen, self.queue = [*beats, *self.queue], []
         return seen
@@ -299,6 +306,20 @@ class Agent:
     # -- stacks ----------------------------------------------------------------------------
     def stack_file(self, slot: int) -> str:
         return os.path.join(self.tmp, f"stacks-{slot}.txt")
+
+    def crash_stacks(self, slot: int, code: int) -> str | None:
+        """Where the worker of ``slot`` died of a crash in native code (exit ``code``: minus
+        the signal), the stacks its faulthandler wrote then (see
+        :func:`~phalanx.strategies.ddp.worker.worker.listen_for_stack_dumps`); else None."""
+        if -code not in CRASH_SIGNALS:
+            return None
+        try:
+            with open(self.stack_file(slot), errors="replace") as fh:
+                text = fh.read()
+        except OSError:
+            return None
+        start = text.rfind("Fatal Python error")
+        return text[start:][-MAX_STACKS:] if start >= 0 else None
 
     def dump_stacks(self, slot: int) -> str:
         """The Python stacks of every thread of the worker (faulthandler, on STACK_SIGNAL). The

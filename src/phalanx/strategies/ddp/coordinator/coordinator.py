@@ -66,6 +66,7 @@ class Exited:
     code: int
     oom_kills: int | None = None
     pid: int | None = None  # the process that ended (None: unknown)
+    stacks: str | None = None  # a crash in native code: the stacks its faulthandler wrote
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class Coordinator(Roster):
                 self._received(event.slot, event.message)
         elif isinstance(event, Exited):
             if not self.retired(event.slot, event.pid):  # (else it was accounted for)
-                self._exited(event.slot, event.code, event.oom_kills)
+                self._exited(event.slot, event.code, event.oom_kills, event.stacks)
         elif isinstance(event, Spawned):
             self.spawned(event.slot, event.pid)
         elif isinstance(event, StacksTaken):
@@ -307,7 +308,9 @@ class Coordinator(Roster):
             self.announce(sorted(self.starting), cause)
 
     # -- what the coordinator sees for itself ----------------------------------------------
-    def _exited(self, slot: int, code: int, oom_kills: int | None = None) -> None:
+    def _exited(
+        self, slot: int, code: int, oom_kills: int | None = None, stacks: str | None = None
+    ) -> None:
         """A worker that exited without having ended (sent Done, Aborted or a fatal
         Failed) has fallen, whatever its exit code: user code that calls ``sys.exit(0)``
         outside a step ends the process with code 0. Only two exits are expected of it: 0
@@ -322,7 +325,7 @@ class Coordinator(Roster):
         )
         if not expected:
             death = self.book.death(self._where(slot), code, self.now.wall, oom_kills)
-            self.fallen(death)
+            self.fallen(replace(death, stacks=stacks) if stacks else death)
 
     def _tick(self) -> None:
         self.settle()

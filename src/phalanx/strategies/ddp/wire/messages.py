@@ -160,6 +160,8 @@ class Seen:
     # The process that wrote or ended (None: unknown): the head tells a process it
     # replaced from the slot's new one when both are seen in one poll or in flight
     pid: int | None = None
+    # An exit by a crash in native code: the stacks its faulthandler wrote (None: none)
+    stacks: str | None = None
 
 
 @dataclass(frozen=True)
@@ -435,6 +437,7 @@ def _seen(d: _Doc, payload: bytes) -> Seen:
         stale=d.flag("stale"),
         oom_kills=d.maybe_integer("oom_kills", least=0),
         pid=d.maybe_integer("pid", least=0),
+        stacks=d.maybe_text("stacks"),
     )
 
 
@@ -520,7 +523,7 @@ def _spawn_doc(m: SpawnOrder) -> dict[str, Any]:
 def _seen_doc(m: Seen) -> dict[str, Any]:
     message = None if m.message is None else to_wire(m.message)
     doc = {"slot": m.slot, "exited": m.exited, "code": m.code, "stale": m.stale}
-    return {**doc, "message": message, "oom_kills": m.oom_kills, "pid": m.pid}
+    return {**doc, "message": message, "oom_kills": m.oom_kills, "pid": m.pid, "stacks": m.stacks}
 
 
 # Each message's kind and document (its payload: End's and FinalWeights' ``weights``).

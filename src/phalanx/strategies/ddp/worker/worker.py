@@ -1059,6 +1059,9 @@ def listen_for_stack_dumps(path: str) -> None:
     (with "w", the next dump would land at the old offset, after a run of NUL bytes)."""
     stacks = open(path, "a")  # noqa: SIM115 - kept open for faulthandler
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
+    # A crash in native code (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT): every thread's
+    # stack into the same file before the process dies of it (the agent reads it then)
+    faulthandler.enable(file=stacks, all_threads=True)
 
 
 def fork_children() -> None:
