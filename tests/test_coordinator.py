@@ -617,8 +617,12 @@ def test_fsdp_under_shrink_a_loss_without_a_set_in_reach_stops_and_says_why() ->
 
 def no_set(slot: int, step: int) -> Failed:
     """A new generation's member found no complete set of shard snapshots (fsdp)."""
+    from phalanx.failures import NO_SHARD_SET
+    from phalanx.strategies.ddp.worker.fsdp_handover import NoShardSet
+
+    assert NoShardSet.__name__ == NO_SHARD_SET  # (the name the coordinator knows it by)
     failure = dataclasses.replace(
-        exception(slot, step, 0, []), phase="regroup", attempt=None, exception_type="NoShardSet"
+        exception(slot, step, 0, []), phase="regroup", attempt=None, exception_type=NO_SHARD_SET
     )
     return Failed(failure, fatal=True)
 

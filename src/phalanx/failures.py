@@ -53,6 +53,9 @@ def phase_rank(phase: str) -> int:
 
 # Errors raised when the step function breaks its contract (a loss that is not one finite
 # number, a wrong return type): a retry computes the same, so the run stops at once.
+# fsdp: what a new generation's members raise when they find no complete set of shard
+# snapshots (fsdp_handover.NoShardSet): the state a lost member held is gone, not theirs
+NO_SHARD_SET = "NoShardSet"
 STEP_CONTRACT_ERRORS = (
     "LossNotScalarError",
     "NonFiniteLossError",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import InvalidStepError, TrainingFailed
-from phalanx.failures import WorkerFailure, bad_sample_errors, headline, one_line
+from phalanx.failures import NO_SHARD_SET, WorkerFailure, bad_sample_errors, headline, one_line
 from phalanx.policy import MAX_ATTEMPTS, keeps_failing
 
 # What a survivor's collective says when a peer fell (gloo's socket errors name its source
@@ -48,7 +48,7 @@ def is_secondary(f: WorkerFailure) -> bool:
     """A survivor's error caused by another worker's failure (not a cause of its own). Under
     fsdp a new generation's member that finds no complete set of shard snapshots
     (``NoShardSet``) says the state a lost member held is gone: the loss is the cause."""
-    if f.exception_type == "NoShardSet":
+    if f.exception_type == NO_SHARD_SET:
         return True
     if f.kind != "exception" or f.phase not in ("sync", "backward", "forward", "preflight"):
         return False

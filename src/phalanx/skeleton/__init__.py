@@ -3,7 +3,7 @@ ddp hand-over sends to the members behind and what a snapshot keeps in shared me
 :mod:`.tree` splits a state into a skeleton and its tensors, :mod:`.wire` writes a skeleton
 as JSON with typed nodes (never a pickle)."""
 
-from phalanx.skeleton.tree import fill_tensors, split_tensors, tensor_slots
+from phalanx.skeleton.tree import fill_tensors, slot_of, split_tensors, tensor_slots
 from phalanx.skeleton.wire import TensorSlot, WireError, decode, encode
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "decode",
     "encode",
     "fill_tensors",
+    "slot_of",
     "split_tensors",
     "tensor_slots",
 ]

@@ -78,7 +78,7 @@ def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
 
     def take(tensor: torch.Tensor) -> TensorSlot:
         tensors.append(tensor)
-        return TensorSlot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, str(tensor.device))
+        return slot_of(len(tensors) - 1, tensor)
 
     def walk(node: Any) -> Any:
         kind = type(node)
@@ -101,6 +101,12 @@ def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
         return tree_map_only(torch.Tensor, take, _keep_metadata(node))
 
     return walk(state), tensors
+
+
+def slot_of(index: int, tensor: torch.Tensor) -> TensorSlot:
+    """The slot of ``tensor``, the ``index``-th of a split: what :func:`split_tensors` puts in
+    its place (and, for the tensors it returned, :func:`tensor_slots` finds again)."""
+    return TensorSlot(index, tuple(tensor.shape), tensor.dtype, str(tensor.device))
 
 
 def tensor_slots(skeleton: Any) -> list[TensorSlot]:

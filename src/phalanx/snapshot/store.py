@@ -43,6 +43,7 @@ from phalanx.skeleton import (
     decode,
     encode,
     fill_tensors,
+    slot_of,
     split_tensors,
     tensor_slots,
 )
@@ -260,9 +261,7 @@ class SnapshotStore:
         into the header (see :class:`Header`)."""
         skeleton, tensors = split_tensors(state)
         raw = encode(skeleton)
-        slots = [
-            TensorSlot(i, tuple(t.shape), t.dtype, str(t.device)) for i, t in enumerate(tensors)
-        ]
+        slots = [slot_of(i, t) for i, t in enumerate(tensors)]  # (not walked again)
         offsets, data_end = layout(slots)
         target, seq, serial, first = self._next_buffer(data_end + len(raw))
         view = self._maps[target][2]

@@ -13,7 +13,7 @@ import signal
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from phalanx.failures import WorkerFailure
+from phalanx.failures import NO_SHARD_SET, WorkerFailure
 from phalanx.policy import (
     RUN_LEVEL_PHASES,
     Recovery,
@@ -29,7 +29,6 @@ from phalanx.strategies.ddp.coordinator.actions import Action, Record
 from phalanx.strategies.ddp.wire.protocol import Broke, Done
 
 ACTIONS = {"respawn": "respawned", "shrink": "shrunk", "abort": "aborted", "restart": "restarted"}
-NO_SET = "NoShardSet"  # fsdp: what a new generation's members raise when they find no set
 NO_RUN_DIR = (
     "Every worker had fallen while respawns were left, and no copy of the state outlived "
     "them: with snapshots in shared memory (fit(snapshots=...), on by default) or a run_dir "
@@ -184,7 +183,7 @@ class FailureBook:
             self.recovery, failure, history, survivors, (self.run_dir or kept) and can_restart
         )
         sharded = self.sharded and not survivors and restart_was_possible(self.recovery, history)
-        if action == "abort" and self.sharded and failure.exception_type == NO_SET:
+        if action == "abort" and self.sharded and failure.exception_type == NO_SHARD_SET:
             self.notes.append(MISSING_SET)
         elif action == "abort" and sharded and failure.phase not in RUN_LEVEL_PHASES:
             self.notes.append(SHARDED)

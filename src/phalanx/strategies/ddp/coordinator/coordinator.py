@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from phalanx.events import Notice, StepEnded
-from phalanx.failures import WorkerFailure
+from phalanx.failures import NO_SHARD_SET, WorkerFailure
 from phalanx.policy import Recovery
 from phalanx.strategies.ddp.coordinator.actions import (
     Action,
@@ -30,7 +30,7 @@ from phalanx.strategies.ddp.coordinator.actions import (
     SetStop,
     Spawn,
 )
-from phalanx.strategies.ddp.coordinator.book import ACTIONS, NO_SET
+from phalanx.strategies.ddp.coordinator.book import ACTIONS
 from phalanx.strategies.ddp.coordinator.hangs import hung_among, stalled, tied_behind
 from phalanx.strategies.ddp.coordinator.panel import IDLE_PHASES, PANEL_STATES
 from phalanx.strategies.ddp.coordinator.roster import Now, Restart, Roster, Setup, Slot, SlotStatus
@@ -251,7 +251,7 @@ class Coordinator(Roster):
             self.state.snapshot(node, message.step, message.nbytes, message.seconds, writer)
 
     def _failed(self, slot: int, message: Failed) -> None:
-        if message.fatal and message.failure.exception_type == NO_SET:
+        if message.fatal and message.failure.exception_type == NO_SHARD_SET:
             self._no_set(slot, message.failure)
         elif message.fatal:
             self.move(slot, SlotStatus.ENDED)
