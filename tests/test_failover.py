@@ -283,17 +283,24 @@ def test_a_second_failure_during_the_failover_leaves_no_majority_and_the_survivo
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("snapshots", ["off", "2"])
 def test_fsdp_the_head_killed_node_1_takes_over_from_the_newest_sharded_checkpoint(
-    tmp_path: Path,
+    tmp_path: Path, snapshots: str
 ) -> None:
     """fsdp, three nodes of one worker each: the head's member held a third of the state,
-    gone with it, so no emergency checkpoint is written; node 1 takes over from the newest
-    sharded checkpoint in the shared run_dir (epoch 2's: the head is killed at step 25), the
-    steps since are computed again, and both survivors end with the model of a run that lost
-    nothing."""
+    gone with it, so no node holds the whole state. Snapshots off: node 1 takes over from
+    the newest sharded checkpoint in the shared run_dir (epoch 2's: the head is killed past
+    step 25). Snapshots every 2 steps: each member's are copied to the next node, so the
+    survivors' machines hold a complete set (the head's member's copies on node 1); each
+    survivor writes what its machine holds into run_dir as the files of a sharded
+    checkpoint, and node 1 takes over from that set, a few steps back, not from step 20.
+    Either way the steps since are computed again, and both survivors end with the model of
+    a run that lost nothing."""
     run_dir = tmp_path / "run"
     fsdp = {"PHALANX_TEST_STRATEGY": "fsdp"}
-    procs, logs = nodes(tmp_path, 3, run_dir, extra_env=fsdp)
+    procs, logs = nodes(
+        tmp_path, 3, run_dir, extra_env={**fsdp, "PHALANX_TEST_SNAPSHOT_STEPS": snapshots}
+    )
 
     def kill_the_head() -> None:
         into_epoch_three(procs, logs, run_dir)
@@ -312,13 +319,16 @@ def test_fsdp_the_head_killed_node_1_takes_over_from_the_newest_sharded_checkpoi
         assert same(weights(tmp_path / f"node{k}.pt"), clean), f"node {k}"
     [lost] = head_losses(results[0]["failures"])
     assert head_losses(results[1]["failures"]) == [lost]
-    # The run went on from a checkpoint at an epoch's end, not from step 0, and the failure
-    # says so: the steps from there to the last committed one were computed again.
+    # The run went on from a checkpoint, not from step 0, and the failure says so: the
+    # steps from there to the last committed one were computed again.
     assert "from the newest complete checkpoint in run_dir" in lost["message"]
-    assert "under fsdp its shards went with it" in lost["message"]
+    assert "under fsdp the head's shards went with it" in lost["message"]
     first = min(s for s, _ in results[0]["steps_at"])
-    assert first == 21, first
-    assert lost["step"] is not None and lost["step"] > 20
+    assert lost["step"] is not None and lost["step"] >= 25
     assert lost["replayed_steps"] == lost["step"] - (first - 1)
-    # One steps.csv, each step once: the rows after step 20 were dropped and written again.
+    if snapshots == "off":
+        assert first == 21, first  # (epoch 2's checkpoint)
+    else:  # (a set of an even step past 20: every 2 steps, and 2 more for a copy on its way)
+        assert first > 21 and (first - 1) % 2 == 0, first
+        assert lost["replayed_steps"] <= 4, lost
     assert steps_written(run_dir) == list(range(1, EPOCHS * 10 + 1))

@@ -303,7 +303,7 @@ class ShardedCheckpointer(Checkpointer):
         assert isinstance(job, _ShardJob)
         meta = {"step": job.step, "epoch": job.epoch, "metric": job.metric}
         mine = os.path.join(self.directory, shard_name(job.step, job.rank, job.world))
-        record = {"format": FORMAT, **meta, "rank": job.rank, "world": job.world}
+        record = shard_record(job.step, job.epoch, job.rank, job.world, job.metric)
         write_shard(mine, {**job.state, META_KEY: record})
         if job.rank != 0:
             return
@@ -328,6 +328,14 @@ class ShardedCheckpointer(Checkpointer):
         for stale in stale_shards(self.directory, job.step):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(stale)
+
+
+def shard_record(
+    step: int, epoch: int, rank: int, world: int, metric: float | None = None
+) -> dict[str, Any]:
+    """The record a rank's file of a sharded checkpoint holds under :data:`META_KEY`."""
+    return {"format": FORMAT, "step": step, "epoch": epoch, "metric": metric, "rank": rank,
+            "world": world}  # fmt: skip
 
 
 def read_index(directory: str) -> dict[str, dict[str, Any]]:

@@ -176,8 +176,9 @@ def head_loss_failure(
     went_on = (
         "from its last committed step without a restart"
         if kept
-        else "from the newest complete checkpoint in run_dir (nothing held the lost "
-        "head's state: under fsdp its shards went with it), computing the steps after it again"
+        else "from the newest complete checkpoint in run_dir, computing the steps after it "
+        "again (no survivor held the whole state: under fsdp the head's shards went with it, "
+        "and each survivor first kept there the shard snapshots its machine held)"
     )
     message = (
         f"node {head.rank} ({head.host}), the head, lost with its workers {workers} at step "

@@ -70,6 +70,8 @@ def kept_line(saved: list[Saved]) -> str:
             "there."
         )
     why = "; ".join(sorted({s.note for s in saved if s.note})) or "no worker answered"
+    if any(s.kept_files for s in saved):  # (fsdp: shard snapshots kept as checkpoint files)
+        return f"; {why}. Start the same command on every node with resume=True to go on."
     return f"; nothing was saved ({why}). Start again from the newest checkpoint, if any."
 
 

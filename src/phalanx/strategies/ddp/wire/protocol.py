@@ -343,13 +343,16 @@ class Done:
 class Saved:
     """The head was lost: what this worker kept of the run. ``path`` is the checkpoint that
     holds ``step`` (``wrote``: this worker wrote it; else a peer's on the shared run_dir
-    already held that step or a newer one); None with ``note`` saying why there is none."""
+    already held that step or a newer one); None with ``note`` saying why there is none.
+    ``kept_files``: under fsdp, the worker kept its machine's shard snapshots of earlier
+    steps as files of sharded checkpoints (``note`` names the steps)."""
 
     slot: int
     step: int
     path: str | None = None
     wrote: bool = False
     note: str = ""
+    kept_files: bool = False
 
 
 @dataclass

@@ -8,7 +8,9 @@ writes an emergency checkpoint of the state it holds: the last step it committed
 only ever changes its state after a vote every member took part in, so that state is a step
 of the run as the head would have checkpointed it. The workers of all surviving nodes write
 into the shared ``run_dir`` one at a time (a lock file): the first writes its step, the
-others skip a step already there (or older than one there). The node's ``fit`` then ends
+others skip a step already there (or older than one there). Under fsdp a worker holds only
+its shards: each writes instead the shard snapshots (and copies) its machine holds, as the
+files of a sharded checkpoint (:func:`keep_shard_snapshots`). The node's ``fit`` then ends
 with :class:`~phalanx.errors.HeadLost` (exit status 75), and the same command with
 ``resume=True`` goes on from the newest checkpoint.
 """
@@ -21,11 +23,22 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 
 from phalanx.checkpoint import Checkpointer, Checkpoints
-from phalanx.checkpoint.io import checkpoint_name, list_checkpoints
+from phalanx.checkpoint.checkpointer import META_KEY, shard_record
+from phalanx.checkpoint.io import (
+    checkpoint_name,
+    digest_file,
+    list_checkpoints,
+    shard_name,
+    write_shard,
+)
 from phalanx.loop import TrainLoop
 from phalanx.runner import checkpoint_dir
+from phalanx.snapshot import SnapshotStore
+from phalanx.snapshot.shards import Written
+from phalanx.snapshot.store import Header
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.timing import DEFAULT
 from phalanx.strategies.ddp.wire.protocol import Saved
@@ -45,20 +58,17 @@ def _locked(path: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def save_committed(loop: TrainLoop, config: FitConfig, slot: int) -> Saved:
+def save_committed(
+    loop: TrainLoop, config: FitConfig, slot: int, snapshots: str | None = None
+) -> Saved:
     """This worker's emergency checkpoint of ``loop``'s state in ``config.run_dir``, unless
-    the folder already holds that step or a newer one (a peer saved first)."""
+    the folder already holds that step or a newer one (a peer saved first). Under fsdp, the
+    shard snapshots its machine holds in ``snapshots`` instead (:func:`keep_shard_snapshots`)."""
     step = loop.state.global_step
     if not config.run_dir:
         return Saved(slot, step, note="no run_dir: nothing is saved without one")
     if loop.engine.saves_shards:  # (fsdp: a file of one member's shards is no checkpoint)
-        return Saved(
-            slot,
-            step,
-            note="under fsdp a worker holds only its shards, and the head's went with it: "
-            "nothing is saved, a resume starts from the newest complete sharded checkpoint "
-            "and computes the steps after it again",
-        )
+        return keep_shard_snapshots(snapshots, checkpoint_dir(config.run_dir), slot, step)
     directory = checkpoint_dir(config.run_dir)
     os.makedirs(directory, exist_ok=True)
     with _locked(os.path.join(directory, LOCK_NAME)):
@@ -73,16 +83,94 @@ def save_committed(loop: TrainLoop, config: FitConfig, slot: int) -> Saved:
     return Saved(slot, step, os.path.join(directory, checkpoint_name(step)), wrote=True)
 
 
-def keep_committed(loop: TrainLoop | None, config: FitConfig, slot: int) -> Saved:
+def keep_committed(
+    loop: TrainLoop | None, config: FitConfig, slot: int, snapshots: str | None = None
+) -> Saved:
     """A worker told the head is lost: its emergency checkpoint (pending writes of its own
     checkpointer first, when it is the main member), or why there is none."""
     if loop is None:
         return Saved(slot, 0, note="nothing had trained yet")
     try:
         loop.close_checkpointer()
-        return save_committed(loop, config, slot)
+        return save_committed(loop, config, slot, snapshots)
     except Exception as exc:
         return Saved(slot, loop.state.global_step, note=f"the save failed: {exc!r}")
+
+
+def keep_shard_snapshots(folder: str | None, directory: str, slot: int, step: int) -> Saved:
+    """Under fsdp no worker holds the whole state, and the head's members' shards went with
+    it; but each member's snapshots are in its machine's shared memory and copied to another
+    machine (:mod:`phalanx.snapshot.copies`), so the survivors' machines together hold a
+    complete set (when one was whole before the loss). Each snapshot and copy this machine
+    holds (``folder``) of a step past the newest complete checkpoint in ``directory`` is
+    written there as its writer's file of a sharded checkpoint at that step (rank ``r`` of
+    the world of its generation: the same bytes the member's checkpointer would have
+    written). Where the survivors' files of one step make every rank's, that step is a
+    checkpoint (:func:`~phalanx.checkpoint.io.list_checkpoints`), and a takeover or a
+    resume goes on from it: the steps since that snapshot are computed again, not those
+    since the last checkpoint. Files of a step no survivor completes are never read, and
+    the next checkpoint's writer removes them (``stale_shards``)."""
+    if folder is None:
+        return Saved(slot, step, note=_NO_SNAPSHOTS)
+    os.makedirs(directory, exist_ok=True)
+    kept: set[int] = set()
+    with _locked(os.path.join(directory, LOCK_NAME)):
+        newest = max((s for _, s in list_checkpoints(directory)), default=-1)
+        places = [*sorted(Path(folder).glob("slot-*")), *sorted(Path(folder).glob("copy-*"))]
+        for place in places:
+            store = SnapshotStore(str(place))
+            try:
+                for header in store.headers().values():
+                    written = Written.of(header.tag, header.step, header.epoch)
+                    past = header.whole and written is not None and written.step > newest
+                    if past and _write_snapshot(store, header, written, directory):
+                        kept.add(header.step)
+            finally:
+                store.close()
+    if not kept:
+        return Saved(slot, step, note=_NO_SNAPSHOTS)
+    steps = ", ".join(map(str, sorted(kept)))
+    return Saved(
+        slot,
+        step,
+        note=f"under fsdp a worker holds only its shards: this node kept the shard snapshots "
+        f"its machine held, of step(s) {steps}, as sharded checkpoint files in {directory} "
+        "(a step is a checkpoint where every member's file is there); the steps after the "
+        "newest complete one are computed again",
+        kept_files=True,
+    )
+
+
+_NO_SNAPSHOTS = (
+    "under fsdp a worker holds only its shards, and this machine held no shard snapshot "
+    "past the newest checkpoint: a resume starts from the newest complete sharded "
+    "checkpoint and computes the steps after it again"
+)
+
+
+def _write_snapshot(
+    store: SnapshotStore, header: Header, written: Written | None, directory: str
+) -> bool:
+    """One snapshot as its writer's file of a sharded checkpoint (unless that file is there:
+    the same step's state by the same rank of the same world is the same bytes); whether the
+    file is there after. Read from shared memory as it is mapped (nothing copied into this
+    process), dropped when its buffer was rewritten meanwhile."""
+    assert written is not None
+    name = shard_name(written.step, written.rank, written.world)
+    path = os.path.join(directory, name)
+    if os.path.exists(path) and os.path.exists(digest_file(path)):
+        return True
+    snap = store.read(lambda h: h == header, mapped=True)
+    if snap is None:
+        return False
+    record = shard_record(written.step, written.epoch, written.rank, written.world)
+    write_shard(path, {**snap.state, META_KEY: record})
+    if store.unchanged(snap):
+        return True
+    for doomed in (path, digest_file(path)):  # (a torn read: the file would lie)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(doomed)
+    return False
 
 
 def await_verdict(

@@ -515,7 +515,8 @@ class Worker:
     def save_for_resume(self) -> int:
         """The head is lost: keep the state this worker committed last in an emergency
         checkpoint (see :mod:`.emergency`), tell the agent, and exit."""
-        self.send(keep_committed(self.loop, self.a.config, self.a.slot))
+        folder = self.a.snapshot_dir if self.a.config.snapshots is not None else None
+        self.send(keep_committed(self.loop, self.a.config, self.a.slot, folder))
         return EXIT_HEAD_LOST
 
     def run_generation(self, store: SignedStore, member: Member, gen: Generation) -> Left:
