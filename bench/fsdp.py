@@ -12,7 +12,9 @@
   ``snapshots=False``: the difference is what keeps shards recoverable) against a plain
   FSDP2 script (``fully_shard`` on each layer then the root, Adam, the same model, data and
   global batch, 2 processes), arms interleaved round by round; median over rounds of the
-  mean step interval after the first ``WARM`` steps. The model's root holds no parameter
+  mean step interval after the first ``WARM`` steps, its ratio to the plain script's, and
+  the median of the round-by-round ratios (the arms of a round run one after the other:
+  the paired ratio leaves out the machine's drift between rounds). The model's root holds no parameter
   (every Linear is a unit): phalanx's vote box is then the root's only parameter, and its
   all-gather and reduce-scatter are collectives plain FSDP2 does not run. ``--root-norm``
   adds a LayerNorm after the Linears, outside every unit (as a transformer's final norm or
@@ -263,8 +265,8 @@ def steps_table(rounds: int, steps: int, root_norm: bool = False, bf16: bool = F
         f"{steps} steps"
     )
     print(f"\n## Step time, 2 workers, {setup}\n")
-    print("| arm | ms per step (median of rounds) | rounds | ratio |")
-    print("|---|---|---|---|")
+    print("| arm | ms per step (median of rounds) | rounds | ratio | paired ratio |")
+    print("|---|---|---|---|---|")
     b = statistics.median(bare)
     rows = [
         ("plain FSDP2 script", p, plain),
@@ -277,7 +279,10 @@ def steps_table(rounds: int, steps: int, root_norm: bool = False, bf16: bool = F
         )
     for name, median, arm in rows:
         each = ", ".join(f"{x * 1e3:.1f}" for x in arm)
-        print(f"| {name} | {median * 1e3:.2f} | {each} | {median / p:.3f} |")
+        # (each round's arms ran one after the other: the median of their ratios round by
+        # round leaves out the machine's drift between rounds, which the medians keep)
+        paired = statistics.median(x / y for x, y in zip(arm, plain, strict=True))
+        print(f"| {name} | {median * 1e3:.2f} | {each} | {median / p:.3f} | {paired:.3f} |")
 
 
 # -- failures -------------------------------------------------------------------------------

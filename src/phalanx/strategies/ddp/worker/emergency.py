@@ -103,30 +103,37 @@ def keep_shard_snapshots(folder: str | None, directory: str, slot: int, step: in
     machine (:mod:`phalanx.snapshot.copies`), so the survivors' machines together hold a
     complete set (when one was whole before the loss). Each snapshot and copy this machine
     holds (``folder``) of a step past the newest complete checkpoint in ``directory`` is
-    written there as its writer's file of a sharded checkpoint at that step (rank ``r`` of
-    the world of its generation: the same bytes the member's checkpointer would have
-    written). Where the survivors' files of one step make every rank's, that step is a
-    checkpoint (:func:`~phalanx.checkpoint.io.list_checkpoints`), and a takeover or a
-    resume goes on from it: the steps since that snapshot are computed again, not those
-    since the last checkpoint. Files of a step no survivor completes are never read, and
-    the next checkpoint's writer removes them (``stale_shards``)."""
+    written there (the newest first) as its writer's file of a sharded checkpoint at that
+    step (rank ``r`` of the world of its generation: the same bytes the member's
+    checkpointer would have written). Where the survivors' files of one step make every
+    rank's, that step is a checkpoint (:func:`~phalanx.checkpoint.io.list_checkpoints`),
+    and a takeover or a resume goes on from it: the steps since that snapshot are computed
+    again, not those since the last checkpoint. Files of a step no survivor completes are
+    never read, and the next checkpoint's writer removes them (``stale_shards``)."""
     if folder is None:
         return Saved(slot, step, note=_NO_SNAPSHOTS)
     os.makedirs(directory, exist_ok=True)
     kept: set[int] = set()
-    with _locked(os.path.join(directory, LOCK_NAME)):
-        newest = max((s for _, s in list_checkpoints(directory)), default=-1)
-        places = [*sorted(Path(folder).glob("slot-*")), *sorted(Path(folder).glob("copy-*"))]
-        for place in places:
-            store = SnapshotStore(str(place))
-            try:
-                for header in store.headers().values():
-                    written = Written.of(header.tag, header.step, header.epoch)
-                    past = header.whole and written is not None and written.step > newest
-                    if past and _write_snapshot(store, header, written, directory):
-                        kept.add(header.step)
-            finally:
-                store.close()
+    places = [*sorted(Path(folder).glob("slot-*")), *sorted(Path(folder).glob("copy-*"))]
+    stores = [SnapshotStore(str(place)) for place in places]
+    try:
+        with _locked(os.path.join(directory, LOCK_NAME)):
+            newest = max((s for _, s in list_checkpoints(directory)), default=-1)
+            held = [
+                (written, header, store)
+                for store in stores
+                for header in store.headers().values()
+                if header.whole
+                and (written := Written.of(header.tag, header.step, header.epoch)) is not None
+                and written.step > newest
+            ]
+            # (the newest first: where the node's time to save runs out, it has those)
+            for written, header, store in sorted(held, key=lambda h: -h[0].step):
+                if _write_snapshot(store, header, written, directory):
+                    kept.add(written.step)
+    finally:
+        for store in stores:
+            store.close()
     if not kept:
         return Saved(slot, step, note=_NO_SNAPSHOTS)
     steps = ", ".join(map(str, sorted(kept)))
@@ -148,14 +155,11 @@ _NO_SNAPSHOTS = (
 )
 
 
-def _write_snapshot(
-    store: SnapshotStore, header: Header, written: Written | None, directory: str
-) -> bool:
+def _write_snapshot(store: SnapshotStore, header: Header, written: Written, directory: str) -> bool:
     """One snapshot as its writer's file of a sharded checkpoint (unless that file is there:
     the same step's state by the same rank of the same world is the same bytes); whether the
     file is there after. Read from shared memory as it is mapped (nothing copied into this
     process), dropped when its buffer was rewritten meanwhile."""
-    assert written is not None
     name = shard_name(written.step, written.rank, written.world)
     path = os.path.join(directory, name)
     if os.path.exists(path) and os.path.exists(digest_file(path)):
