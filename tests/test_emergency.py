@@ -17,11 +17,16 @@ from phalanx.checkpoint.checkpointer import META_KEY, read_index, shard_record
 from phalanx.checkpoint.io import list_checkpoints, shard_name, write_shard
 from phalanx.launch import SPARE, Address, Launch
 from phalanx.snapshot import SnapshotStore
-from phalanx.snapshot.shards import rows, tag
+from phalanx.snapshot.shards import Written, rows, tag
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.nodes.headloss import head_lost_message
 from phalanx.strategies.ddp.wire.protocol import Saved
-from phalanx.strategies.ddp.worker.emergency import await_verdict, keep_committed, save_committed
+from phalanx.strategies.ddp.worker.emergency import (
+    _write_snapshot,
+    await_verdict,
+    keep_committed,
+    save_committed,
+)
 
 
 def _loop(step: int, value: float = 1.0, shards: bool = False) -> Any:
@@ -157,7 +162,10 @@ def test_fsdp_survivors_keep_their_machines_shard_snapshots_as_a_sharded_checkpo
 
     first = save_committed(_loop(27, shards=True), config, 1, str(one))
     assert [s for _, s in list_checkpoints(folder)] == [20]  # (rank 2's files not yet)
+    rank_1 = folder / shard_name(24, 1, 3)  # (machine 2 holds its copy: not written again)
+    stamp = os.stat(rank_1).st_mtime_ns
     second = save_committed(_loop(27, shards=True), config, 2, str(two))
+    assert os.stat(rank_1).st_mtime_ns == stamp
     # (step 22 lacks rank 0: the copy of 26 under way took the buffer that held it)
     assert [s for _, s in list_checkpoints(folder)] == [20, 24]
     assert (folder / shard_name(22, 1, 3)).exists() and (folder / shard_name(22, 2, 3)).exists()
@@ -173,11 +181,27 @@ def test_fsdp_survivors_keep_their_machines_shard_snapshots_as_a_sharded_checkpo
     got = read["optimizer"]["state"][0]
     assert torch.equal(got["exp_avg"], expected["optimizer"]["state"][0]["exp_avg"])
     assert read["loop"] == {"global_step": 24, "epoch": 2}
-    # A survivor of the same machine (or a second try) finds the files there: no rewrite.
-    stamp = os.stat(folder / shard_name(24, 0, 3)).st_mtime_ns
+    # A later try finds step 24 a checkpoint: nothing of it or before it is written again.
     again = save_committed(_loop(27, shards=True), config, 3, str(one))
-    assert "newest complete sharded checkpoint" in again.note  # (nothing past step 24)
-    assert os.stat(folder / shard_name(24, 0, 3)).st_mtime_ns == stamp
+    assert "newest complete sharded checkpoint" in again.note and not again.kept_files
+
+
+def test_a_snapshot_rewritten_after_it_was_seen_is_not_written(tmp_path: Path) -> None:
+    """Between the scan of a machine's snapshots and the read of one, a copy under way may
+    begin in its buffer: the header seen is gone, and no file is written (a file once there
+    is whole)."""
+    _keep(tmp_path, "copy-0", 22, rank=0)
+    store = SnapshotStore(str(tmp_path / "copy-0"))
+    [seen] = [h for h in store.headers().values() if h.whole]
+    _keep(tmp_path, "copy-0", 24, rank=0)  # (the other buffer)
+    _keep(tmp_path, "copy-0", 26, rank=0)  # (the one seen: rewritten)
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    written = Written.of(seen.tag, seen.step, seen.epoch)
+    assert written is not None and written.step == 22
+    assert not _write_snapshot(store, seen, written, str(folder))
+    assert not list(folder.iterdir())
+    store.close()
 
 
 def test_a_save_that_fails_is_reported_not_raised(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from phalanx.launch import is_loopback
 from procs import TESTS_DIR
+from test_failover import newest_step
 from test_multinode import (
     SCRIPT,
     SRC,
@@ -290,22 +291,37 @@ def test_a_host_name_on_loopback_is_refused_on_every_node_before_anything_trains
 
 
 def start_three(
-    hosts: list[tuple[str, str, str]], port: int, tmp_path: Path, args: list[str]
+    hosts: list[tuple[str, str, str]],
+    port: int,
+    tmp_path: Path,
+    args: list[str],
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
     """The three hosts' nodes (``node_timeout`` 3 s), the head on host 0 at ``port``; node
     k's log and model are ``n{k}.log`` and ``n{k}.pt``."""
     head = f"{hosts[0][2]}:{port}"
     logs = [tmp_path / f"n{r}.log" for r in (0, 1, 2)]
     procs = [
-        start_in(hosts[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], True, 3, 3)
+        start_in(
+            hosts[r], r, head, [str(tmp_path / f"n{r}.pt"), *args], logs[r], True, 3, 3, extra_env
+        )
         for r in (0, 1, 2)
     ]
     return procs, logs
 
 
+def newest_step_at_least(run_dir: Path, step: int, head: subprocess.Popen[bytes]) -> None:
+    """Until the head's ``steps.csv`` (a row each committed step, flushed) reaches ``step``."""
+    deadline = time.monotonic() + 120
+    while newest_step(run_dir) < step:
+        assert time.monotonic() < deadline and head.poll() is None
+        time.sleep(0.01)
+
+
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_heads_link_cut_the_two_other_nodes_take_over_and_the_head_is_fenced(
-    tmp_path: Path, three_hosts: list[tuple[str, str, str]]
+    tmp_path: Path, three_hosts: list[tuple[str, str, str]], strategy: str
 ) -> None:
     """Three hosts on a switch, a shared run_dir; the head's link goes down mid-run (a
     partition: it and its worker live on, alone). Nodes 1 and 2 (two of three) name the head
@@ -314,11 +330,19 @@ def test_the_heads_link_cut_the_two_other_nodes_take_over_and_the_head_is_fenced
     which may be the side that takes over (two of three, their leader among them): it stands
     down at once, its worker keeping the committed step, then finds node 1's term in
     head.json and ends with PX145 (exit 1); PX147 (exit 75) only were no term to come in the
-    takeover's time. It writes no result. No namespace is left (the fixture)."""
+    takeover's time. It writes no result. No namespace is left (the fixture). Under fsdp
+    (snapshots every 2 steps) the same, from the shard snapshots nodes 1 and 2 hold (their
+    own, and node 1's copies of the head's member's): the head, standing down, writes none
+    of its own (they would land in run_dir while the other side resumes from it)."""
     run_dir = tmp_path / "run"
-    procs, logs = start_three(three_hosts, 29613, tmp_path, ["cpu:0", "12", str(run_dir)])
+    env = {"PHALANX_TEST_STRATEGY": strategy, "PHALANX_TEST_SNAPSHOT_STEPS": "2"}
+    env = env if strategy == "fsdp" else {}
+    args = ["cpu:0", "12", str(run_dir)]
+    procs, logs = start_three(three_hosts, 29613, tmp_path, args, env)
     try:
         wait_for("epoch 2/12 done", logs[0], procs[0])
+        if strategy == "fsdp":  # (past the next snapshots, mid-epoch: none is a checkpoint's)
+            newest_step_at_least(run_dir, 25, procs[0])
         ip("-n", three_hosts[0][0], "link", "set", three_hosts[0][1], "down")
         codes = [finish(p, timeout=200) for p in procs[1:]]
         head_code = finish(procs[0], timeout=60)
@@ -333,12 +357,16 @@ def test_the_heads_link_cut_the_two_other_nodes_take_over_and_the_head_is_fenced
     assert [r["steps"] for r in results] == [120, 120] and all(r["ledger_ok"] for r in results)
     lost = [f for f in results[0]["failures"] if ", the head, lost" in f["message"]]
     assert len(lost) == 1 and "no word for" in lost[0]["message"]
-    clean = one_node_run(tmp_path, epochs=12)
+    clean = one_node_run(tmp_path, epochs=12, extra_env=env)
     assert same(weights(tmp_path / "n1.pt"), clean) and same(weights(tmp_path / "n2.pt"), clean)
     stood_down = "so that at most one side goes on" in texts[0] and "[PX147]" in texts[0]
     fenced = "PX145" in texts[0] and "was replaced by node 1" in texts[0]
     assert (head_code, stood_down) == (75, True) or (head_code != 0 and fenced), texts[0][-3000:]
     assert "RESULT" not in texts[0]
+    if strategy == "fsdp":
+        assert "the survivors first kept there the shard snapshots" in lost[0]["message"]
+        assert lost[0]["replayed_steps"] <= 4, lost[0]  # (snapshots every 2 steps)
+        assert "a head that stands down keeps nothing" in texts[0] or fenced, texts[0][-3000:]
 
 
 @pytest.mark.timeout(400)

@@ -76,9 +76,15 @@ from phalanx.strategies.ddp.wire.messages import (
     StopAsked,
     decode,
 )
-from phalanx.strategies.ddp.wire.protocol import Done, Rejected
+from phalanx.strategies.ddp.wire.protocol import Done, Rejected, Saved
 
 __all__ = ["SlotState", "Supervisor", "run_ddp"]
+
+
+STOOD_DOWN_SHARDED = (
+    "under fsdp a head that stands down keeps nothing: the side that may take over holds a "
+    "copy of each of its members' shard snapshots and writes them into run_dir itself"
+)
 
 
 def now() -> Now:
@@ -300,14 +306,22 @@ class Supervisor:
         """The nodes the head lost may be the side of a partition that takes over (the
         hub's ``outvoted``: their leader is among them, and they are more than half of the
         run's succession): this head stops first, so that at most one side goes on. Its
-        workers keep the last committed step as a node's do when the head is lost. It then
+        workers keep the last committed step as a node's do when the head is lost (under
+        fsdp they keep nothing: the side that takes over holds a copy of each of their shard
+        snapshots and writes those into run_dir itself, before it resumes). It then
         watches run_dir's head.json for a successor's term (the takeover's time): one there
         ends it with PX145 (exit 1: the run goes on there, nothing to start again here); none
         with HeadLost (PX147, exit 75: start the run again). The nodes still with it see its
         link close (they stop too, or follow a new head they can reach)."""
         assert self.hub is not None
         self._check_fence(now=True)  # (replaced already: PX145 says so)
-        saved = save_on_head_loss(self.agent)
+        if self.config.strategy == "fsdp":
+            # (its workers' shard snapshots would land in run_dir while the side that takes
+            # over resumes from it, and could complete a newer set under its members' feet)
+            self.agent.kill_all()
+            saved = [Saved(0, 0, note=STOOD_DOWN_SHARDED)]
+        else:
+            saved = save_on_head_loss(self.agent)
         self.told = True  # (nothing is told: the nodes still here see the link close)
         wait = self.timing.takeover + self.timing.node
         end = time.monotonic() + wait.total_seconds()

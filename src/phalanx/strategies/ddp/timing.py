@@ -40,6 +40,8 @@ class Timing:
     verdict: timedelta = timedelta(seconds=15)
     # node + 10 s: the head lost, its successor waits this long for the other survivors to
     # reach it (from when it listens as the new head), then goes on with those that came
+    # (fsdp with snapshots: save_wait more, the time each survivor may spend writing its
+    # machine's shard snapshots first)
     takeover: timedelta = timedelta(seconds=20)
     # forming / 2 (fsdp across machines): a member leaving a generation waits this long for
     # its snapshot's copy under way to another machine, then gives it up (the next
@@ -109,7 +111,8 @@ class Timing:
     save_wait: timedelta = timedelta(seconds=60)
     # save_wait + node + 20 s: the head lost, a node's wait for its successor's welcome (the
     # successor welcomes once its own workers saved and the others came: at most its
-    # save_wait and takeover, node + 10 s), with 10 s to spare
+    # save_wait and takeover, node + 10 s), with 10 s to spare (fsdp with snapshots:
+    # save_wait more, as takeover)
     follow: timedelta = timedelta(seconds=90)
 
     @classmethod
@@ -117,15 +120,18 @@ class Timing:
         """The run's timing: the configuration's ``hang_timeout`` and ``node_timeout`` and
         the bounds derived from them; every other field as in :class:`Timing`."""
         hang, node = config.hang_timeout, config.node_timeout
+        # (fsdp with snapshots: a node that lost the head first writes the shard snapshots
+        # its machine holds, up to save_wait, before it reaches the successor)
+        saving = cls.save_wait if config.strategy == "fsdp" and config.snapshots else timedelta()
         return cls(
             hang=hang,
             node=node,
             forming=max(timedelta(seconds=10), hang),
             collective=hang * 2 + timedelta(seconds=30),
             verdict=node + timedelta(seconds=5),
-            takeover=node + timedelta(seconds=10),
+            takeover=node + timedelta(seconds=10) + saving,
             settle_copy=max(timedelta(seconds=10), hang) / 2,
-            follow=cls.save_wait + node + timedelta(seconds=20),
+            follow=cls.save_wait + node + timedelta(seconds=20) + saving,
         )
 
     def limit(self, state: Watched) -> float:

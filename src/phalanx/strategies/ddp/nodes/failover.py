@@ -162,24 +162,34 @@ def cannot_fail_over(config: FitConfig, launch: Launch) -> str | None:
 
 
 def head_loss_failure(
-    head: Heir, why: str, silent: float | None, saved: list[Saved], leader: int, at: float
+    head: Heir,
+    why: str,
+    silent: float | None,
+    saved: list[Saved],
+    leader: int,
+    at: float,
+    sharded: bool = False,
 ) -> WorkerFailure:
     """The one failure that names the head's loss in the run that goes on (node ``leader``
     took over): its node, host and workers, the last committed step kept; ``at``: when this
     node saw the loss (wall clock), ``silent``: how long the head had been silent then (a
-    frozen or cut-off head: its cost counts from its last word), None: its link closed."""
+    frozen or cut-off head: its cost counts from its last word), None: its link closed.
+    ``sharded``: under fsdp (no survivor holds the whole state)."""
     kept = [s.step for s in saved if s.path]
     known = kept or [s.step for s in saved if s.step > 0]  # (0: nothing had trained)
     step = max(known) if known else None
     workers = list(range(len(head.devices))) or [0]
     shown = "?" if step is None else step + 1
-    went_on = (
-        "from its last committed step without a restart"
-        if kept
-        else "from the newest complete checkpoint in run_dir, computing the steps after it "
-        "again (no survivor held the whole state: under fsdp the head's shards went with it, "
-        "and each survivor first kept there the shard snapshots its machine held)"
-    )
+    if kept:
+        went_on = "from its last committed step without a restart"
+    else:
+        why_not = "under fsdp the head's shards went with it" if sharded else "no survivor kept it"
+        if any(s.kept_files for s in saved):
+            why_not += ", and the survivors first kept there the shard snapshots they held"
+        went_on = (
+            "from the newest complete checkpoint in run_dir, computing the steps after it "
+            f"again (no survivor held the whole state: {why_not})"
+        )
     message = (
         f"node {head.rank} ({head.host}), the head, lost with its workers {workers} at step "
         f"{shown}: {why}; node {leader} took over as the head and the run went on {went_on}"

@@ -244,7 +244,10 @@ def _failover(
         heir = decision.heir
         leader = heir.rank
         text = f"following node {heir.rank}, the new head, at {heir.host}:{heir.port}"
-    failure = head_loss_failure(head, word.why, word.silent, saved, leader, word.lost_at)
+    sharded = config.strategy == "fsdp"
+    failure = head_loss_failure(
+        head, word.why, word.silent, saved, leader, word.lost_at, sharded=sharded
+    )
     failover = Failover(decision, me, word.succession, failure, saved, standby, token)
     emit(Notice(f"node {me}: the head was lost ({word.why}); {text}", level="warning"))
     return failover

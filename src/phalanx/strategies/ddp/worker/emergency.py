@@ -103,32 +103,35 @@ def keep_shard_snapshots(folder: str | None, directory: str, slot: int, step: in
     machine (:mod:`phalanx.snapshot.copies`), so the survivors' machines together hold a
     complete set (when one was whole before the loss). Each snapshot and copy this machine
     holds (``folder``) of a step past the newest complete checkpoint in ``directory`` is
-    written there (the newest first) as its writer's file of a sharded checkpoint at that
-    step (rank ``r`` of the world of its generation: the same bytes the member's
-    checkpointer would have written). Where the survivors' files of one step make every
-    rank's, that step is a checkpoint (:func:`~phalanx.checkpoint.io.list_checkpoints`),
-    and a takeover or a resume goes on from it: the steps since that snapshot are computed
-    again, not those since the last checkpoint. Files of a step no survivor completes are
-    never read, and the next checkpoint's writer removes them (``stale_shards``)."""
+    written there as its writer's file of a sharded checkpoint at that step (rank ``r`` of
+    the world of its generation, its shards and the loop's state of that step; the newest
+    step first). Where the survivors' files of one step make every rank's, that step is a
+    checkpoint (:func:`~phalanx.checkpoint.io.list_checkpoints`), and a takeover or a
+    resume goes on from it: the steps since that snapshot are computed again, not those
+    since the last checkpoint. One file at a time under the run_dir's lock, so the
+    survivors' workers take turns file by file, each skipping a file already there."""
     if folder is None:
         return Saved(slot, step, note=_NO_SNAPSHOTS)
     os.makedirs(directory, exist_ok=True)
+    lock = os.path.join(directory, LOCK_NAME)
     kept: set[int] = set()
     places = [*sorted(Path(folder).glob("slot-*")), *sorted(Path(folder).glob("copy-*"))]
     stores = [SnapshotStore(str(place)) for place in places]
     try:
-        with _locked(os.path.join(directory, LOCK_NAME)):
+        with _locked(lock):
             newest = max((s for _, s in list_checkpoints(directory)), default=-1)
-            held = [
-                (written, header, store)
-                for store in stores
-                for header in store.headers().values()
-                if header.whole
-                and (written := Written.of(header.tag, header.step, header.epoch)) is not None
-                and written.step > newest
-            ]
-            # (the newest first: where the node's time to save runs out, it has those)
-            for written, header, store in sorted(held, key=lambda h: -h[0].step):
+        held = [
+            (written, header, store)
+            for store in stores
+            for header in store.headers().values()
+            if header.whole
+            and (written := Written.of(header.tag, header.step, header.epoch)) is not None
+            and written.step > newest
+        ]
+        # (the newest first, the latest generation first: where the time to save runs out,
+        # the newest set is the likeliest to be whole)
+        for written, header, store in sorted(held, key=lambda h: (-h[0].step, -h[0].generation)):
+            with _locked(lock):
                 if _write_snapshot(store, header, written, directory):
                     kept.add(written.step)
     finally:
@@ -156,25 +159,20 @@ _NO_SNAPSHOTS = (
 
 
 def _write_snapshot(store: SnapshotStore, header: Header, written: Written, directory: str) -> bool:
-    """One snapshot as its writer's file of a sharded checkpoint (unless that file is there:
-    the same step's state by the same rank of the same world is the same bytes); whether the
-    file is there after. Read from shared memory as it is mapped (nothing copied into this
-    process), dropped when its buffer was rewritten meanwhile."""
-    name = shard_name(written.step, written.rank, written.world)
-    path = os.path.join(directory, name)
+    """One snapshot as its writer's file of a sharded checkpoint, unless that file is there
+    (the same rank's shards of the same step: the same state, to float rounding where
+    another generation computed it); whether the file is there after. Read into this
+    process whole and checked (a buffer rewritten while it was read is dropped, never
+    written: a file once there is whole)."""
+    path = os.path.join(directory, shard_name(written.step, written.rank, written.world))
     if os.path.exists(path) and os.path.exists(digest_file(path)):
         return True
-    snap = store.read(lambda h: h == header, mapped=True)
+    snap = store.read(lambda h: h == header)
     if snap is None:
         return False
     record = shard_record(written.step, written.epoch, written.rank, written.world)
     write_shard(path, {**snap.state, META_KEY: record})
-    if store.unchanged(snap):
-        return True
-    for doomed in (path, digest_file(path)):  # (a torn read: the file would lie)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(doomed)
-    return False
+    return True
 
 
 def await_verdict(
