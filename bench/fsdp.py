@@ -14,8 +14,9 @@
   global batch, 2 processes), arms interleaved round by round; median over rounds of the
   mean step interval after the first ``WARM`` steps, its ratio to the plain script's, and
   the median of the round-by-round ratios (the arms of a round run one after the other:
-  the paired ratio leaves out the machine's drift between rounds). The model's root holds no parameter
-  (every Linear is a unit): phalanx's vote box is then the root's only parameter, and its
+  the paired ratio leaves out the machine's drift between rounds). The model's root holds
+  no parameter (every Linear is a unit): phalanx's vote box is then the root's only
+  parameter, and its
   all-gather and reduce-scatter are collectives plain FSDP2 does not run. ``--root-norm``
   adds a LayerNorm after the Linears, outside every unit (as a transformer's final norm or
   embeddings are): FSDP2 then gathers and reduces the root in both arms. Without it a fourth
