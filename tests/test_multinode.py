@@ -95,10 +95,13 @@ def finish(proc: subprocess.Popen[bytes], timeout: float = 150) -> int:
 def finish_all(
     procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout: float = 150
 ) -> None:
-    """Every node ends with status 0 (else their logs' tails say why); none leaves a
-    process behind."""
+    """Every node ends with status 0 (else their logs' tails say why, a node that did not
+    end in ``timeout`` too); none leaves a process behind."""
     try:
         codes = [finish(p, timeout) for p in procs]
+    except subprocess.TimeoutExpired as exc:
+        tails = "\n".join(f"== {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+        raise AssertionError(f"{exc}\n{tails}") from None
     finally:
         for p in procs:
             kill_group(p)
