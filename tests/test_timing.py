@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.snapshot import Snapshots
 from phalanx.spec import FitConfig
 from phalanx.strategies.ddp.timing import DEFAULT, Timing
 
@@ -251,14 +252,15 @@ def test_the_checker_lets_timings_read_from_a_timing_object_pass() -> None:
 
 
 # -- Timing.of --------------------------------------------------------------------------
-def config(hang: float, node: float) -> FitConfig:
+def config(hang: float, node: float, strategy: str = "ddp", snapshots: bool = True) -> FitConfig:
     return FitConfig(
         epochs=1,
         batch_size=4,
         devices=["cpu:0", "cpu:1"],
-        strategy="ddp",
+        strategy=strategy,
         hang_timeout=timedelta(seconds=hang),
         node_timeout=timedelta(seconds=node),
+        snapshots=Snapshots() if snapshots else None,
     )
 
 
@@ -301,6 +303,25 @@ def test_timing_of_a_configuration_derives_its_bounds(
     for f in dataclasses.fields(Timing):  # every other bound is the configuration's own
         if f.name not in derived:
             assert getattr(timing, f.name) == getattr(DEFAULT, f.name), f.name
+
+
+# fsdp with snapshots: a survivor of the head's loss writes its machine's shard snapshots
+# (up to save_wait) before it reaches the successor: takeover and follow are save_wait longer
+SHARDED = [
+    ("ddp", True, 20, 90),
+    ("fsdp", True, 80, 150),
+    ("fsdp", False, 20, 90),  # (no snapshots: nothing to write)
+]
+
+
+@pytest.mark.parametrize(("strategy", "snapshots", "takeover", "follow"), SHARDED)
+def test_under_fsdp_with_snapshots_the_takeover_waits_for_the_survivors_writing(
+    strategy: str, snapshots: bool, takeover: float, follow: float
+) -> None:
+    timing = Timing.of(config(60, 10, strategy, snapshots))
+    assert timing.takeover == timedelta(seconds=takeover)
+    assert timing.follow == timedelta(seconds=follow)
+    assert timing.follow > timing.save_wait + timing.takeover  # (the leader saves, then waits)
 
 
 def test_the_default_timing_is_that_of_fits_default_configuration() -> None:

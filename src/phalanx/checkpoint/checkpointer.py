@@ -334,8 +334,8 @@ def shard_record(
     step: int, epoch: int, rank: int, world: int, metric: float | None = None
 ) -> dict[str, Any]:
     """The record a rank's file of a sharded checkpoint holds under :data:`META_KEY`."""
-    return {"format": FORMAT, "step": step, "epoch": epoch, "metric": metric, "rank": rank,
-            "world": world}  # fmt: skip
+    record = {"format": FORMAT, "step": step, "epoch": epoch, "metric": metric}
+    return {**record, "rank": rank, "world": world}
 
 
 def read_index(directory: str) -> dict[str, dict[str, Any]]:

@@ -55,6 +55,12 @@ def copy_folder(folder: str, slot: int) -> str:
     return str(Path(folder) / f"copy-{slot}")
 
 
+def held_places(folder: str) -> list[Path]:
+    """Every folder of shard snapshots a machine's ``folder`` holds: each slot's own
+    (``slot-<n>``), then each copy of another machine's member's (``copy-<n>``)."""
+    return [*sorted(Path(folder).glob("slot-*")), *sorted(Path(folder).glob("copy-*"))]
+
+
 def buddies(places: Sequence[str]) -> list[int | None]:
     """For each rank (``places[r]``: its machine), the rank that keeps a copy of its
     snapshots: the first after it, in rank order and round the end, on another machine;

@@ -23,7 +23,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 
 from phalanx.checkpoint import Checkpointer, Checkpoints
 from phalanx.checkpoint.checkpointer import META_KEY, shard_record
@@ -37,6 +36,7 @@ from phalanx.checkpoint.io import (
 from phalanx.loop import TrainLoop
 from phalanx.runner import checkpoint_dir
 from phalanx.snapshot import SnapshotStore
+from phalanx.snapshot.copies import held_places
 from phalanx.snapshot.shards import Written
 from phalanx.snapshot.store import Header
 from phalanx.spec import FitConfig
@@ -115,8 +115,7 @@ def keep_shard_snapshots(folder: str | None, directory: str, slot: int, step: in
     os.makedirs(directory, exist_ok=True)
     lock = os.path.join(directory, LOCK_NAME)
     kept: set[int] = set()
-    places = [*sorted(Path(folder).glob("slot-*")), *sorted(Path(folder).glob("copy-*"))]
-    stores = [SnapshotStore(str(place)) for place in places]
+    stores = [SnapshotStore(str(place)) for place in held_places(folder)]
     try:
         with _locked(lock):
             newest = max((s for _, s in list_checkpoints(directory)), default=-1)

@@ -26,6 +26,7 @@ import torch
 
 from phalanx.loop import TrainLoop
 from phalanx.snapshot import SnapshotStore
+from phalanx.snapshot.copies import held_places
 from phalanx.snapshot.shards import ShardSet, Written, newest_set, reshard, tag
 from phalanx.snapshot.store import MAPPED_BYTES, Header, Snapshot
 from phalanx.strategies.ddp.worker.fsdp_engine import FsdpEngine
@@ -56,9 +57,7 @@ def restore_from_set(
     Each member then forgets the other snapshots in its own slot's folder (``slot``): its
     next snapshot goes into a buffer that holds none of the set, so the set it started from
     stays whole until a newer one is."""
-    # (each slot's own snapshots, and the copies of other machines' members': copies.py)
-    places = [*sorted(Path(folder).glob("slot-*")), *sorted(Path(folder).glob("copy-*"))]
-    stores = [SnapshotStore(str(p)) for p in places]
+    stores = [SnapshotStore(str(p)) for p in held_places(folder)]
     found: list[tuple[Written, SnapshotStore]] = []
     for store in stores:
         for header in store.headers().values():
